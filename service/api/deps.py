@@ -1,0 +1,68 @@
+"""FastAPI dependencies, as Annotated aliases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from sqlalchemy.orm import Session
+
+from service.settings import Settings
+from service.store import jobs as jobs_q
+from service.store import keys as keys_q
+from service.store.db import get_sessionmaker
+from service.store.models import Job
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+
+
+def get_db(settings: SettingsDep) -> Iterator[Session]:
+    session = get_sessionmaker(settings.store_url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+SessionDep = Annotated[Session, Depends(get_db)]
+
+
+def get_owner(request: Request, session: SessionDep) -> str:
+    """The owner of the presented API key: `Authorization: Bearer KEY`.
+
+    Browsers' EventSource cannot set headers, so GET requests may pass `?access_token=KEY`.
+    """
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    if key is None and request.method == "GET":
+        key = request.query_params.get("access_token")
+    if not key:
+        raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+    owner = keys_q.owner_for_key(session, key=key)
+    if owner is None:
+        raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
+    return owner
+
+
+OwnerDep = Annotated[str, Depends(get_owner)]
+
+
+def get_owned_job(job_id: int, owner: OwnerDep, session: SessionDep) -> Job:
+    job = jobs_q.get_job(session, job_id=job_id, owner=owner)
+    if job is None:  # another owner's job is indistinguishable from a missing one
+        raise HTTPException(404, f"job {job_id} not found")
+    return job
+
+
+JobDep = Annotated[Job, Depends(get_owned_job)]

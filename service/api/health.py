@@ -1,0 +1,38 @@
+"""Liveness, readiness (store and broker reachable) and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from service import queue
+from service.api.deps import SettingsDep
+from service.store.db import session_scope
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(settings: SettingsDep):
+    checks = {}
+    try:
+        with session_scope(settings.store_url) as s:
+            s.execute(text("SELECT 1"))
+        checks["store"] = "ok"
+    except Exception as exc:
+        checks["store"] = f"unreachable: {type(exc).__name__}"
+    checks["broker"] = "ok" if queue.broker_reachable(settings.broker) else "unreachable"
+    ready = all(v == "ok" for v in checks.values())
+    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+
+@router.get("/metrics", include_in_schema=False)
+def prometheus(request: Request):
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,118 @@
+"""Jobs: submit, list, inspect, cancel, events, and a live server-sent-events stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from service import queue
+from service.api.deps import JobDep, OwnerDep, SessionDep, SettingsDep
+from service.api.schemas import EventOut, JobOut, JobPage
+from service.specs import STATUSES, TERMINAL, JobSpec
+from service.store import events as events_q
+from service.store import jobs as jobs_q
+from service.store import metrics as metrics_q
+from service.store.db import session_scope
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=201, response_model=JobOut)
+def submit_job(
+    spec: Annotated[JobSpec, Body(description="A job spec, discriminated on `kind`.")],
+    owner: OwnerDep, session: SessionDep, settings: SettingsDep, response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=200,
+                               description="Retrying with the same key returns the same job.")] = None,
+):
+    job, created = jobs_q.create_job(
+        session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"), name=spec.name,
+        total_steps=spec.grpo.steps, idempotency_key=idempotency_key,
+    )
+    if not created:
+        response.headers["Idempotent-Replayed"] = "true"
+        return job
+    session.commit()  # the worker must see the row before the message
+    try:
+        queue.enqueue(job.id, broker_url=settings.broker)
+    except Exception as exc:  # broker down: fail the job visibly rather than leave it queued forever
+        jobs_q.finish_job(session, job_id=job.id, holder=None, status="failed",
+                          error=f"could not enqueue the job: {exc}")
+        events_q.add_event(session, job_id=job.id, type="failed", level="error",
+                           message=f"could not enqueue the job: {exc}")
+        session.commit()
+        raise HTTPException(503, "the job queue is unreachable; the job was recorded as failed") from exc
+    return job
+
+
+@router.get("", response_model=JobPage)
+def list_jobs(
+    owner: OwnerDep, session: SessionDep,
+    status: Annotated[Literal[STATUSES] | None, Query(description="Only jobs in this status.")] = None,  # type: ignore[valid-type]
+    kind: Annotated[Literal["grpo", "tracin", "joint"] | None, Query(description="Only jobs of this kind.")] = None,
+    after: Annotated[int | None, Query(ge=0, description="Cursor: the `next_after` of the previous page.")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+):
+    items, has_more = jobs_q.list_jobs(session, owner=owner, status=status, kind=kind, after=after, limit=limit)
+    return JobPage(items=items, has_more=has_more, next_after=items[-1].id if has_more and items else None)
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(job: JobDep):
+    return job
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut)
+def cancel_job(job: JobDep, session: SessionDep):
+    if job.status in TERMINAL:
+        raise HTTPException(409, f"job {job.id} already {job.status}")
+    return jobs_q.request_cancel(session, job=job)
+
+
+@router.get("/{job_id}/events", response_model=list[EventOut])
+def job_events(job: JobDep, session: SessionDep,
+               after_id: Annotated[int, Query(ge=0)] = 0,
+               limit: Annotated[int, Query(ge=1, le=1000)] = 500):
+    return events_q.list_events(session, job_id=job.id, after_id=after_id, limit=limit)
+
+
+@router.get("/{job_id}/stream", response_class=EventSourceResponse,
+            responses={200: {"content": {"text/event-stream": {}}}})
+async def stream_job(job: JobDep, settings: SettingsDep, request: Request,
+                     from_step: Annotated[int, Query(ge=-1, description="Send metrics of steps after this one.")] = -1):
+    """Server-sent events: `status` on every change, `metrics` per new step, `event` per job event;
+    `end` when the job reaches a terminal status."""
+    job_id, url = job.id, settings.store_url
+
+    def poll(last_step: int, last_event: int):
+        with session_scope(url) as s:
+            row = jobs_q.get_job(s, job_id=job_id)
+            new_points = metrics_q.points_between(s, job_id=job_id, after_step=last_step, to_step=2**31 - 1)
+            new_events = events_q.list_events(s, job_id=job_id, after_id=last_event, limit=200)
+            status = {"status": row.status, "step": row.step, "total_steps": row.total_steps, "error": row.error}
+            evs = [EventOut.model_validate(e).model_dump(mode="json") for e in new_events]
+            return status, new_points, evs
+
+    async def gen():
+        last_step, last_event, last_status = from_step, 0, None
+        while not await request.is_disconnected():
+            status, points, evs = await run_in_threadpool(poll, last_step, last_event)
+            if status != last_status:
+                last_status = status
+                yield {"event": "status", "data": json.dumps(status)}
+            for ev in evs:
+                last_event = ev["id"]
+                yield {"event": "event", "data": json.dumps(ev)}
+            for step in sorted(points):
+                last_step = max(last_step, step)
+                yield {"event": "metrics", "data": json.dumps({"step": step, "metrics": points[step]})}
+            if status["status"] in TERMINAL:
+                yield {"event": "end", "data": json.dumps(status)}
+                return
+            await asyncio.sleep(1.0)
+
+    return EventSourceResponse(gen(), ping=15)

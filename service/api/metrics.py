@@ -1,0 +1,36 @@
+"""Metric series, downsampled on the server, and the newest value of each."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+
+from service.api.deps import JobDep, SessionDep
+from service.api.schemas import LatestPoint, MetricsOut, Series
+from service.store import metrics as metrics_q
+
+router = APIRouter(prefix="/v1/jobs", tags=["metrics"])
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsOut)
+def job_metrics(
+    job: JobDep, session: SessionDep,
+    keys: Annotated[str | None, Query(description="Comma-separated metric names; default all.")] = None,
+    from_step: Annotated[int | None, Query(ge=0)] = None,
+    to_step: Annotated[int | None, Query(ge=0)] = None,
+    max_points: Annotated[int, Query(ge=2, le=100_000, description="Longer series are bucketed: "
+                                     "mean per bucket with its min and max, so spikes stay visible.")] = 1000,
+):
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise HTTPException(422, "from_step must be <= to_step")
+    all_keys = metrics_q.list_keys(session, job_id=job.id)
+    wanted = [k.strip() for k in keys.split(",") if k.strip()] if keys else all_keys
+    series = [Series(**metrics_q.series(session, job_id=job.id, key=k, from_step=from_step, to_step=to_step,
+                                        max_points=max_points)) for k in wanted]
+    return MetricsOut(job_id=job.id, keys=all_keys, series=series)
+
+
+@router.get("/{job_id}/metrics/latest", response_model=dict[str, LatestPoint])
+def job_metrics_latest(job: JobDep, session: SessionDep):
+    return metrics_q.latest(session, job_id=job.id)

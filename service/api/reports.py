@@ -1,0 +1,58 @@
+"""TracIn selections, sparsity reports, recorded samples and checkpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+
+from service.api.deps import JobDep, SessionDep
+from service.api.schemas import CheckpointOut, SampleOut, SelectionOut, SparsityOut
+from service.store import records
+
+router = APIRouter(prefix="/v1/jobs", tags=["reports"])
+
+
+@router.get("/{job_id}/selections", response_model=list[SelectionOut])
+def job_selections(job: JobDep, session: SessionDep,
+                   from_step: Annotated[int, Query(ge=0)] = 0,
+                   limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+                   scores: Annotated[bool, Query(description="Include per-sample scores.")] = True):
+    rows = records.list_selections(session, job_id=job.id, from_step=from_step, limit=limit)
+    out = [SelectionOut.model_validate(r) for r in rows]
+    if not scores:
+        for o in out:
+            o.scores = None
+    return out
+
+
+@router.get("/{job_id}/sparsity", response_model=list[SparsityOut])
+def job_sparsity(job: JobDep, session: SessionDep,
+                 scope: Annotated[str | None, Query(pattern="^(window|cumulative)$")] = None,
+                 full: Annotated[bool, Query(description="Include the whole report of each measurement.")] = True):
+    out = [SparsityOut.model_validate(r) for r in records.list_sparsity(session, job_id=job.id, scope=scope)]
+    if not full:
+        for o in out:
+            o.report = None
+    return out
+
+
+@router.get("/{job_id}/sparsity/{report_id}", response_model=SparsityOut)
+def job_sparsity_report(job: JobDep, session: SessionDep, report_id: int):
+    r = records.get_sparsity(session, job_id=job.id, report_id=report_id)
+    if r is None:
+        raise HTTPException(404, f"sparsity report {report_id} not found")
+    return r
+
+
+@router.get("/{job_id}/samples", response_model=list[SampleOut])
+def job_samples(job: JobDep, session: SessionDep,
+                step: Annotated[int | None, Query(ge=0)] = None,
+                after_id: Annotated[int, Query(ge=0)] = 0,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 200):
+    return records.list_samples(session, job_id=job.id, step=step, after_id=after_id, limit=limit)
+
+
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
+def job_checkpoints(job: JobDep, session: SessionDep):
+    return records.list_checkpoints(session, job_id=job.id)

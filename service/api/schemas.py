@@ -1,0 +1,115 @@
+"""Response models of the API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class JobOut(_Out):
+    id: int
+    owner: str
+    name: str | None
+    kind: str
+    status: str
+    step: int
+    total_steps: int
+    attempt: int
+    cancel_requested: bool
+    error: str | None
+    spec: dict[str, Any]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    has_more: bool
+    next_after: int | None
+
+
+class EventOut(_Out):
+    id: int
+    type: str
+    level: str
+    message: str
+    data: dict[str, Any] | None
+    created_at: datetime
+
+
+class Point(BaseModel):
+    step: int
+    value: float
+    min: float
+    max: float
+
+
+class Series(BaseModel):
+    key: str
+    points: list[Point]
+    downsampled: bool
+    total_points: int
+    bucket_steps: int | None = None
+
+
+class MetricsOut(BaseModel):
+    job_id: int
+    keys: list[str]
+    series: list[Series]
+
+
+class LatestPoint(BaseModel):
+    step: int
+    value: float
+
+
+class SelectionOut(_Out):
+    id: int
+    step: int
+    policy: str
+    total: int
+    selected: int
+    ratio: float
+    mean_influence: float
+    min_influence: float
+    max_influence: float
+    histogram: dict[str, Any]
+    scores: list[Any] | None = None
+
+
+class SparsityOut(_Out):
+    id: int
+    step: int
+    from_step: int
+    scope: str
+    sparsity: float
+    report: dict[str, Any] | None = None
+
+
+class SampleOut(_Out):
+    id: int
+    step: int
+    index: int
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float | None
+    influence: float | None
+    selected: bool | None
+    extra: dict[str, Any] | None
+
+
+class CheckpointOut(_Out):
+    id: int
+    step: int
+    path: str
+    format: str
+    size_bytes: int
+    created_at: datetime

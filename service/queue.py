@@ -1,0 +1,62 @@
+"""The broker seen from the API: enqueue by task name, never importing the worker (or torch).
+
+The Celery settings for long GPU jobs live here so the producer and worker/celery_app.py agree.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from celery import Celery
+
+TASK_NAME = "grpo_jobs.run_job"
+QUEUE = "gpu"
+# Longer than any job: a message not acked within this is redelivered to another worker.
+VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
+
+
+def _transport_options(broker_url: str) -> dict:
+    # Redis redelivers unacked messages after the visibility timeout; it must outlast any job.
+    # kombu's SQLAlchemy transport hands its options to create_engine, so it takes none.
+    if broker_url.startswith(("redis", "rediss")):
+        return {"visibility_timeout": VISIBILITY_TIMEOUT_S}
+    return {}
+
+
+def celery_config(broker_url: str) -> dict:
+    return {
+        "broker_url": broker_url,
+        "task_default_queue": QUEUE,
+        "task_routes": {TASK_NAME: {"queue": QUEUE}},
+        "task_acks_late": True,  # ack after the job, so a crashed worker's job is redelivered
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,  # one job at a time per worker process
+        "worker_max_tasks_per_child": 1,  # a fresh process per job: no leaked GPU memory
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "broker_transport_options": _transport_options(broker_url),
+        "broker_connection_retry_on_startup": True,
+        "task_ignore_result": True,  # results live in the SQL store
+        "worker_hijack_root_logger": False,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+    }
+
+
+@lru_cache(maxsize=4)
+def producer(broker_url: str) -> Celery:
+    app = Celery("grpo_jobs_api")
+    app.conf.update(celery_config(broker_url))
+    return app
+
+
+def enqueue(job_id: int, *, broker_url: str) -> None:
+    producer(broker_url).send_task(TASK_NAME, args=[job_id], queue=QUEUE)
+
+
+def broker_reachable(broker_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with producer(broker_url).connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout_s)
+        return True
+    except Exception:  # any transport error means "not ready"
+        return False

@@ -1,0 +1,87 @@
+"""Service and worker settings, read from the environment (pydantic-settings).
+
+With nothing set, everything lives under one local data directory: the store is a SQLite
+file and the broker is kombu's SQLAlchemy transport on another SQLite file, so `grpo-jobs dev`
+needs no Redis, PostgreSQL or Docker. In production set DATABASE_URL and BROKER_URL.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    data_dir: Path = Field(
+        default=Path.home() / ".grpo-jobs",
+        validation_alias="GRPO_DATA_DIR",
+        description="Root for the embedded store, broker, checkpoints and model cache.",
+    )
+    database_url: str | None = Field(
+        default=None, validation_alias="DATABASE_URL",
+        description="SQLAlchemy URL of the store; default: SQLite file in data_dir.",
+    )
+    broker_url: str | None = Field(
+        default=None, validation_alias="BROKER_URL",
+        description="Celery broker URL; default: kombu SQLAlchemy transport on SQLite in data_dir.",
+    )
+    datasets_root: Path | None = Field(
+        default=None, validation_alias="GRPO_DATASETS_ROOT",
+        description="Directory that `jsonl` dataset paths are resolved under; default data_dir/datasets.",
+    )
+    models_root: Path | None = Field(
+        default=None, validation_alias="GRPO_MODELS_ROOT",
+        description="Cache of converted bundled models; default data_dir/models.",
+    )
+    artifacts_root: Path | None = Field(
+        default=None, validation_alias="GRPO_ARTIFACTS_ROOT",
+        description="Where workers write checkpoints; default data_dir/artifacts.",
+    )
+    max_body_bytes: int = Field(
+        default=1_048_576, validation_alias="GRPO_MAX_BODY_BYTES",
+        description="Largest accepted request body; bigger ones get 413.",
+    )
+    lease_timeout_s: float = Field(
+        default=120.0, validation_alias="GRPO_LEASE_TIMEOUT_S",
+        description="A running job whose heartbeat is older than this may be taken over.",
+    )
+    heartbeat_s: float = Field(
+        default=10.0, validation_alias="GRPO_HEARTBEAT_S",
+        description="How often a worker renews its lease.",
+    )
+    max_attempts: int = Field(
+        default=3, validation_alias="GRPO_MAX_ATTEMPTS",
+        description="Deliveries of one job before it is failed for good.",
+    )
+
+    @property
+    def store_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'grpo-jobs.db'}"
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
+
+    @property
+    def datasets_dir(self) -> Path:
+        return self.datasets_root or self.data_dir / "datasets"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.models_root or self.data_dir / "models"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.artifacts_root or self.data_dir / "artifacts"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return settings

@@ -1,0 +1,323 @@
+"""The job-spec contract: what a client may submit, with every knob documented.
+
+A spec is a pydantic model discriminated on `kind` (`grpo`, `tracin`, `joint`). Every field
+has a description and a default, so the OpenAPI page documents the whole surface, and every
+cross-field rule is checked here, at submit time, never first discovered by a worker.
+This module must stay importable without torch: the API imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Names the worker implements. Tests assert these match the worker's registries.
+MODEL_PRESETS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
+RETRIEVER_PRESETS = ("minilm-l6", "tiny-random-bert")
+DATASETS = ("arith", "jsonl", "persona-facts")
+REWARDS = (
+    "numeric_match", "exact_match", "token_f1", "rouge_l", "bleu", "r1_math", "r1_format",
+    "answer_tag_match",
+)
+DEFAULT_REWARDS = {"arith": ["numeric_match"], "jsonl": ["exact_match"], "persona-facts": ["token_f1"]}
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class _Section(BaseModel):
+    # Unknown fields are an error, so a typo ("num_generation") is a 422, not silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_model_name(name: str, presets: tuple[str, ...], what: str) -> str:
+    if name in presets or _HF_ID.match(name) or name.startswith(("/", "./", "~")):
+        return name
+    raise ValueError(
+        f"unknown {what} {name!r}: use one of {', '.join(presets)}, "
+        "a Hugging Face id like 'org/name', or an absolute local path"
+    )
+
+
+class LoraSpec(_Section):
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt (e.g. ['q_proj', 'v_proj']) or 'all-linear'."
+    )
+
+
+class ModelSpec(_Section):
+    name: str = Field(
+        "tiny-random-llama",
+        description="Bundled preset (smollm2-135m-instruct, tiny-random-llama, tiny-random-qwen), "
+        "a Hugging Face id, or an absolute local path.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype of the trained policy."
+    )
+    lora: LoraSpec | None = Field(None, description="Train a LoRA adapter; omit for full fine-tuning.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return _check_model_name(v, MODEL_PRESETS, "model")
+
+
+class DatasetSpec(_Section):
+    name: Literal["arith", "jsonl", "persona-facts"] = Field(
+        "arith",
+        description="arith: generated grade-school word problems; persona-facts: generated corpus + "
+        "questions (joint jobs); jsonl: rows {prompt, answer} (or {query, answers, gold_doc_id}) from `path`.",
+    )
+    path: str | None = Field(
+        None, description="jsonl only: file path relative to the datasets root (GRPO_DATASETS_ROOT)."
+    )
+    corpus_path: str | None = Field(
+        None, description="jsonl joint jobs only: corpus file {id, text} relative to the datasets root."
+    )
+    seed: int = Field(0, description="Seed of generated tasks and of the train/validation split.")
+    num_train: int = Field(2000, ge=1, le=1_000_000, description="Generated tasks: training examples.")
+    num_val: int = Field(200, ge=1, le=100_000, description="Generated tasks / jsonl: validation examples.")
+    difficulty: int = Field(
+        1, ge=1, le=3,
+        description="arith: 1 = one addition or subtraction of small numbers, 2 = two operations, "
+        "3 = multi-step with multiplication.",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message placed before each prompt when the tokenizer has a chat template; "
+        "default: the task's own instruction."
+    )
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template when it has one.")
+
+    @field_validator("path", "corpus_path")
+    @classmethod
+    def _relative(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        p = PurePosixPath(v)
+        if p.is_absolute() or ".." in p.parts or not v.strip():
+            raise ValueError("must be a path relative to the datasets root, without '..'")
+        return v
+
+    @model_validator(mode="after")
+    def _jsonl_needs_path(self) -> "DatasetSpec":
+        if self.name == "jsonl" and not self.path:
+            raise ValueError("dataset.path is required when dataset.name is 'jsonl'")
+        return self
+
+
+class RewardSpec(_Section):
+    name: str = Field(description=f"Reward function: one of {', '.join(REWARDS)}.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in REWARDS:
+            raise ValueError(f"unknown reward {v!r}: use one of {', '.join(REWARDS)}")
+        return v
+
+
+class GRPOSpec(_Section):
+    steps: int = Field(10, ge=1, le=1_000_000, description="Training steps; one rollout batch per step.")
+    prompts_per_step: int = Field(4, ge=1, le=4096, description="P: prompts sampled per step.")
+    num_generations: int = Field(
+        4, ge=2, le=512, description="G: completions per prompt; the group that advantages are normalised in."
+    )
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Generation budget per completion.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; log-probs use the same scaling.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; the completion ends after the first one.")
+    mask_truncated_completions: bool = Field(
+        False, description="Exclude completions that hit max_new_tokens without EOS or a stop string from the loss."
+    )
+    epochs_per_rollout_batch: int = Field(
+        1, ge=1, le=64, description="Passes over each rollout batch; clipping only bites from the second on."
+    )
+    micro_batch_size: int = Field(8, ge=1, le=4096, description="Sequences per forward/backward (gradient accumulation).")
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant or cosine decay to 0.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping norm; null disables clipping.")
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: 1 - clip_eps_low.")
+    clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="Ratio clip above: 1 + clip_eps_high (DAPO's clip-higher when larger).")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to the frozen reference; 0 skips the reference pass.")
+    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field(
+        "token_mean", description="token_mean: over all tokens; seq_mean: mean of per-sequence means; dr_grpo: sum / (B * T)."
+    )
+    normalize_advantages: bool = Field(True, description="Divide group-centred rewards by the group std (Dr. GRPO: false).")
+    advantage_eps: float = Field(1e-4, gt=0.0, description="Added to the group std before dividing.")
+    drop_zero_std_groups: bool = Field(
+        False, description="Drop groups whose rewards all tie (no signal) and refill with fresh prompts."
+    )
+    max_refill_rounds: int = Field(2, ge=0, le=16, description="Refill rounds per step when dropping zero-std groups.")
+    eval_every: int = Field(0, ge=0, description="Greedy evaluation on the validation split every N steps (0: only at start and end).")
+    eval_prompts: int = Field(32, ge=1, le=10_000, description="Validation prompts per evaluation.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    samples_per_step: int = Field(8, ge=0, le=1024, description="Completions per step recorded with reward and advantage.")
+    seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "GRPOSpec":
+        if self.warmup_steps > self.steps:
+            raise ValueError("grpo.warmup_steps must not exceed grpo.steps")
+        return self
+
+
+class DevicesSpec(_Section):
+    policy: str = Field("cpu", description="Device of the trained policy and the reference, e.g. 'cuda:0'.")
+    rollout: str | None = Field(None, description="Device of the frozen rollout copy, e.g. 'cuda:1'; default: policy's.")
+
+    @field_validator("policy", "rollout")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", v):
+            raise ValueError(f"unknown device {v!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        return v
+
+
+class SparsityQualitySpec(_Section):
+    enabled: bool = Field(False, description="Also run the sparse-update quality analysis (extra forward passes).")
+    probe_size: int = Field(4, ge=1, le=256, description="Validation sequences in the fixed probe batch.")
+    thresholds: list[float] | None = Field(
+        None, description="Magnitude thresholds to test; default: the tracking thresholds."
+    )
+
+
+class SparsitySpec(_Section):
+    measure_interval: int = Field(10, ge=1, description="Measure every N optimizer steps.")
+    thresholds: list[float] = Field(
+        default_factory=lambda: [0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-4],
+        description="|delta| <= threshold counts as unchanged.",
+    )
+    primary_threshold: float = Field(0.0, ge=0.0, description="Threshold of the headline `sparsity/ratio`.")
+    rtol: float = Field(1e-3, ge=0.0, description="Relative tolerance: |delta| <= rtol * |w| counts as unchanged.")
+    quality: SparsityQualitySpec = Field(default_factory=SparsityQualitySpec)
+
+    @field_validator("thresholds")
+    @classmethod
+    def _nonneg(cls, v: list[float]) -> list[float]:
+        if not v or any(t < 0 for t in v):
+            raise ValueError("thresholds must be a non-empty list of values >= 0")
+        return sorted(v)
+
+
+class TracInSpec(_Section):
+    val_prompts: int = Field(4, ge=1, le=1024, description="Validation prompts per step.")
+    val_generations: int = Field(
+        4, ge=2, le=256, description="Sampled responses per validation prompt (>= 2: one response has zero advantage)."
+    )
+    val_regenerate_every: int = Field(1, ge=1, description="Regenerate the validation batch every N steps.")
+    selection: Literal["positive", "top_fraction", "greedy", "random"] = Field(
+        "positive",
+        description="positive: influence > 0; top_fraction: the best `fraction`; greedy: GREATS-style "
+        "with interactions; random: a random subset of `fraction` (baseline).",
+    )
+    fraction: float = Field(0.5, gt=0.0, le=1.0, description="top_fraction / greedy / random: share of samples kept.")
+
+
+class RetrieverSpec(_Section):
+    name: str = Field("tiny-random-bert", description="Encoder: minilm-l6, tiny-random-bert, a Hugging Face id or a local path.")
+    k: int = Field(3, ge=1, le=64, description="Documents sampled per query without replacement. Cost: k * G generations per query.")
+    temperature: float = Field(1.0, gt=0.0, description="Softmax temperature over retrieval scores.")
+    candidates: int = Field(16, ge=1, le=10_000, description="Top-scoring documents forming the sampling pool.")
+    refresh_every: int = Field(1, ge=1, description="Re-encode the corpus every N steps.")
+    shared_towers: bool = Field(True, description="One encoder for queries and documents.")
+    learning_rate: float = Field(1e-5, gt=0.0, description="Retriever learning rate.")
+    kl_coef: float = Field(0.01, ge=0.0, description="KL to the frozen reference retriever.")
+    clip_eps: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip range of the retriever loss.")
+    score_scale: float = Field(20.0, gt=0.0, description="Scale of the cosine score (score = scale * cos).")
+    generator_only: bool = Field(False, description="Freeze the retriever and take its top-k (baseline).")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return _check_model_name(v, RETRIEVER_PRESETS, "retriever")
+
+    @model_validator(mode="after")
+    def _pool(self) -> "RetrieverSpec":
+        if self.k > self.candidates:
+            raise ValueError("retriever.k must not exceed retriever.candidates")
+        return self
+
+
+class _JobBase(_Section):
+    name: str | None = Field(None, max_length=200, description="Free-text label shown in lists and the dashboard.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    rewards: list[RewardSpec] | None = Field(
+        None, description="Reward functions, summed with weights; default depends on the dataset."
+    )
+    grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+    devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    sparsity: SparsitySpec | None = Field(None, description="Parameter-update sparsity reports; omit to skip.")
+
+    def reward_specs(self) -> list[RewardSpec]:
+        if self.rewards:
+            return self.rewards
+        return [RewardSpec(name=n) for n in DEFAULT_REWARDS[self.dataset.name]]
+
+    @model_validator(mode="after")
+    def _common(self) -> "_JobBase":
+        if self.rewards is not None and not self.rewards:
+            raise ValueError("rewards: give at least one reward, or omit the field for the dataset default")
+        if self.rewards is not None and all(r.weight == 0 for r in self.rewards):
+            raise ValueError("rewards: at least one reward needs a non-zero weight")
+        return self
+
+
+class GRPOJob(_JobBase):
+    """GRPO / GRPO-Clip: group sampling, group-normalised advantages, clipped surrogate, k3 KL."""
+
+    kind: Literal["grpo"] = "grpo"
+
+    @model_validator(mode="after")
+    def _dataset(self) -> "GRPOJob":
+        if self.dataset.name == "persona-facts":
+            raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
+        return self
+
+
+class TracInJob(_JobBase):
+    """GRPO that trains only on samples whose TracIn influence on a validation batch helps."""
+
+    kind: Literal["tracin"] = "tracin"
+    tracin: TracInSpec = Field(default_factory=TracInSpec)
+
+    @model_validator(mode="after")
+    def _needs_lora(self) -> "TracInJob":
+        if self.model.lora is None:
+            raise ValueError("model.lora is required for kind 'tracin': influence is computed over LoRA weights")
+        if self.dataset.name == "persona-facts":
+            raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
+        return self
+
+
+class JointJob(_JobBase):
+    """Joint retriever + generator GRPO: k documents per query, G answers per document."""
+
+    kind: Literal["joint"] = "joint"
+    retriever: RetrieverSpec = Field(default_factory=RetrieverSpec)
+
+    @model_validator(mode="after")
+    def _needs_corpus(self) -> "JointJob":
+        d = self.dataset
+        if d.name == "arith":
+            raise ValueError("dataset.name 'arith' has no corpus: kind 'joint' needs 'persona-facts' or 'jsonl'")
+        if d.name == "jsonl" and not d.corpus_path:
+            raise ValueError("dataset.corpus_path is required for kind 'joint' with a jsonl dataset")
+        return self
+
+
+JobSpec = Annotated[Union[GRPOJob, TracInJob, JointJob], Field(discriminator="kind")]
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+STATUSES = ("queued", "running", *TERMINAL)

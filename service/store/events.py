@@ -1,0 +1,23 @@
+"""Typed job events: created, started, checkpoint, warning, failed, ..."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.store.models import JobEvent
+
+
+def add_event(
+    session: Session, *, job_id: int, type: str, message: str = "", level: str = "info", data: dict | None = None,
+) -> JobEvent:
+    ev = JobEvent(job_id=job_id, type=type, level=level, message=message, data=data)
+    session.add(ev)
+    session.flush()
+    return ev
+
+
+def list_events(session: Session, *, job_id: int, after_id: int = 0, limit: int = 500) -> list[JobEvent]:
+    q = (select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
+         .order_by(JobEvent.id).limit(limit))
+    return list(session.scalars(q))

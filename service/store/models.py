@@ -1,0 +1,147 @@
+"""SQLAlchemy 2 models: the one place the schema is declared (Alembic migrates to it)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: DateTime(timezone=True), dict: JSON, list: JSON}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        Index("ix_jobs_owner_id", "owner", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    name: Mapped[str | None] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(20))
+    spec: Mapped[dict]
+    status: Mapped[str] = mapped_column(String(20), default="queued", index=True)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    heartbeat_at: Mapped[datetime | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(40))
+    level: Mapped[str] = mapped_column(String(10), default="info")
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Metric(Base):
+    """One point of one series. (job_id, key, step) is the primary key: writes are upserts."""
+
+    __tablename__ = "metrics"
+    # (job_id, step) serves live streams and "latest"; the primary key serves series queries.
+    __table_args__ = (Index("ix_metrics_job_step", "job_id", "step"),)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(120), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Selection(Base):
+    __tablename__ = "selections"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_selections_job_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    policy: Mapped[str] = mapped_column(String(20))
+    total: Mapped[int] = mapped_column(Integer)
+    selected: Mapped[int] = mapped_column(Integer)
+    ratio: Mapped[float] = mapped_column(Float)
+    mean_influence: Mapped[float] = mapped_column(Float)
+    min_influence: Mapped[float] = mapped_column(Float)
+    max_influence: Mapped[float] = mapped_column(Float)
+    histogram: Mapped[dict]
+    scores: Mapped[list]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SparsityReport(Base):
+    __tablename__ = "sparsity_reports"
+    __table_args__ = (UniqueConstraint("job_id", "step", "scope", name="uq_sparsity_job_step_scope"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    from_step: Mapped[int] = mapped_column(Integer)
+    scope: Mapped[str] = mapped_column(String(20), default="window")
+    sparsity: Mapped[float] = mapped_column(Float)
+    report: Mapped[dict]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Sample(Base):
+    __tablename__ = "samples"
+    __table_args__ = (Index("ix_samples_job_step", "job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    index: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float] = mapped_column(Float)
+    advantage: Mapped[float | None] = mapped_column(Float)
+    influence: Mapped[float | None] = mapped_column(Float)
+    selected: Mapped[bool | None] = mapped_column(Boolean)
+    extra: Mapped[dict | None]
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    format: Mapped[str] = mapped_column(String(20))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -1,0 +1,68 @@
+"""Reports the loops produce besides metrics: selections, sparsity, samples, checkpoints."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from service.store.models import Checkpoint, Sample, Selection, SparsityReport
+
+
+def put_selection(session: Session, *, job_id: int, record: dict) -> None:
+    """Upsert by (job_id, step) so a resumed step replaces, never duplicates."""
+    session.execute(delete(Selection).where(Selection.job_id == job_id, Selection.step == record["step"]))
+    session.add(Selection(job_id=job_id, **record))
+
+
+def list_selections(session: Session, *, job_id: int, from_step: int = 0, limit: int = 1000,
+                    with_scores: bool = False) -> list[Selection]:
+    q = (select(Selection).where(Selection.job_id == job_id, Selection.step >= from_step)
+         .order_by(Selection.step).limit(limit))
+    return list(session.scalars(q))
+
+
+def put_sparsity(session: Session, *, job_id: int, record: dict) -> None:
+    session.execute(delete(SparsityReport).where(
+        SparsityReport.job_id == job_id, SparsityReport.step == record["step"],
+        SparsityReport.scope == record["scope"]))
+    session.add(SparsityReport(job_id=job_id, **record))
+
+
+def list_sparsity(session: Session, *, job_id: int, scope: str | None = None) -> list[SparsityReport]:
+    q = select(SparsityReport).where(SparsityReport.job_id == job_id)
+    if scope:
+        q = q.where(SparsityReport.scope == scope)
+    return list(session.scalars(q.order_by(SparsityReport.step, SparsityReport.scope)))
+
+
+def get_sparsity(session: Session, *, job_id: int, report_id: int) -> SparsityReport | None:
+    r = session.get(SparsityReport, report_id)
+    return r if r is not None and r.job_id == job_id else None
+
+
+def put_samples(session: Session, *, job_id: int, step: int, rows: list[dict]) -> None:
+    session.execute(delete(Sample).where(Sample.job_id == job_id, Sample.step == step))
+    session.add_all(Sample(job_id=job_id, step=step, **r) for r in rows)
+
+
+def list_samples(session: Session, *, job_id: int, step: int | None = None, after_id: int = 0,
+                 limit: int = 200) -> list[Sample]:
+    q = select(Sample).where(Sample.job_id == job_id, Sample.id > after_id)
+    if step is not None:
+        q = q.where(Sample.step == step)
+    return list(session.scalars(q.order_by(Sample.id).limit(limit)))
+
+
+def put_checkpoint(session: Session, *, job_id: int, step: int, path: str, format: str, size_bytes: int) -> None:
+    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+    session.add(Checkpoint(job_id=job_id, step=step, path=path, format=format, size_bytes=size_bytes))
+
+
+def list_checkpoints(session: Session, *, job_id: int) -> list[Checkpoint]:
+    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+
+def latest_checkpoint(session: Session, *, job_id: int) -> Checkpoint | None:
+    return session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)
+    ).first()

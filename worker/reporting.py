@@ -1,0 +1,86 @@
+"""Where a loop's results go. Loops call a Reporter; the runner passes a SQL one, `grpo-jobs run`
+a file one. Both take the same calls, so a loop never knows which it writes to."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe: NaN/inf become None (strict JSON has no NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+class Reporter:
+    """Base reporter: records nothing, never asks to stop. Subclasses override what they keep."""
+
+    #: directory for checkpoints of this run
+    checkpoint_root: Path
+
+    def event(self, type: str, message: str = "", *, level: str = "info", data: dict | None = None) -> None: ...
+
+    def metrics(self, step: int, values: dict[str, float]) -> None: ...
+
+    def samples(self, step: int, rows: list[dict]) -> None: ...
+
+    def selection(self, record: dict) -> None: ...
+
+    def sparsity(self, record: dict) -> None: ...
+
+    def checkpoint(self, step: int, path: Path, format: str, size_bytes: int) -> None: ...
+
+    def progress(self, step: int) -> None: ...
+
+    def should_stop(self) -> bool:
+        return False
+
+
+class FileReporter(Reporter):
+    """`grpo-jobs run --out DIR`: metrics.jsonl, events.jsonl, selections.jsonl, sparsity.jsonl,
+    samples.jsonl and checkpoints/step-N/."""
+
+    def __init__(self, out: Path, *, echo=None) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_root = self.out / "checkpoints"
+        self.echo = echo
+
+    def _append(self, name: str, obj: dict) -> None:
+        with (self.out / name).open("a") as f:
+            f.write(json.dumps(_clean(obj)) + "\n")
+
+    def event(self, type, message="", *, level="info", data=None):
+        self._append("events.jsonl", {"time": time.time(), "type": type, "level": level, "message": message, "data": data})
+        if self.echo:
+            self.echo(f"[{level}] {type}: {message}")
+
+    def metrics(self, step, values):
+        self._append("metrics.jsonl", {"step": step, "metrics": values})
+        if self.echo:
+            r = values.get("reward/mean")
+            self.echo(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()
+                                                    if k in ("reward/mean", "loss/total", "kl", "eval/accuracy", "time/step_s")
+                                                    and v is not None) if r is not None or values else "")
+
+    def samples(self, step, rows):
+        for r in rows:
+            self._append("samples.jsonl", {"step": step, **r})
+
+    def selection(self, record):
+        self._append("selections.jsonl", record)
+
+    def sparsity(self, record):
+        self._append("sparsity.jsonl", record)
+
+    def checkpoint(self, step, path, format, size_bytes):
+        self._append("checkpoints.jsonl", {"step": step, "path": str(path), "format": format, "size_bytes": size_bytes})

@@ -1,0 +1,183 @@
+"""Sampling and per-token log-probs.
+
+The rollout engine holds a frozen copy of the policy, synced at the start of every step (only the
+adapter with LoRA), optionally on its own device. It samples with Hugging Face `generate` and
+then recomputes log-probs from raw logits scaled by the sampler's temperature, never from the
+processed scores generate returns (top-k/top-p would change them), so that the policy's
+log-probs before its first update equal `old_logp` and the importance ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from worker.algos.losses import entropy_from_logits
+from worker.models import is_lora
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    mask_truncated: bool = False
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T] right-padded
+    completion_mask: torch.Tensor  # [N, T] 1 for tokens up to and including EOS / the stop string
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS or stop string
+    completions: list[str]  # decoded completions, cut after the stop string
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return RolloutBatch(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
+                            self.completion_mask[idx], self.truncated[idx], [self.completions[i] for i in idx.tolist()])
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
+                            self.completion_mask.to(device), self.truncated.to(device), self.completions)
+
+    @staticmethod
+    def cat(batches: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        P = max(b.prompt_ids.shape[1] for b in batches)
+        T = max(b.completion_ids.shape[1] for b in batches)
+
+        def lpad(x, w, v):
+            return torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)
+
+        def rpad(x, w, v):
+            return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)
+
+        return RolloutBatch(
+            torch.cat([lpad(b.prompt_ids, P, pad_id) for b in batches]),
+            torch.cat([lpad(b.prompt_mask, P, 0) for b in batches]),
+            torch.cat([rpad(b.completion_ids, T, pad_id) for b in batches]),
+            torch.cat([rpad(b.completion_mask, T, 0) for b in batches]),
+            torch.cat([b.truncated for b in batches]),
+            [c for b in batches for c in b.completions],
+        )
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float, *, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the completion tokens under `model`, logits / temperature.
+
+    Returns logp [N, T] (0 at masked positions) and, if asked, the per-token entropy [N, T].
+    """
+    P = batch.prompt_ids.shape[1]
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [N, P+T]
+    attn = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [N, P+T]
+    # Positions count real tokens only, as generate() does with left padding.
+    position_ids = (attn.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
+    logits = out.logits[:, P - 1:-1, :].float() / temperature  # [N, T, V]: position t predicts token t
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # [N, T]
+    logp = logp * batch.completion_mask
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = entropy_from_logits(logits) * batch.completion_mask  # [N, T]
+    return logp, ent
+
+
+def _completion_lengths(tokenizer, rows: torch.Tensor, eos_ids: set[int], stop: tuple[str, ...]):
+    """Per row: (number of tokens that count, ended_properly) from EOS or the first stop string."""
+    lengths, ended = [], []
+    for row in rows.tolist():
+        n = next((i + 1 for i, t in enumerate(row) if t in eos_ids), None)
+        if n is None and stop:
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            if any(s in text for s in stop):
+                lo, hi = 1, len(row)  # smallest prefix whose text contains a stop string
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if any(s in tokenizer.decode(row[:mid], skip_special_tokens=True) for s in stop):
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                n = lo
+        lengths.append(n if n is not None else len(row))
+        ended.append(n is not None)
+    return lengths, ended
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    ends = [text.index(s) + len(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text
+
+
+class RolloutEngine:
+    """Frozen copy of the policy used for sampling and old log-probs."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams) -> None:
+        self.tokenizer, self.params, self.device = tokenizer, params, torch.device(device)
+        same_device = next(policy.parameters()).device == self.device
+        memo = {}
+        if is_lora(policy) and same_device:
+            # Frozen base weights are identical and never change: share them, copy only the adapter.
+            memo = {id(p): p for p in policy.parameters() if not p.requires_grad}
+        self.model = copy.deepcopy(policy, memo).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        eos = tokenizer.eos_token_id
+        gen_eos = policy.generation_config.eos_token_id if hasattr(policy, "generation_config") else None
+        self.eos_ids = {eos} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos} if gen_eos is not None else set())
+        self.eos_ids.discard(None)
+
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Copy the trained weights in: with LoRA only the adapter (the base is frozen)."""
+        src = dict(policy.named_parameters())
+        for name, p in self.model.named_parameters():
+            q = src[name]
+            if q.requires_grad and p.data_ptr() != q.data_ptr():
+                p.copy_(q.to(p.device))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_generations: int, *, greedy: bool = False) -> RolloutBatch:
+        """Sample num_generations completions per prompt, prompt-major: [P*G] rows."""
+        tok, sp = self.tokenizer, self.params
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
+        mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
+        kwargs = dict(max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
+                      eos_token_id=sorted(self.eos_ids))
+        if greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+        if sp.stop:
+            kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        completion = out[:, ids.shape[1]:]  # [N, T]
+        lengths, ended = _completion_lengths(tok, completion, self.eos_ids, sp.stop)
+        T = completion.shape[1]
+        cmask = (torch.arange(T, device=completion.device)[None, :] < torch.tensor(lengths, device=completion.device)[:, None]).long()
+        truncated = ~torch.tensor(ended, device=completion.device)
+        texts = [_cut_at_stop(tok.decode(row[:n], skip_special_tokens=True), sp.stop)
+                 for row, n in zip(completion.tolist(), lengths)]
+        completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tok.pad_token_id))
+        batch = RolloutBatch(ids, mask, completion, cmask, truncated, texts)
+        return batch
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+        """old_logp [N, T] under the rollout weights, in micro-batches."""
+        parts = []
+        for i in range(0, len(batch), micro_batch_size):
+            mb = batch.select(list(range(i, min(i + micro_batch_size, len(batch))))).to(self.device)
+            parts.append(sequence_logprobs(self.model, mb, self.params.temperature)[0])
+        return torch.cat(parts)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from service.specs import LoraSpec, ModelSpec
@@ -83,7 +84,15 @@ def smollm2_dir(models_root: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-        model.save_pretrained(tmp, safe_serialization=True)
+        # The weights are dequantised float32 already, but transformers still marks the model as
+        # GGUF-quantised and refuses save_pretrained: write plain safetensors and a clean config.
+        tmp.mkdir(parents=True)
+        save_model(model, str(tmp / "model.safetensors"))
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         tmp.rename(target)
     return target

@@ -121,13 +121,13 @@ def rouge_l(completion: str, answers: Sequence[str]) -> float:
 def bleu(completion: str, answers: Sequence[str]) -> float:
     """Sentence BLEU (sacrebleu, exponential smoothing) in [0, 1].
 
-    >>> bleu("the cat sat on the mat", ["the cat sat on the mat"])
+    >>> round(bleu("the cat sat on the mat", ["the cat sat on the mat"]), 6)
     1.0
     """
     import sacrebleu
 
     pred = extract_answer(completion)
-    return sacrebleu.sentence_bleu(pred, list(answers)).score / 100.0
+    return min(1.0, sacrebleu.sentence_bleu(pred, list(answers)).score / 100.0)
 
 
 def r1_format(completion: str, answers: Sequence[str]) -> float:

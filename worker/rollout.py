@@ -77,13 +77,15 @@ def sequence_logprobs(
 
     Returns logp [N, T] (0 at masked positions) and, if asked, the per-token entropy [N, T].
     """
-    P = batch.prompt_ids.shape[1]
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [N, P+T]
     attn = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [N, P+T]
     # Positions count real tokens only, as generate() does with left padding.
     position_ids = (attn.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
-    logits = out.logits[:, P - 1:-1, :].float() / temperature  # [N, T, V]: position t predicts token t
+    T = batch.completion_ids.shape[1]
+    # Only the last T+1 positions need the LM head: the prompt's logits would be thrown away.
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
+                logits_to_keep=T + 1)
+    logits = out.logits[:, -(T + 1):-1, :].float() / temperature  # [N, T, V]: position P-1+t predicts token t
     logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # [N, T]
     logp = logp * batch.completion_mask
     ent = None

@@ -58,7 +58,7 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> dict:
             continue
 
         # 4. old and reference log-probs
-        old_logp = s.engine.logprobs(ro.batch, g.micro_batch_size)  # [N, T]
+        old_logp = S.old_logprobs(s, ro)  # [N, T], or None with one epoch (then logp.detach())
         ref_logp = S.reference_logprobs(s, ro.batch)  # [N, T] or None
 
         # 5. epochs of clipped-surrogate updates

@@ -203,7 +203,17 @@ def micro_batches(n: int, size: int, *, shuffle_seed: int | None = None) -> list
     return [order[i:i + size] for i in range(0, n, size)]
 
 
-def train_epochs(s: Setup, ro: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, step: int,
+def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
+    """old_logp [N, T] from the rollout copy, needed from the second epoch on. With a single epoch
+    the rollout copy holds exactly the policy's weights (synced at the start of the step), so the
+    first training forward's detached log-probs are old_logp and the extra pass is skipped."""
+    g = s.spec.grpo
+    if g.epochs_per_rollout_batch == 1:
+        return None
+    return s.engine.logprobs(ro.batch, g.micro_batch_size)
+
+
+def train_epochs(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
                  *, rows: list[int] | None = None, on_opt_step=None) -> dict[str, float]:
     """epochs_per_rollout_batch passes over the rollout batch (or its `rows`), each one optimizer
     step with gradient accumulation over micro-batches, weighted so the accumulated gradient is
@@ -224,8 +234,10 @@ def train_epochs(s: Setup, ro: Rollouts, old_logp: torch.Tensor, ref_logp: torch
             mb = ro.batch.select(idx).to(s.device)
             mask = ro.loss_mask[idx].to(s.device)
             logp, ent = sequence_logprobs(model, mb, g.temperature, with_entropy=True)
+            # old_logp None: one epoch, so the rollout weights are the policy's and old = logp.detach()
+            old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
             loss, st = policy_loss(
-                logp, old_logp[idx].to(s.device), ro.advantages[idx].to(s.device), mask,
+                logp, old, ro.advantages[idx].to(s.device), mask,
                 ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
                 clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef, agg=g.loss_agg)
             mb_tokens = float(mask.sum())

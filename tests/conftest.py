@@ -1,0 +1,87 @@
+"""Shared fixtures: real stores and brokers where they run, a clear skip (or, under CI, a failure)
+where they do not."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require(service: str, host: str, port: int) -> None:
+    if not _reachable(host, port):
+        msg = f"{service} is not reachable at {host}:{port}"
+        if CI:
+            pytest.fail(msg + " (CI=true: the suite needs it)")
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    require("PostgreSQL", "127.0.0.1", 5432)
+    return PG_ADMIN_URL
+
+
+@pytest.fixture
+def pg_url(pg_admin_url):
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    name = f"grpo_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+    yield url
+    from service.store.db import get_engine
+
+    get_engine(url).dispose()
+    with admin.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def redis_url():
+    require("Redis", "127.0.0.1", 6379)
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory) -> Path:
+    """One model cache for the whole run (the bundled model converts once)."""
+    root = os.environ.get("GRPO_TEST_MODELS_ROOT")
+    return Path(root) if root else tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture
+def settings_factory(tmp_path, models_root):
+    from service.settings import Settings
+
+    def make(database_url: str | None = None, broker_url: str | None = None, **extra):
+        return Settings(GRPO_DATA_DIR=tmp_path, DATABASE_URL=database_url, BROKER_URL=broker_url,
+                        GRPO_MODELS_ROOT=models_root, **extra)
+
+    return make
+
+
+@pytest.fixture
+def artifacts_dir() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS

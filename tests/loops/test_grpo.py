@@ -1,0 +1,108 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from service import specs
+from service.specs import GRPOJob
+from worker import rewards as R
+from worker.loops import grpo
+from worker.reporting import FileReporter
+
+
+def _digit_share(completion, answers):
+    """A reward a 2-layer random model can learn fast: the share of digits in its completion."""
+    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+
+
+@pytest.fixture
+def digit_reward(monkeypatch):
+    monkeypatch.setitem(R.REGISTRY, "digit_share", R.RewardInfo(_digit_share))
+    monkeypatch.setattr(specs, "REWARDS", (*specs.REWARDS, "digit_share"))
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_learns_a_learnable_reward(tmp_path, settings_factory, digit_reward):
+    spec = GRPOJob.model_validate({
+        "model": {"name": "tiny-random-llama"}, "dataset": {"name": "arith", "num_train": 200, "num_val": 8},
+        "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 30, "prompts_per_step": 4, "num_generations": 8, "max_new_tokens": 8,
+                 "learning_rate": 3e-3, "micro_batch_size": 32, "eval_prompts": 4, "seed": 1},
+    })
+    grpo.run(spec, FileReporter(tmp_path), settings=settings_factory())
+    rewards = [m["metrics"]["reward/mean"] for m in _metrics(tmp_path) if "reward/mean" in m["metrics"]]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.3, (first, last)
+
+
+def _run(spec_dict, out, settings, stop_after=None):
+    spec = GRPOJob.model_validate(spec_dict)
+
+    class Stopping(FileReporter):
+        def should_stop(self):
+            done = [m for m in _metrics(self.out) if m["step"] > 0] if (self.out / "metrics.jsonl").exists() else []
+            return stop_after is not None and len(done) >= stop_after
+
+    return grpo.run(spec, Stopping(out), settings=settings)
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4}])
+def test_resume_equals_straight_run(tmp_path, settings_factory, lora):
+    spec = {"model": {"name": "tiny-random-llama", "lora": lora}, "dataset": {"num_train": 50, "num_val": 4},
+            "grpo": {"steps": 6, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6,
+                     "learning_rate": 1e-2, "epochs_per_rollout_batch": 2, "micro_batch_size": 3,
+                     "lr_schedule": "cosine", "warmup_steps": 1, "kl_coef": 0.05, "eval_prompts": 2}}
+    settings = settings_factory()
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _run(spec, straight, settings)["status"] == "succeeded"
+    assert _run(spec, split, settings, stop_after=3)["status"] == "cancelled"
+    assert (split / "checkpoints" / "step-3").exists()
+    assert _run(spec, split, settings)["status"] == "succeeded"
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a = load_file(straight / "checkpoints" / "step-6" / name)
+    b = load_file(split / "checkpoints" / "step-6" / name)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    events = [json.loads(line)["type"] for line in (split / "events.jsonl").read_text().splitlines()]
+    assert "resumed" in events
+
+
+def test_lora_checkpoint_loads_with_peft(tmp_path, settings_factory):
+    from peft import PeftModel
+
+    from worker.models import char_tokenizer, tiny_model
+
+    spec = {"model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"num_train": 20, "num_val": 2},
+            "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 2}}
+    _run(spec, tmp_path, settings_factory())
+    base = tiny_model("tiny-random-llama", len(char_tokenizer()))
+    loaded = PeftModel.from_pretrained(base, tmp_path / "checkpoints" / "step-1")
+    assert any("lora_A" in n for n, _ in loaded.named_parameters())
+
+
+@pytest.mark.slow
+def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_reward):
+    spec = GRPOJob.model_validate({
+        "model": {"name": "smollm2-135m-instruct", "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}},
+        "dataset": {"name": "arith"}, "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 12,
+                 "learning_rate": 1e-3, "eval_prompts": 2, "kl_coef": 0.01},
+    })
+    settings = settings_factory()
+    from worker.models import load_policy
+
+    before = {n: p.detach().clone() for n, p in load_policy(spec.model, models_root=settings.models_dir,
+                                                              device="cpu")[0].named_parameters() if p.requires_grad}
+    grpo.run(spec, FileReporter(tmp_path), settings=settings)
+    after = load_file(tmp_path / "checkpoints" / "step-1" / "adapter_model.safetensors")
+    changed = [k for k in after if not torch.equal(after[k], before[k.replace(".weight", ".default.weight")])]
+    assert changed, "no LoRA parameter changed"
+    step1 = next(m for m in _metrics(tmp_path) if m["step"] == 1)["metrics"]
+    for key in ("reward/mean", "loss/total", "kl", "entropy", "grad_norm", "ratio/mean"):
+        assert key in step1 and step1[key] == step1[key]  # present and not NaN
+    assert step1["ratio/mean"] == pytest.approx(1.0, abs=1e-5)

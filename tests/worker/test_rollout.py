@@ -1,0 +1,93 @@
+import torch
+
+from service.specs import LoraSpec, ModelSpec
+from worker.models import load_policy
+from worker.rollout import RolloutEngine, SamplingParams, sequence_logprobs
+
+
+def _policy(tmp_path, lora=True):
+    spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, dropout=0.0) if lora else None)
+    return load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
+
+
+def test_first_epoch_ratio_is_exactly_one(tmp_path):
+    torch.manual_seed(0)
+    model, tok = _policy(tmp_path)
+    # top-k/top-p shape sampling but must not enter the log-probs: only the temperature does
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=20, top_p=0.9)
+    engine = RolloutEngine(model, tok, "cpu", params)
+    batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 4)
+    old = engine.logprobs(batch, micro_batch_size=8)  # [8, T]
+    model.train()
+    parts = [sequence_logprobs(model, batch.select(list(range(i, i + 3))), 0.7)[0] for i in (0, 3)]
+    parts.append(sequence_logprobs(model, batch.select([6, 7]), 0.7)[0])
+    logp = torch.cat(parts)  # other micro-batch sizes than the rollout's
+    ratio = torch.exp(logp - old)[batch.completion_mask.bool()]
+    assert (ratio - 1).abs().max().item() < 1e-5
+
+
+def test_rollout_copy_shares_frozen_base_and_syncs_adapter(tmp_path):
+    model, tok = _policy(tmp_path)
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=4))
+    base = dict(model.named_parameters())
+    for name, p in engine.model.named_parameters():
+        assert (p.data_ptr() == base[name].data_ptr()) == (not base[name].requires_grad)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    engine.sync(model)
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, base[name])
+
+
+def test_full_finetune_copy_is_independent(tmp_path):
+    model, tok = _policy(tmp_path, lora=False)
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=4))
+    w = next(engine.model.parameters()).clone()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert torch.equal(next(engine.model.parameters()), w)  # frozen until the next sync
+    engine.sync(model)
+    assert torch.equal(next(engine.model.parameters()), next(model.parameters()))
+
+
+def test_eos_masking_and_truncation(tmp_path):
+    model, tok = _policy(tmp_path, lora=False)
+    eos = tok.eos_token_id
+    with torch.no_grad():  # make EOS the most likely token after 3 steps: bias the head towards it
+        model.lm_head.weight.zero_()
+        model.lm_head.bias = None
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=6))
+    # force EOS at position 2 via a logits hook
+    calls = {"n": 0}
+
+    def hook(_module, _inp, out):
+        calls["n"] += 1
+        logits = torch.full_like(out, -1e9)
+        tok_id = eos if calls["n"] == 3 else tok.convert_tokens_to_ids("a")
+        logits[..., tok_id] = 0.0
+        return logits
+
+    engine.model.lm_head.register_forward_hook(hook)
+    batch = engine.generate(["x"], 2, greedy=True)
+    assert batch.completion_mask.tolist() == [[1, 1, 1, 0, 0, 0][: batch.completion_mask.shape[1]]] * 2
+    assert batch.completions == ["aa", "aa"]
+    assert not batch.truncated.any()
+
+
+def test_stop_strings_cut_and_mask(tmp_path):
+    model, tok = _policy(tmp_path, lora=False)
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, stop=("cd",)))
+    seq = iter("abcdefghij")
+
+    def hook(_module, _inp, out):
+        logits = torch.full_like(out, -1e9)
+        logits[..., tok.convert_tokens_to_ids(next(seq))] = 0.0
+        return logits
+
+    engine.model.lm_head.register_forward_hook(hook)
+    batch = engine.generate(["x"], 1, greedy=True)
+    assert batch.completions == ["abcd"]
+    assert batch.completion_mask[0].sum().item() == 4
+    assert not batch.truncated.any()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import Integer, cast, func, select
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -68,7 +68,7 @@ def series(
         points = [{"step": s, "value": v, "min": v, "max": v} for s, v in rows]
         return {"key": key, "points": points, "downsampled": False, "total_points": n}
     width = max(1, math.ceil((hi - lo + 1) / max_points))
-    bucket = cast((Metric.step - lo) / width, Integer).label("bucket")
+    bucket = ((Metric.step - lo) // width).label("bucket")  # integer division on every backend
     rows = session.execute(
         select(bucket, func.min(Metric.step), func.avg(Metric.value), func.min(Metric.value), func.max(Metric.value))
         .where(*base).group_by(bucket).order_by(bucket)

@@ -1,0 +1,191 @@
+import json
+
+import pytest
+
+from service.store import events as events_q
+from service.store import jobs as jobs_q
+from service.store import metrics as metrics_q
+from service.store import records
+from service.store.db import session_scope
+
+GRPO = {"kind": "grpo", "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8}}
+
+
+def _submit(api, spec=GRPO, key=None, **kw):
+    r = api.post("/v1/jobs", key=key, json=spec, **kw)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_auth_required(api):
+    assert api.client.get("/v1/jobs").status_code == 401
+    r = api.client.get("/v1/jobs", headers={"Authorization": "Bearer gj_nope"})
+    assert r.status_code == 401 and r.json()["detail"] == "invalid API key"
+    assert api.get("/v1/jobs").status_code == 200
+
+
+def test_submit_get_and_tenant_isolation(api):
+    job = _submit(api)
+    assert job["status"] == "queued" and job["total_steps"] == 3 and job["owner"] == "alice"
+    assert job["spec"]["grpo"]["num_generations"] == 4
+    assert job["spec"]["grpo"]["temperature"] == 1.0  # defaults are filled in and stored
+    assert api.get(f"/v1/jobs/{job['id']}").json()["id"] == job["id"]
+    # bob cannot see, read or cancel alice's job
+    for path in ("", "/events", "/metrics", "/metrics/latest", "/selections", "/sparsity", "/samples", "/checkpoints"):
+        assert api.get(f"/v1/jobs/{job['id']}{path}", key=api.bob).status_code == 404
+    assert api.post(f"/v1/jobs/{job['id']}/cancel", key=api.bob).status_code == 404
+    assert api.get("/v1/jobs", key=api.bob).json()["items"] == []
+    assert api.get("/v1/jobs/999999").status_code == 404
+
+
+def test_idempotency_key_returns_the_same_job(api):
+    a = api.post("/v1/jobs", json=GRPO, headers={"Idempotency-Key": "abc"})
+    b = api.post("/v1/jobs", json=GRPO, headers={"Idempotency-Key": "abc"})
+    assert a.json()["id"] == b.json()["id"]
+    assert b.headers.get("Idempotent-Replayed") == "true"
+    c = api.post("/v1/jobs", key=api.bob, json=GRPO, headers={"Idempotency-Key": "abc"})  # per owner
+    assert c.json()["id"] != a.json()["id"]
+    assert len(api.get("/v1/jobs").json()["items"]) == 1
+
+
+def test_cursor_pagination_and_filters(api):
+    ids = [_submit(api)["id"] for _ in range(5)]
+    _submit(api, {**GRPO, "kind": "tracin", "model": {"lora": {"r": 4}}})
+    seen, after = [], None
+    while True:
+        page = api.get("/v1/jobs", params={"limit": 2, "kind": "grpo", **({"after": after} if after else {})}).json()
+        seen += [j["id"] for j in page["items"]]
+        if not page["has_more"]:
+            break
+        after = page["next_after"]
+    assert seen == sorted(ids, reverse=True)
+    assert [j["kind"] for j in api.get("/v1/jobs", params={"kind": "tracin"}).json()["items"]] == ["tracin"]
+    api.post(f"/v1/jobs/{ids[0]}/cancel")
+    assert [j["id"] for j in api.get("/v1/jobs", params={"status": "cancelled"}).json()["items"]] == [ids[0]]
+    assert api.get("/v1/jobs", params={"status": "bogus"}).status_code == 422
+
+
+def test_validation_errors_name_the_field(api):
+    r = api.post("/v1/jobs", json={"kind": "grpo", "grpo": {"num_generations": 1}})
+    assert r.status_code == 422
+    err = r.json()["detail"][0]
+    assert err["field"] == "grpo.num_generations" and "greater than or equal to 2" in err["message"]
+    r = api.post("/v1/jobs", json={"kind": "tracin"})
+    assert r.status_code == 422 and "model.lora is required" in r.json()["message"]
+    r = api.post("/v1/jobs", json={"kind": "nope"})
+    assert r.status_code == 422 and "kind" in r.json()["message"]
+    r = api.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "JSON" in r.json()["message"]
+    r = api.post("/v1/jobs", json={"kind": "grpo", "model": {"name": "no-such-model"}})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "model.name"
+
+
+def test_body_too_large_is_413(api):
+    big = {**GRPO, "name": "x" * 100, "grpo": {**GRPO["grpo"], "stop": ["y" * 2_000_000]}}
+    r = api.post("/v1/jobs", content=json.dumps(big).encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_cancel_queued_then_conflict(api):
+    job = _submit(api)
+    r = api.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.json()["status"] == "cancelled"
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409
+    types = [e["type"] for e in api.get(f"/v1/jobs/{job['id']}/events").json()]
+    assert types == ["created", "cancelled"]
+
+
+def test_cancel_running_is_cooperative(api):
+    job = _submit(api)
+    with session_scope(api.settings.store_url) as s:
+        assert jobs_q.acquire_lease(s, job_id=job["id"], holder="w1", lease_timeout_s=60)
+    r = api.post(f"/v1/jobs/{job['id']}/cancel").json()
+    assert r["status"] == "running" and r["cancel_requested"] is True
+    with session_scope(api.settings.store_url) as s:
+        assert jobs_q.heartbeat(s, job_id=job["id"], holder="w1") is True
+
+
+def test_metrics_downsampled_with_spikes_visible(api):
+    job = _submit(api)
+    with session_scope(api.settings.store_url) as s:
+        rows = [(job["id"], "loss/total", step, 1.0) for step in range(1, 5001)]
+        rows[2345] = (job["id"], "loss/total", 2346, 99.0)  # one-step spike
+        metrics_q.upsert_points(s, rows=rows)
+        metrics_q.upsert_step(s, job_id=job["id"], step=7, values={"reward/mean": 0.5, "kl": float("nan")})
+        metrics_q.upsert_step(s, job_id=job["id"], step=7, values={"reward/mean": 0.75})  # upsert
+    body = api.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total", "max_points": 100}).json()
+    s = body["series"][0]
+    assert s["downsampled"] and s["total_points"] == 5000 and len(s["points"]) <= 100
+    assert max(p["max"] for p in s["points"]) == 99.0
+    assert body["keys"] == ["loss/total", "reward/mean"]  # NaN was not stored
+    window = api.get(f"/v1/jobs/{job['id']}/metrics",
+                     params={"keys": "loss/total", "from_step": 10, "to_step": 19}).json()["series"][0]
+    assert [p["step"] for p in window["points"]] == list(range(10, 20)) and not window["downsampled"]
+    latest = api.get(f"/v1/jobs/{job['id']}/metrics/latest").json()
+    assert latest["reward/mean"] == {"step": 7, "value": 0.75}
+    assert latest["loss/total"]["step"] == 5000
+    assert api.get(f"/v1/jobs/{job['id']}/metrics", params={"from_step": 5, "to_step": 1}).status_code == 422
+
+
+def test_reports_round_trip(api):
+    job = _submit(api)
+    jid = job["id"]
+    with session_scope(api.settings.store_url) as s:
+        records.put_selection(s, job_id=jid, record={
+            "step": 1, "policy": "positive", "total": 4, "selected": 2, "ratio": 0.5, "mean_influence": 0.1,
+            "min_influence": -1.0, "max_influence": 1.0, "histogram": {"edges": [-1, 0, 1], "counts": [2, 2]},
+            "scores": [[0, 1.0, True], [1, -1.0, False]]})
+        records.put_sparsity(s, job_id=jid, record={"step": 2, "from_step": 0, "scope": "window", "sparsity": 0.9,
+                                                   "report": {"thresholds": {"0.0": 0.9}}})
+        records.put_samples(s, job_id=jid, step=1, rows=[{"index": 0, "prompt": "p", "completion": "c", "reward": 1.0,
+                                                         "advantage": 0.5, "influence": None, "selected": None, "extra": None}])
+        records.put_checkpoint(s, job_id=jid, step=2, path="/x/step-2", format="peft-lora", size_bytes=10)
+    sel = api.get(f"/v1/jobs/{jid}/selections").json()
+    assert sel[0]["selected"] == 2 and sel[0]["scores"][0] == [0, 1.0, True]
+    assert api.get(f"/v1/jobs/{jid}/selections", params={"scores": False}).json()[0]["scores"] is None
+    sp = api.get(f"/v1/jobs/{jid}/sparsity").json()
+    assert sp[0]["sparsity"] == 0.9
+    assert api.get(f"/v1/jobs/{jid}/sparsity/{sp[0]['id']}").json()["report"] == {"thresholds": {"0.0": 0.9}}
+    assert api.get(f"/v1/jobs/{jid}/sparsity/99999").status_code == 404
+    assert api.get(f"/v1/jobs/{jid}/samples", params={"step": 1}).json()[0]["completion"] == "c"
+    assert api.get(f"/v1/jobs/{jid}/checkpoints").json()[0]["format"] == "peft-lora"
+
+
+def test_stream_sends_status_metrics_events_and_end(api):
+    job = _submit(api)
+    jid = job["id"]
+    with session_scope(api.settings.store_url) as s:
+        metrics_q.upsert_step(s, job_id=jid, step=1, values={"reward/mean": 0.25})
+        metrics_q.upsert_step(s, job_id=jid, step=2, values={"reward/mean": 0.5})
+        jobs_q.finish_job(s, job_id=jid, holder=None, status="succeeded")
+    with session_scope(api.settings.store_url) as s:
+        events_q.add_event(s, job_id=jid, type="succeeded", message="done")
+    with api.client.stream("GET", f"/v1/jobs/{jid}/stream", params={"access_token": api.alice}) as r:
+        assert r.status_code == 200
+        text = "".join(r.iter_text())
+    kinds = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("event:")]
+    assert kinds[0] == "status" and kinds[-1] == "end"
+    assert kinds.count("metrics") == 2 and "event" in kinds
+
+
+def test_health_ready_and_prometheus(api):
+    assert api.client.get("/healthz").json() == {"status": "ok"}
+    r = api.client.get("/readyz")
+    assert r.status_code == 200 and r.json()["checks"] == {"store": "ok", "broker": "ok"}
+    _submit(api)
+    text = api.client.get("/metrics").text
+    assert 'grpo_jobs{status="queued"} 1.0' in text
+    assert "grpo_http_requests_total" in text
+
+
+def test_readyz_reports_unreachable_broker(settings_factory):
+    from tests.service.conftest import Api
+
+    api = Api(settings_factory(broker_url="redis://127.0.0.1:1/0"))
+    r = api.client.get("/readyz")
+    assert r.status_code == 503 and r.json()["checks"]["broker"] == "unreachable"
+    # a submit with the broker down fails visibly and keeps the record
+    r = api.post("/v1/jobs", json=GRPO)
+    assert r.status_code == 503
+    job = api.get("/v1/jobs").json()["items"][0]
+    assert job["status"] == "failed" and "enqueue" in job["error"]

@@ -1,0 +1,65 @@
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from service.specs import DATASETS, MODEL_PRESETS, JobSpec
+
+ROOT = Path(__file__).parents[2]
+SPEC = TypeAdapter(JobSpec)
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT.parent / "shared" / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_examples_are_accepted(path):
+    spec = SPEC.validate_python(yaml.safe_load(path.read_text()))
+    assert spec.grpo.steps >= 1
+
+
+def test_project_ships_the_shared_examples():
+    own = {p.name for p in (ROOT / "examples").glob("*.yaml")}
+    assert {"grpo-minimal.yaml", "tracin-minimal.yaml", "joint-minimal.yaml", "sparsity-minimal.yaml"} <= own
+
+
+def test_defaults_are_documented():
+    schema = SPEC.json_schema()
+    for name, model in schema["$defs"].items():
+        for field, prop in model.get("properties", {}).items():
+            if field == "kind":
+                continue
+            assert "description" in prop or "$ref" in prop or "anyOf" in prop and any(
+                "$ref" in a for a in prop["anyOf"]), f"{name}.{field} has no description"
+
+
+def _err(spec: dict) -> str:
+    with pytest.raises(ValidationError) as e:
+        SPEC.validate_python(spec)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"kind": "grpo", "grpo": {"num_generations": 1}}, "num_generations"),
+    ({"kind": "tracin"}, "model.lora is required"),
+    ({"kind": "tracin", "model": {"lora": {}}, "tracin": {"val_generations": 1}}, "val_generations"),
+    ({"kind": "joint", "dataset": {"name": "arith"}}, "needs 'persona-facts' or 'jsonl'"),
+    ({"kind": "joint", "dataset": {"name": "jsonl", "path": "q.jsonl"}}, "corpus_path is required"),
+    ({"kind": "grpo", "model": {"name": "gpt7"}}, "unknown model 'gpt7'"),
+    ({"kind": "grpo", "dataset": {"name": "mnist"}}, "dataset.name"),
+    ({"kind": "grpo", "rewards": [{"name": "vibes"}]}, "unknown reward 'vibes'"),
+    ({"kind": "grpo", "grpo": {"num_generation": 4}}, "num_generation"),
+    ({"kind": "grpo", "dataset": {"name": "jsonl", "path": "../etc/passwd"}}, "relative to the datasets root"),
+    ({"kind": "grpo", "dataset": {"name": "jsonl"}}, "dataset.path is required"),
+    ({"kind": "grpo", "devices": {"policy": "tpu:0"}}, "unknown device"),
+    ({"kind": "ppo"}, "kind"),
+    ({"kind": "joint", "retriever": {"k": 8, "candidates": 4}}, "retriever.k must not exceed"),
+])
+def test_bad_specs_name_the_field(spec, needle):
+    assert needle in _err(spec)
+
+
+def test_names_known_to_the_worker():
+    from worker.models import PRESETS
+
+    assert set(PRESETS) == set(MODEL_PRESETS)
+    assert set(DATASETS) == {"arith", "jsonl", "persona-facts"}

@@ -135,3 +135,15 @@ def release_lease(session: Session, *, job_id: int, holder: str) -> None:
         .values(heartbeat_at=None).execution_options(synchronize_session=False)
     )
     session.commit()
+
+
+def orphaned_job_ids(session: Session, *, lease_timeout_s: float, queued_for_s: float = 60.0) -> list[int]:
+    """Jobs that may have lost their broker message: running with a stale heartbeat, or queued
+    for a while. Re-enqueueing them is safe: the lease lets only one delivery run a job."""
+    now = datetime.now(timezone.utc)
+    q = select(Job.id).where(or_(
+        (Job.status == "running") & or_(Job.heartbeat_at.is_(None),
+                                        Job.heartbeat_at < now - timedelta(seconds=lease_timeout_s)),
+        (Job.status == "queued") & (Job.created_at < now - timedelta(seconds=queued_for_s)),
+    ))
+    return list(session.scalars(q.order_by(Job.id)))

@@ -1,0 +1,112 @@
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import select, update
+
+from service.specs import GRPOJob
+from service.store import events as events_q
+from service.store import jobs as jobs_q
+from service.store import metrics as metrics_q
+from service.store import records
+from service.store.db import session_scope
+from service.store.migrate import upgrade
+from service.store.models import Job, Metric
+from worker import runner
+
+SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+        "dataset": {"num_train": 40, "num_val": 4},
+        "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6, "eval_prompts": 2,
+                 "checkpoint_every": 1, "samples_per_step": 2}}
+
+
+def _setup(settings_factory, spec=SPEC, **extra):
+    settings = settings_factory(GRPO_HEARTBEAT_S=0.2, **extra)
+    upgrade(settings.store_url)
+    spec = GRPOJob.model_validate(spec).model_dump(mode="json")
+    with session_scope(settings.store_url) as s:
+        job, _ = jobs_q.create_job(s, owner="o", kind="grpo", spec=spec, name=None, total_steps=spec["grpo"]["steps"])
+    return settings, job.id
+
+
+def _state(settings, jid):
+    with session_scope(settings.store_url) as s:
+        job = jobs_q.get_job(s, job_id=jid)
+        evs = events_q.list_events(s, job_id=jid)
+        keys = metrics_q.list_keys(s, job_id=jid)
+        ckpts = records.list_checkpoints(s, job_id=jid)
+        n_metric_rows = len(s.execute(select(Metric.step).where(Metric.job_id == jid)).all())
+        return job, evs, keys, ckpts, n_metric_rows
+
+
+def test_runs_a_job_and_records_everything(settings_factory):
+    settings, jid = _setup(settings_factory)
+    assert runner.run_job(jid, settings=settings) == "succeeded"
+    job, evs, keys, ckpts, _ = _state(settings, jid)
+    assert (job.status, job.step, job.attempt, job.lease_owner) == ("succeeded", 3, 1, None)
+    assert [e.type for e in evs if e.type != "groups"] == [
+        "created", "started", "model_loaded", "checkpoint", "checkpoint", "checkpoint", "succeeded"]
+    assert {"reward/mean", "loss/total", "kl", "entropy", "eval/accuracy", "time/step_s"} <= set(keys)
+    assert [c.step for c in ckpts] == [1, 2, 3] and all(c.format == "peft-lora" for c in ckpts)
+    # a redelivered message for a finished job does nothing
+    assert runner.run_job(jid, settings=settings) == "skipped"
+
+
+def test_failure_is_readable_and_keeps_records(settings_factory, tmp_path):
+    spec = {**SPEC, "model": {"name": str(tmp_path / "no-such-model")}}
+    settings, jid = _setup(settings_factory, spec)
+    with session_scope(settings.store_url) as s:
+        metrics_q.upsert_step(s, job_id=jid, step=0, values={"eval/accuracy": 0.5})
+    assert runner.run_job(jid, settings=settings) == "failed"
+    job, evs, keys, _, _ = _state(settings, jid)
+    assert job.status == "failed" and "no-such-model" in job.error
+    failed = [e for e in evs if e.type == "failed"][0]
+    assert failed.level == "error" and "no-such-model" in failed.message and "traceback" in failed.data
+    assert keys == ["eval/accuracy"]
+
+
+def test_gives_up_after_max_attempts(settings_factory):
+    settings, jid = _setup(settings_factory, GRPO_MAX_ATTEMPTS=2)
+    with session_scope(settings.store_url) as s:  # two earlier deliveries died mid-job
+        s.execute(update(Job).where(Job.id == jid).values(
+            status="running", attempt=2, lease_owner="dead",
+            heartbeat_at=datetime.now(timezone.utc) - timedelta(hours=1)))
+    assert runner.run_job(jid, settings=settings) == "failed"
+    job, evs, *_ = _state(settings, jid)
+    assert "gave up after 2 attempts" in job.error
+
+
+def test_busy_when_another_worker_holds_the_lease(settings_factory):
+    settings, jid = _setup(settings_factory)
+    with session_scope(settings.store_url) as s:
+        assert jobs_q.acquire_lease(s, job_id=jid, holder="other", lease_timeout_s=60)
+    assert runner.run_job(jid, settings=settings) == "busy"
+
+
+def test_cancel_stops_between_steps_with_a_checkpoint(settings_factory):
+    spec = {**SPEC, "grpo": {**SPEC["grpo"], "steps": 50, "checkpoint_every": 0}}
+    settings, jid = _setup(settings_factory, spec)
+    with session_scope(settings.store_url) as s:  # cancel lands while the job runs
+        s.execute(update(Job).where(Job.id == jid).values(cancel_requested=True))
+    assert runner.run_job(jid, settings=settings) == "cancelled"
+    job, evs, _, ckpts, _ = _state(settings, jid)
+    assert job.status == "cancelled" and job.step < 50
+    assert ckpts and ckpts[-1].step == job.step
+
+
+def test_redelivery_after_a_crash_resumes_from_the_checkpoint(settings_factory):
+    settings, jid = _setup(settings_factory)
+    assert runner.run_job(jid, settings=settings) == "succeeded"
+    _, _, _, _, rows_once = _state(settings, jid)
+    # Pretend the worker died after step 2: state as the crash left it, last checkpoint step-2.
+    import shutil
+
+    shutil.rmtree(settings.artifacts_dir / f"job-{jid}" / "checkpoints" / "step-3")
+    with session_scope(settings.store_url) as s:
+        s.execute(update(Job).where(Job.id == jid).values(
+            status="running", step=2, lease_owner="dead", finished_at=None,
+            heartbeat_at=datetime.now(timezone.utc) - timedelta(hours=1)))
+    assert runner.run_job(jid, settings=settings) == "succeeded"
+    job, evs, _, _, rows_twice = _state(settings, jid)
+    assert job.attempt == 2 and job.step == 3
+    resumed = [e for e in evs if e.type == "resumed"]
+    assert resumed and "step 2" in resumed[0].message
+    assert rows_twice == rows_once  # step 3 was re-reported as upserts, not duplicated

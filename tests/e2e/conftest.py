@@ -1,0 +1,96 @@
+"""Real processes: `grpo-jobs serve`/`worker`/`dev` started as a user would, talked to over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+BIN = Path(sys.executable).parent / "grpo-jobs"
+
+TINY_JOB = {"kind": "grpo", "name": "e2e",
+            "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+            "dataset": {"name": "arith", "num_train": 40, "num_val": 4},
+            "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8,
+                     "eval_prompts": 2, "checkpoint_every": 2}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    def __init__(self, env: dict, log_dir: Path) -> None:
+        self.env, self.log_dir, self.procs = env, log_dir, []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = (self.log_dir / f"{name}.log").open("w")
+        p = subprocess.Popen([str(BIN), *args], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append((name, p))
+        return p
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{(self.log_dir / f'{n}.log').read_text()[-3000:]}" for n, _ in self.procs)
+
+    def stop(self) -> None:
+        for _, p in self.procs:
+            p.terminate()
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def procs(tmp_path, models_root):
+    env = {**os.environ, "GRPO_DATA_DIR": str(tmp_path / "data"), "GRPO_MODELS_ROOT": str(models_root),
+           "GRPO_HEARTBEAT_S": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("DATABASE_URL", None)
+    env.pop("BROKER_URL", None)
+    p = Procs(env, tmp_path)
+    yield p
+    p.stop()
+
+
+def wait_http(url: str, procs: Procs, timeout: float = 60) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never came up\n{procs.logs()}")
+
+
+def wait_job(client: httpx.Client, job_id: int, procs: Procs, timeout: float = 300) -> dict:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not finish in {timeout}s\n{procs.logs()}")
+
+
+def check_finished_job(client: httpx.Client, job: dict) -> None:
+    assert job["status"] == "succeeded", job
+    jid = job["id"]
+    metrics = client.get(f"/v1/jobs/{jid}/metrics", params={"keys": "reward/mean,loss/total"}).json()
+    assert [len(s["points"]) for s in metrics["series"]] == [3, 3]
+    types = [e["type"] for e in client.get(f"/v1/jobs/{jid}/events").json()]
+    assert types[:2] == ["created", "started"] and types[-1] == "succeeded"
+    ckpts = client.get(f"/v1/jobs/{jid}/checkpoints").json()
+    assert [c["step"] for c in ckpts] == [2, 3]
+    assert all(Path(c["path"], "adapter_model.safetensors").exists() for c in ckpts)
+    assert client.get(f"/v1/jobs/{jid}/samples").json()

@@ -1,0 +1,37 @@
+"""`grpo-jobs dev`: API + worker on the embedded defaults (SQLite store, SQLite broker)."""
+
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.conftest import TINY_JOB, check_finished_job, free_port, wait_http, wait_job
+
+
+def test_dev_runs_a_job_end_to_end(procs):
+    port = free_port()
+    procs.start("dev", "dev", "--port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/healthz", procs)
+    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
+    for _ in range(50):
+        if key_file.exists():
+            break
+        time.sleep(0.1)
+    key = key_file.read_text().strip()
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        r = c.post("/v1/jobs", json=TINY_JOB)
+        assert r.status_code == 201, r.text
+        check_finished_job(c, wait_job(c, r.json()["id"], procs))
+        # a long job can be cancelled while it runs and keeps what it recorded
+        long = {**TINY_JOB, "grpo": {**TINY_JOB["grpo"], "steps": 500, "checkpoint_every": 0}}
+        jid = c.post("/v1/jobs", json=long).json()["id"]
+        for _ in range(120):
+            if c.get(f"/v1/jobs/{jid}").json()["step"] >= 2:
+                break
+            time.sleep(0.5)
+        assert c.post(f"/v1/jobs/{jid}/cancel").json()["cancel_requested"]
+        job = wait_job(c, jid, procs, timeout=120)
+        assert job["status"] == "cancelled" and 2 <= job["step"] < 500
+        assert c.get(f"/v1/jobs/{jid}/checkpoints").json()[-1]["step"] == job["step"]
+        assert c.get(f"/v1/jobs/{jid}/metrics/latest").json()["reward/mean"]["step"] == job["step"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
 from service.settings import Settings
@@ -58,7 +58,11 @@ def get_owner(request: Request, session: SessionDep) -> str:
 OwnerDep = Annotated[str, Depends(get_owner)]
 
 
-def get_owned_job(job_id: int, owner: OwnerDep, session: SessionDep) -> Job:
+MAX_INT = 2**31 - 1  # ids and steps are 32-bit integer columns
+JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="Job id.")]
+
+
+def get_owned_job(job_id: JobId, owner: OwnerDep, session: SessionDep) -> Job:
     job = jobs_q.get_job(session, job_id=job_id, owner=owner)
     if job is None:  # another owner's job is indistinguishable from a missing one
         raise HTTPException(404, f"job {job_id} not found")

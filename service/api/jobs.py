@@ -11,7 +11,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import queue
-from service.api.deps import JobDep, OwnerDep, SessionDep, SettingsDep
+from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.schemas import EventOut, JobOut, JobPage
 from service.specs import STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
@@ -54,7 +54,7 @@ def list_jobs(
     owner: OwnerDep, session: SessionDep,
     status: Annotated[Literal[STATUSES] | None, Query(description="Only jobs in this status.")] = None,  # type: ignore[valid-type]
     kind: Annotated[Literal["grpo", "tracin", "joint"] | None, Query(description="Only jobs of this kind.")] = None,
-    after: Annotated[int | None, Query(ge=0, description="Cursor: the `next_after` of the previous page.")] = None,
+    after: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Cursor: the `next_after` of the previous page.")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ):
     items, has_more = jobs_q.list_jobs(session, owner=owner, status=status, kind=kind, after=after, limit=limit)
@@ -75,7 +75,7 @@ def cancel_job(job: JobDep, session: SessionDep):
 
 @router.get("/{job_id}/events", response_model=list[EventOut])
 def job_events(job: JobDep, session: SessionDep,
-               after_id: Annotated[int, Query(ge=0)] = 0,
+               after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 500):
     return events_q.list_events(session, job_id=job.id, after_id=after_id, limit=limit)
 
@@ -83,7 +83,7 @@ def job_events(job: JobDep, session: SessionDep,
 @router.get("/{job_id}/stream", response_class=EventSourceResponse,
             responses={200: {"content": {"text/event-stream": {}}}})
 async def stream_job(job: JobDep, settings: SettingsDep, request: Request,
-                     from_step: Annotated[int, Query(ge=-1, description="Send metrics of steps after this one.")] = -1):
+                     from_step: Annotated[int, Query(ge=-1, le=MAX_INT, description="Send metrics of steps after this one.")] = -1):
     """Server-sent events: `status` on every change, `metrics` per new step, `event` per job event;
     `end` when the job reaches a terminal status."""
     job_id, url = job.id, settings.store_url

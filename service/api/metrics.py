@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 
-from service.api.deps import JobDep, SessionDep
+from service.api.deps import MAX_INT, JobDep, SessionDep
 from service.api.schemas import LatestPoint, MetricsOut, Series
 from service.store import metrics as metrics_q
 
@@ -17,8 +17,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["metrics"])
 def job_metrics(
     job: JobDep, session: SessionDep,
     keys: Annotated[str | None, Query(description="Comma-separated metric names; default all.")] = None,
-    from_step: Annotated[int | None, Query(ge=0)] = None,
-    to_step: Annotated[int | None, Query(ge=0)] = None,
+    from_step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    to_step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     max_points: Annotated[int, Query(ge=2, le=100_000, description="Longer series are bucketed: "
                                      "mean per bucket with its min and max, so spikes stay visible.")] = 1000,
 ):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Path, Query
 
-from service.api.deps import JobDep, SessionDep
+from service.api.deps import MAX_INT, JobDep, SessionDep
 from service.api.schemas import CheckpointOut, SampleOut, SelectionOut, SparsityOut
 from service.store import records
 
@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["reports"])
 
 @router.get("/{job_id}/selections", response_model=list[SelectionOut])
 def job_selections(job: JobDep, session: SessionDep,
-                   from_step: Annotated[int, Query(ge=0)] = 0,
+                   from_step: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
                    scores: Annotated[bool, Query(description="Include per-sample scores.")] = True):
     rows = records.list_selections(session, job_id=job.id, from_step=from_step, limit=limit)
@@ -38,7 +38,7 @@ def job_sparsity(job: JobDep, session: SessionDep,
 
 
 @router.get("/{job_id}/sparsity/{report_id}", response_model=SparsityOut)
-def job_sparsity_report(job: JobDep, session: SessionDep, report_id: int):
+def job_sparsity_report(job: JobDep, session: SessionDep, report_id: Annotated[int, Path(ge=1, le=MAX_INT)]):
     r = records.get_sparsity(session, job_id=job.id, report_id=report_id)
     if r is None:
         raise HTTPException(404, f"sparsity report {report_id} not found")
@@ -47,8 +47,8 @@ def job_sparsity_report(job: JobDep, session: SessionDep, report_id: int):
 
 @router.get("/{job_id}/samples", response_model=list[SampleOut])
 def job_samples(job: JobDep, session: SessionDep,
-                step: Annotated[int | None, Query(ge=0)] = None,
-                after_id: Annotated[int, Query(ge=0)] = 0,
+                step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+                after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 200):
     return records.list_samples(session, job_id=job.id, step=step, after_id=after_id, limit=limit)
 

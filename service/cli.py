@@ -251,3 +251,64 @@ def run(spec_file: Path, out: Path) -> None:
         raise click.ClickException(f"job failed: {type(exc).__name__}: {exc}") from exc
     reporter.event(result.get("status", "succeeded"), json.dumps(result))
     click.echo(json.dumps(result))
+
+
+def _first(points: list[dict], n: int) -> float | None:
+    vals = [p["value"] for p in points[:n]]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _last(points: list[dict], n: int) -> float | None:
+    vals = [p["value"] for p in points[-n:]]
+    return sum(vals) / len(vals) if vals else None
+
+
+@main.command()
+@click.option("--port", default=8000, type=int)
+@click.option("--spec", "spec_file", default="examples/demo-smollm2.yaml",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def demo(port: int, spec_file: Path) -> None:
+    """Start `dev`, run a real GRPO job on SmolLM2-135M end to end, report what it learned, stop."""
+    settings = get_settings()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "dev", "--port", str(port)])
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise click.ClickException(f"`grpo-jobs dev` exited with {proc.returncode}; is port {port} free?")
+            time.sleep(0.2)
+        key = (settings.data_dir / DEV_KEY_FILE).read_text().strip()
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+            job = _check(c.post("/v1/jobs", json=_load_spec_file(spec_file)))
+            click.echo(f"submitted job {job['id']} ({spec_file}); the first run converts the bundled model (~20 s)")
+            job = _watch(c, job["id"])
+            series = {s["key"]: s["points"] for s in _check(c.get(
+                f"/v1/jobs/{job['id']}/metrics", params={"keys": "reward/mean,eval/accuracy,time/step_s"}))["series"]}
+        reward, acc, step_s = series.get("reward/mean", []), series.get("eval/accuracy", []), series.get("time/step_s", [])
+        click.echo(f"\njob {job['id']} {job['status']} after {job['step']}/{job['total_steps']} steps")
+        if reward:
+            click.echo(f"  reward/mean    first 3 steps {_first(reward, 3):.3f}  ->  last 3 steps {_last(reward, 3):.3f}")
+        if acc:
+            click.echo(f"  eval/accuracy  step {acc[0]['step']}: {acc[0]['value']:.3f}  ->  step {acc[-1]['step']}: "
+                       f"{acc[-1]['value']:.3f}   (greedy, held-out problems)")
+        if step_s:
+            click.echo(f"  {sum(p['value'] for p in step_s) / len(step_s) / 60:.2f} minutes per step")
+        click.echo(f"  dashboard: {base}/    API docs: {base}/docs    API key: {key}")
+        click.echo(f"  keep it running with `make dev`; inspect with `grpo-jobs status {job['id']}`")
+        if job["status"] != "succeeded":
+            sys.exit(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

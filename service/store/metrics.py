@@ -10,36 +10,69 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from service.store.models import Metric, utcnow
+from service.store.models import Metric, MetricKey, utcnow
+
+# name -> id per database; ids never change once written, so a process may cache them.
+_KEY_IDS: dict[str, dict[str, int]] = {}
+
+_PG_UPSERT = text("""
+INSERT INTO metrics (job_id, key_id, step, value, created_at)
+SELECT j, k, s, v, :now FROM unnest(CAST(:j AS integer[]), CAST(:k AS integer[]), CAST(:s AS integer[]),
+                                    CAST(:v AS double precision[])) AS t(j, k, s, v)
+ON CONFLICT (job_id, key_id, step) DO UPDATE SET value = excluded.value, created_at = excluded.created_at
+""")
 
 
-def _insert_for(session: Session):
-    return pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+def _is_pg(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+def key_ids(session: Session, *, names: Iterable[str], create: bool) -> dict[str, int]:
+    """Ids of metric names; with `create`, names not seen before are added."""
+    cache = _KEY_IDS.setdefault(str(session.get_bind().url), {})
+    names = set(names)
+    missing = names - cache.keys()
+    if missing and create:
+        insert = pg_insert if _is_pg(session) else sqlite_insert
+        session.execute(insert(MetricKey).on_conflict_do_nothing(index_elements=["name"]),
+                        [{"name": n} for n in sorted(missing)])
+    if missing:
+        cache.update(session.execute(select(MetricKey.name, MetricKey.id).where(MetricKey.name.in_(missing))).all())
+    return {n: cache[n] for n in names if n in cache}
 
 
 def upsert_points(session: Session, *, rows: Iterable[tuple[int, str, int, float]]) -> int:
-    """Write (job_id, key, step, value) rows; an existing (job_id, key, step) is overwritten."""
-    now = utcnow()
-    payload = [
-        {"job_id": j, "key": k, "step": s, "value": float(v), "created_at": now}
-        for j, k, s, v in rows
-        if v is not None and math.isfinite(float(v))  # NaN/inf are reported as events, never stored
-    ]
-    if not payload:
+    """Write (job_id, key, step, value) rows; an existing (job_id, key, step) is overwritten.
+
+    NaN and inf are never stored (a loop reports them as events). On PostgreSQL a batch is one
+    statement over arrays (unnest), several times faster than executemany.
+    """
+    latest: dict[tuple[int, str, int], float] = {}
+    for j, k, s, v in rows:  # one row per key and step: a statement may not update a row twice
+        if v is not None and math.isfinite(v := float(v)):
+            latest[(j, k, s)] = v
+    if not latest:
         return 0
-    insert = _insert_for(session)
-    stmt = insert(Metric)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["job_id", "key", "step"],
-        set_={"value": stmt.excluded.value, "created_at": stmt.excluded.created_at},
-    )
-    session.execute(stmt, payload)
-    return len(payload)
+    ids = key_ids(session, names={k for _, k, _ in latest}, create=True)
+    now = utcnow()
+    if _is_pg(session):
+        keys = list(latest)
+        session.execute(_PG_UPSERT, {"j": [x[0] for x in keys], "k": [ids[x[1]] for x in keys],
+                                     "s": [x[2] for x in keys], "v": list(latest.values()), "now": now})
+    else:
+        stmt = sqlite_insert(Metric)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["job_id", "key_id", "step"],
+            set_={"value": stmt.excluded.value, "created_at": stmt.excluded.created_at},
+        )
+        session.execute(stmt, [{"job_id": j, "key_id": ids[k], "step": s, "value": v, "created_at": now}
+                               for (j, k, s), v in latest.items()])
+    return len(latest)
 
 
 def upsert_step(session: Session, *, job_id: int, step: int, values: Mapping[str, float]) -> int:
@@ -47,7 +80,9 @@ def upsert_step(session: Session, *, job_id: int, step: int, values: Mapping[str
 
 
 def list_keys(session: Session, *, job_id: int) -> list[str]:
-    return list(session.scalars(select(Metric.key).where(Metric.job_id == job_id).distinct().order_by(Metric.key)))
+    used = select(Metric.key_id).where(Metric.job_id == job_id).distinct().subquery()
+    return list(session.scalars(select(MetricKey.name).join(used, MetricKey.id == used.c.key_id)
+                                .order_by(MetricKey.name)))
 
 
 def series(
@@ -55,14 +90,18 @@ def series(
     max_points: int = 1000,
 ) -> dict:
     """One series between from_step and to_step (inclusive), at most max_points points."""
-    base = [Metric.job_id == job_id, Metric.key == key]
+    empty = {"key": key, "points": [], "downsampled": False, "total_points": 0}
+    key_id = key_ids(session, names=[key], create=False).get(key)
+    if key_id is None:
+        return empty
+    base = [Metric.job_id == job_id, Metric.key_id == key_id]
     if from_step is not None:
         base.append(Metric.step >= from_step)
     if to_step is not None:
         base.append(Metric.step <= to_step)
     lo, hi, n = session.execute(select(func.min(Metric.step), func.max(Metric.step), func.count()).where(*base)).one()
     if not n:
-        return {"key": key, "points": [], "downsampled": False, "total_points": 0}
+        return empty
     if n <= max_points:
         rows = session.execute(select(Metric.step, Metric.value).where(*base).order_by(Metric.step)).all()
         points = [{"step": s, "value": v, "min": v, "max": v} for s, v in rows]
@@ -79,11 +118,12 @@ def series(
 
 def latest(session: Session, *, job_id: int) -> dict[str, dict]:
     """The newest point of every series of a job."""
-    newest = (select(Metric.key, func.max(Metric.step).label("step"))
-              .where(Metric.job_id == job_id).group_by(Metric.key).subquery())
+    newest = (select(Metric.key_id, func.max(Metric.step).label("step"))
+              .where(Metric.job_id == job_id).group_by(Metric.key_id).subquery())
     rows = session.execute(
-        select(Metric.key, Metric.step, Metric.value)
-        .join(newest, (Metric.key == newest.c.key) & (Metric.step == newest.c.step))
+        select(MetricKey.name, Metric.step, Metric.value)
+        .join(newest, (Metric.key_id == newest.c.key_id) & (Metric.step == newest.c.step))
+        .join(MetricKey, MetricKey.id == Metric.key_id)
         .where(Metric.job_id == job_id)
     ).all()
     return {k: {"step": s, "value": v} for k, s, v in rows}
@@ -92,7 +132,7 @@ def latest(session: Session, *, job_id: int) -> dict[str, dict]:
 def points_between(session: Session, *, job_id: int, after_step: int, to_step: int) -> dict[int, dict[str, float]]:
     """All points with after_step < step <= to_step, grouped by step (for live streams)."""
     rows = session.execute(
-        select(Metric.step, Metric.key, Metric.value)
+        select(Metric.step, MetricKey.name, Metric.value).join(MetricKey, MetricKey.id == Metric.key_id)
         .where(Metric.job_id == job_id, Metric.step > after_step, Metric.step <= to_step)
         .order_by(Metric.step)
     ).all()

@@ -59,15 +59,24 @@ class JobEvent(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class MetricKey(Base):
+    """Metric names, stored once: the points table keys on a small integer, not a string."""
+
+    __tablename__ = "metric_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(120), unique=True)
+
+
 class Metric(Base):
-    """One point of one series. (job_id, key, step) is the primary key: writes are upserts."""
+    """One point of one series. (job_id, key_id, step) is the primary key: writes are upserts."""
 
     __tablename__ = "metrics"
     # (job_id, step) serves live streams and "latest"; the primary key serves series queries.
     __table_args__ = (Index("ix_metrics_job_step", "job_id", "step"),)
 
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    key: Mapped[str] = mapped_column(String(120), primary_key=True)
+    key_id: Mapped[int] = mapped_column(ForeignKey("metric_keys.id"), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -38,8 +38,9 @@ def test_metric_writes_are_upserts(url):
     with session_scope(url) as s:  # a resumed job re-reports step 1
         metrics_q.upsert_step(s, job_id=jid, step=1, values={"a": 3.0})
     with session_scope(url) as s:
-        rows = s.execute(select(Metric.key, Metric.value).where(Metric.job_id == jid).order_by(Metric.key)).all()
-    assert rows == [("a", 3.0), ("b", 2.0)]
+        rows = sorted(metrics_q.latest(s, job_id=jid).items())
+        assert s.scalar(select(func.count()).select_from(Metric)) == 2
+    assert rows == [("a", {"step": 1, "value": 3.0}), ("b", {"step": 1, "value": 2.0})]
 
 
 def test_lease_is_exclusive_and_taken_over_when_stale(url):

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-21 09:47:56.865538
+Create Date: 2026-11-21 09:53:07.144672
 """
 from alembic import op
 import sqlalchemy as sa
@@ -60,6 +60,17 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('name')
     )
+    op.create_table('metrics',
+    sa.Column('job_id', sa.Integer(), nullable=False),
+    sa.Column('key_id', sa.Integer(), nullable=False),
+    sa.Column('step', sa.Integer(), nullable=False),
+    sa.Column('value', sa.Float(), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.PrimaryKeyConstraint('job_id', 'key_id', 'step', name='pk_metrics', postgresql_include=['value'])
+    )
+    with op.batch_alter_table('metrics', schema=None) as batch_op:
+        batch_op.create_index('ix_metrics_job_step', ['job_id', 'step'], unique=False)
+
     op.create_table('checkpoints',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('job_id', sa.Integer(), nullable=False),
@@ -88,19 +99,6 @@ def upgrade() -> None:
     )
     with op.batch_alter_table('job_events', schema=None) as batch_op:
         batch_op.create_index('ix_job_events_job_id_id', ['job_id', 'id'], unique=False)
-
-    op.create_table('metrics',
-    sa.Column('job_id', sa.Integer(), nullable=False),
-    sa.Column('key_id', sa.Integer(), nullable=False),
-    sa.Column('step', sa.Integer(), nullable=False),
-    sa.Column('value', sa.Float(), nullable=False),
-    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
-    sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
-    sa.ForeignKeyConstraint(['key_id'], ['metric_keys.id'], ),
-    sa.PrimaryKeyConstraint('job_id', 'key_id', 'step')
-    )
-    with op.batch_alter_table('metrics', schema=None) as batch_op:
-        batch_op.create_index('ix_metrics_job_step', ['job_id', 'step'], unique=False)
 
     op.create_table('samples',
     sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), nullable=False),
@@ -172,10 +170,6 @@ def downgrade() -> None:
         batch_op.drop_index('ix_samples_job_step')
 
     op.drop_table('samples')
-    with op.batch_alter_table('metrics', schema=None) as batch_op:
-        batch_op.drop_index('ix_metrics_job_step')
-
-    op.drop_table('metrics')
     with op.batch_alter_table('job_events', schema=None) as batch_op:
         batch_op.drop_index('ix_job_events_job_id_id')
 
@@ -184,6 +178,10 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f('ix_checkpoints_job_id'))
 
     op.drop_table('checkpoints')
+    with op.batch_alter_table('metrics', schema=None) as batch_op:
+        batch_op.drop_index('ix_metrics_job_step')
+
+    op.drop_table('metrics')
     op.drop_table('metric_keys')
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_jobs_status'))

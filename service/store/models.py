@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import (
-    JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
+    JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, PrimaryKeyConstraint, String, Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -69,15 +69,23 @@ class MetricKey(Base):
 
 
 class Metric(Base):
-    """One point of one series. (job_id, key_id, step) is the primary key: writes are upserts."""
+    """One point of one series. (job_id, key_id, step) is the primary key: writes are upserts.
+
+    The primary key INCLUDEs the value on PostgreSQL, so a series query is an index-only scan.
+    No foreign keys: they cost ~45% of ingest throughput, and only the worker holding a job's
+    lease writes its points.
+    """
 
     __tablename__ = "metrics"
-    # (job_id, step) serves live streams and "latest"; the primary key serves series queries.
-    __table_args__ = (Index("ix_metrics_job_step", "job_id", "step"),)
+    __table_args__ = (
+        PrimaryKeyConstraint("job_id", "key_id", "step", name="pk_metrics", postgresql_include=["value"]),
+        # serves live streams ("points after step N") and "latest"
+        Index("ix_metrics_job_step", "job_id", "step"),
+    )
 
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    key_id: Mapped[int] = mapped_column(ForeignKey("metric_keys.id"), primary_key=True)
-    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(Integer)
+    key_id: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
     value: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -85,13 +85,16 @@ def sequence_logprobs(
     # Only the last T+1 positions need the LM head: the prompt's logits would be thrown away.
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
                 logits_to_keep=T + 1)
-    logits = out.logits[:, -(T + 1):-1, :].float() / temperature  # [N, T, V]: position P-1+t predicts token t
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # [N, T]
-    logp = logp * batch.completion_mask
+    logits = out.logits[:, -(T + 1):-1, :].float()  # [N, T, V]: position P-1+t predicts token t
+    if temperature != 1.0:
+        logits = logits / temperature
+    # logit[token] - logsumexp(logits): no [N, T, V] log_softmax tensor is kept for backward
+    logp = logits.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logp = logp * batch.completion_mask  # [N, T]
     ent = None
     if with_entropy:
-        with torch.no_grad():
-            ent = entropy_from_logits(logits) * batch.completion_mask  # [N, T]
+        with torch.no_grad():  # one sequence at a time: never more than one [T, V] temporary
+            ent = torch.stack([entropy_from_logits(row) for row in logits.detach()]) * batch.completion_mask
     return logp, ent
 
 

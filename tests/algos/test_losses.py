@@ -89,3 +89,11 @@ def test_masked_positions_do_not_count():
 
 def test_masked_mean_empty_mask_is_zero():
     assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0
+
+
+def test_entropy_matches_definition():
+    from worker.algos.losses import entropy_from_logits
+
+    logits = torch.randn(3, 5, 11)
+    p = torch.softmax(logits, -1)
+    torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))

@@ -30,9 +30,9 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical over the last dim. [B, T, V] -> [B, T]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of the categorical over the last dim: logsumexp(l) - sum(softmax(l) * l). [..., V] -> [...]."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: Agg) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""One GRPO step split into rollout (sampling + scoring), old log-probs and training, measured
+side by side on the same batch, with tokens per second and peak memory.
+
+    python bench/step.py [--model smollm2-135m-instruct] [--device cpu] [--prompts 4] [--generations 8]
+
+With one epoch per rollout batch the loop takes old_logp from the first training forward, so
+`step_s` = rollout + training; the separate old-log-prob pass (needed from the second epoch on) is
+timed too, as `old_logp_s`. Ends with: RESULT step_s=... rollout_share=... tokens_per_s=... peak_mem_mb=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from service.settings import get_settings
+from service.specs import GRPOJob
+from worker.loops import steps as S
+from worker.reporting import Reporter
+
+
+def peak_mem_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--lora-r", type=int, default=16, help="0 for full fine-tuning")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    spec = GRPOJob.model_validate({
+        "model": {"name": args.model, "lora": {"r": args.lora_r} if args.lora_r else None},
+        "dataset": {"name": "arith"}, "devices": {"policy": args.device},
+        "grpo": {"steps": args.repeats + 1, "prompts_per_step": args.prompts, "num_generations": args.generations,
+                 "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.prompts * args.generations,
+                 "learning_rate": 1e-4},
+    })
+    reporter = Reporter()
+    reporter.checkpoint_root = Path("/tmp/grpo-bench-step")
+    s = S.build(spec, get_settings(), reporter)
+    S.collect_rollouts(s, 0, reporter)  # warm-up: allocator, kernels, tokenizer caches
+
+    rows = []
+    for step in range(1, args.repeats + 1):
+        torch.manual_seed(step)
+        t0 = time.perf_counter()
+        s.engine.sync(s.model)
+        ro = S.collect_rollouts(s, step, reporter)
+        t1 = time.perf_counter()
+        s.engine.logprobs(ro.batch, spec.grpo.micro_batch_size)  # timed only: skipped with one epoch
+        t2 = time.perf_counter()
+        S.train_epochs(s, ro, None, None, step)
+        t3 = time.perf_counter()
+        tokens = int(ro.batch.completion_mask.sum())
+        rows.append({"rollout": t1 - t0, "old_logp": t2 - t1, "train": t3 - t2, "tokens": tokens})
+        print(f"step {step}: rollout {t1 - t0:.2f} s, old log-probs {t2 - t1:.2f} s, train {t3 - t2:.2f} s, "
+              f"{tokens} completion tokens")
+
+    n = len(rows)
+    rollout = sum(r["rollout"] for r in rows) / n
+    old = sum(r["old_logp"] for r in rows) / n
+    train = sum(r["train"] for r in rows) / n
+    tokens = sum(r["tokens"] for r in rows) / n
+    step_s = rollout + train
+    print(f"{args.model} on {args.device}, P={args.prompts} G={args.generations}, max_new_tokens={args.max_new_tokens}: "
+          f"rollout {rollout:.2f} s, train {train:.2f} s, old_logp_s {old:.2f} s (not in the step at one epoch)")
+    print(f"RESULT step_s={step_s:.3f} rollout_share={rollout / step_s:.3f} tokens_per_s={tokens / step_s:.1f} "
+          f"peak_mem_mb={peak_mem_mb(args.device):.0f} old_logp_s={old:.3f}")
+
+
+if __name__ == "__main__":
+    main()

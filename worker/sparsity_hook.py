@@ -1,11 +1,139 @@
-"""Wires sparsity measurements into a loop: every `measure_interval` optimizer steps."""
+"""Sparsity reports for any loop: every `measure_interval` optimizer steps, diff the trained
+parameters against the previous measurement (the window) and against the start (cumulative),
+and test whether the large-magnitude part of the window's update reproduces the updated model.
+
+Snapshots are float32 copies on CPU: the start, and the previous measurement (the two are one
+copy until the first measurement). With LoRA, the adapter factors are tracked, and so is the
+effective merged weight W0 + s * B @ A of each adapted matrix, which is what the base model sees.
+"""
 
 from __future__ import annotations
 
+import time
+
+import torch
+
+from service.specs import SparsitySpec
+from worker.algos.sparsity import diff_report, logit_agreement, magnitude_mask, random_mask_like
+from worker.datasets import render_prompt
+from worker.reporting import Reporter
+
+
+def _cpu32(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().to("cpu", torch.float32, copy=True)
+
 
 class SparsityTracker:
+    def __init__(self, spec: SparsitySpec, setup, reporter: Reporter) -> None:
+        self.spec, self.s, self.reporter = spec, setup, reporter
+        self.params = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
+        self.start = {n: _cpu32(p) for n, p in self.params}
+        self.prev = self.start  # the same tensors until the first measurement
+        self.start_step = self.prev_step = setup.opt_steps
+        self.lora_modules = [(n, m) for n, m in setup.model.named_modules()
+                             if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {})]
+        self.start_merged = {n: self._merged(m, self.start, n) for n, m in self.lora_modules}
+        self.prev_merged = self.start_merged
+        self.pending: dict[str, float] = {}
+        self.probe = self._probe_batch()
+
     @classmethod
-    def maybe(cls, spec, setup, reporter):
-        if spec.sparsity is None:
+    def maybe(cls, spec, setup, reporter: Reporter) -> "SparsityTracker | None":
+        return None if spec.sparsity is None else cls(spec.sparsity, setup, reporter)
+
+    # -- LoRA merged view ----------------------------------------------------------------------
+    def _merged(self, module, snapshot: dict[str, torch.Tensor], mname: str) -> torch.Tensor:
+        """W0 + s * B @ A in float32 on CPU for one adapted module, from a snapshot of A and B."""
+        a = snapshot[f"{mname}.lora_A.default.weight"]
+        b = snapshot[f"{mname}.lora_B.default.weight"]
+        w0 = _cpu32(module.base_layer.weight)
+        return w0 + module.scaling["default"] * (b @ a)
+
+    # -- probe batch ---------------------------------------------------------------------------
+    def _probe_batch(self):
+        if not self.spec.quality.enabled:
             return None
-        raise NotImplementedError("sparsity reports are not implemented yet")
+        s = self.s
+        tok = s.tokenizer
+        texts = [render_prompt(tok, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+                 + " " + ex.answers[0] for ex in s.task.val[: self.spec.quality.probe_size]]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        mask = enc["attention_mask"]
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        return enc["input_ids"].to(s.device), mask.to(s.device), pos.to(s.device)
+
+    @torch.no_grad()
+    def _probe_logits(self) -> torch.Tensor:
+        ids, mask, pos = self.probe
+        return self.s.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
+
+    # -- measurement ---------------------------------------------------------------------------
+    def on_optimizer_step(self, opt_step: int) -> None:
+        if (opt_step - self.start_step) % self.spec.measure_interval == 0:
+            self.measure(opt_step)
+
+    def pop_metrics(self) -> dict[str, float]:
+        out, self.pending = self.pending, {}
+        return out
+
+    @torch.no_grad()
+    def measure(self, step: int) -> None:
+        t0 = time.perf_counter()
+        sp = self.spec
+        after = {n: _cpu32(p) for n, p in self.params}
+        kw = dict(thresholds=sp.thresholds, rtol=sp.rtol, primary=sp.primary_threshold)
+        window = diff_report(((n, self.prev[n], after[n]) for n, _ in self.params), **kw)
+        cumulative = diff_report(((n, self.start[n], after[n]) for n, _ in self.params), **kw)
+        if self.lora_modules:
+            merged_after = {n: self._merged(m, after, n) for n, m in self.lora_modules}
+            window["merged"] = diff_report(((f"{n}.weight", self.prev_merged[n], merged_after[n])
+                                            for n, _ in self.lora_modules), **kw)
+            cumulative["merged"] = diff_report(((f"{n}.weight", self.start_merged[n], merged_after[n])
+                                                for n, _ in self.lora_modules), **kw)
+            self.prev_merged = merged_after
+        if self.probe is not None:
+            window["quality"] = self._quality(after, step)
+        dt = time.perf_counter() - t0
+        for scope, rep in (("window", window), ("cumulative", cumulative)):
+            rep["time_s"] = dt
+            frm = self.prev_step if scope == "window" else self.start_step
+            self.reporter.sparsity({"step": step, "from_step": frm, "scope": scope,
+                                    "sparsity": rep["sparsity_primary"], "report": rep})
+        self.pending.update({"sparsity/ratio": window["sparsity_primary"],
+                             "sparsity/sign_flip_ratio": window["sign_flip_ratio"],
+                             "sparsity/cumulative_ratio": cumulative["sparsity_primary"],
+                             "sparsity/time_s": dt})
+        self.prev, self.prev_step = after, step
+
+    def _quality(self, after: dict[str, torch.Tensor], step: int) -> list[dict]:
+        """Apply only part of the window's update, forward the probe, compare with the full update.
+        The weights are restored from `after`, bit for bit, before returning."""
+        model = self.s.model
+        was_training = model.training
+        model.eval()
+        full = self._probe_logits()
+        mask = self.probe[1]
+        gen = torch.Generator().manual_seed(step)
+        rows = []
+        try:
+            for t in (self.spec.quality.thresholds or self.spec.thresholds):
+                kept = total = 0
+                res = {}
+                masks = {}
+                for n, _ in self.params:
+                    delta = after[n] - self.prev[n]
+                    masks[n] = magnitude_mask(delta, t)
+                    kept += int(masks[n].sum())
+                    total += delta.numel()
+                for kind in ("magnitude", "random"):
+                    for n, p in self.params:
+                        m = masks[n] if kind == "magnitude" else random_mask_like(masks[n], gen)
+                        partial = self.prev[n] + (after[n] - self.prev[n]) * m
+                        p.copy_(partial.to(p.device, p.dtype))
+                    res[kind] = logit_agreement(full, self._probe_logits(), mask)
+                rows.append({"threshold": t, "density": kept / max(total, 1), **res})
+        finally:
+            for n, p in self.params:  # exact: `after` holds the weights' own values in float32
+                p.copy_(after[n].to(p.device, p.dtype))
+            model.train(was_training)
+        return rows

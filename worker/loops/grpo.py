@@ -67,7 +67,7 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> dict:
                                      on_opt_step=tracker.on_optimizer_step if tracker else None)
         t_train = time.perf_counter() - t1
 
-        metrics = {**S.rollout_metrics(ro), **train_stats}
+        metrics = {**S.rollout_metrics(ro), **train_stats, **(tracker.pop_metrics() if tracker else {})}
         if g.eval_every and step % g.eval_every == 0 or step == g.steps:
             last_eval = S.evaluate(s)
             metrics.update(last_eval)

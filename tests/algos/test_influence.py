@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from service.specs import LoraSpec, ModelSpec
+from worker.algos.influence import GhostHooks, influence_scores, lora_layers
+from worker.models import load_policy
+
+
+def _model(tmp_path, dropout=0.0, targets="all-linear"):
+    spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, alpha=12, dropout=dropout, target_modules=targets))
+    model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
+    with torch.no_grad():  # LoRA B starts at zero; give it values so both A and B gradients are non-trivial
+        for _, a, b in lora_layers(model):
+            b.weight.normal_(0, 0.05)
+    return model, tok
+
+
+def _batch(tok, texts):
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # left padding
+    pos = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return enc["input_ids"], enc["attention_mask"], pos
+
+
+def _per_sample_losses(model, ids, mask, pos, weights):
+    """A GRPO-like per-sample loss: weighted mean token log-likelihood over real positions."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:].float()
+    return -(weights[:, None] * logp * m).sum(1) / m.sum(1)
+
+
+def _naive(model, train_fn, val_fn):
+    params = [p for _, a, b in lora_layers(model) for p in (a.weight, b.weight)]
+    g_val = torch.autograd.grad(val_fn(), params)
+    losses = train_fn()
+    out = []
+    for i in range(losses.shape[0]):
+        g_i = torch.autograd.grad(losses[i], params, retain_graph=True)
+        out.append(sum((a.double() * b.double()).sum() for a, b in zip(g_i, g_val)))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dropout,targets", [(0.0, "all-linear"), (0.1, ["q_proj", "v_proj", "down_proj"])])
+def test_scores_equal_naive_per_sample_autograd(tmp_path, dropout, targets):
+    model, tok = _model(tmp_path, dropout, targets)
+    model.train()
+    train = _batch(tok, ["Question: 1+1?", "Hi", "A much longer sample with padding", "7 8 9"])
+    val = _batch(tok, ["Question: 2+2?", "ok then"])
+    w_train = torch.tensor([1.0, -0.5, 2.0, 0.0])  # the last sample has zero advantage
+    w_val = torch.tensor([0.7, -1.2])
+
+    def seeded(fn, seed):
+        def call():
+            torch.manual_seed(seed)  # same dropout masks in both computations
+            return fn()
+        return call
+
+    train_fn = seeded(lambda: _per_sample_losses(model, *train, w_train), 1)
+    val_fn = seeded(lambda: _per_sample_losses(model, *val, w_val).sum(), 2)
+    ghost = influence_scores(model, train_fn, val_fn)
+    naive = _naive(model, train_fn, val_fn)
+    assert ghost.shape == (4,)
+    torch.testing.assert_close(ghost, naive, rtol=1e-4, atol=1e-10)
+    assert ghost[3] == 0.0  # zero advantage: zero influence
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_recovered_subset_gradient_equals_fresh_backward(tmp_path):
+    model, tok = _model(tmp_path)
+    train = _batch(tok, ["Question: 1+1?", "Hi", "A longer one", "7 8 9", "zz"])
+    w = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.0])
+    val = _batch(tok, ["Question: 2+2?"])
+    with GhostHooks(model, keep_factors=True) as hooks:
+        _per_sample_losses(model, *val, torch.tensor([1.0])).sum().backward()
+        hooks.capture_validation_gradient()
+        hooks.start_scoring(5, "cpu")
+        # two micro-batches, as the loop runs them
+        for rows in (torch.tensor([0, 1, 2]), torch.tensor([3, 4])):
+            hooks.rows = rows
+            _per_sample_losses(model, *(t[rows] for t in train), w[rows]).sum().backward()
+    subset = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
+    recovered = hooks.subset_gradients(subset * 2.5)
+    model.zero_grad(set_to_none=True)
+    keep = subset.bool()
+    (2.5 * _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum()).backward()
+    for _, a, b in lora_layers(model):
+        for p in (a.weight, b.weight):
+            torch.testing.assert_close(recovered[p], p.grad, rtol=1e-4, atol=1e-7)

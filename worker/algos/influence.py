@@ -1,0 +1,150 @@
+"""TracIn influence over LoRA weights with "ghost" inner products (no per-sample gradients).
+
+For a LoRA layer `o = B(A(x')) * s` (x' = dropout(x)), with h = x' A^T and g_h, g_o the gradients
+at A's and B's outputs that backward sees (g_o already carries s):
+
+    grad_A = sum_t g_h[t]^T x'[t]        grad_B = sum_t g_o[t]^T h[t]
+
+so for fixed validation gradients G_A [r, d_in] and G_B [d_out, r] of the same layer,
+
+    <grad_A(i), G_A> = sum_t <g_h[i, t], x'[i, t] G_A^T>      <grad_B(i), G_B> = sum_t <g_o[i, t] G_B, h[i, t]>
+
+Both are computed per sample from rank-r projections inside one batched backward (a sample's
+gradient at its own positions comes from its own loss only), at O(T * r * d) per layer.
+
+`GhostHooks` can also keep the factors (g_h, x') and (g_o, h) of the batch, so that the gradient
+of any subset of the samples is recovered afterwards without a second backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def lora_layers(model: torch.nn.Module, adapter: str = "default") -> list[tuple[str, torch.nn.Linear, torch.nn.Linear]]:
+    """(name, A, B) of every peft LoRA layer of the model."""
+    out = []
+    for name, m in model.named_modules():
+        a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
+        if isinstance(a, torch.nn.ModuleDict) and adapter in a and isinstance(a[adapter], torch.nn.Linear):
+            out.append((name, a[adapter], b[adapter]))
+    if not out:
+        raise ValueError("the model has no LoRA layers: influence is computed over LoRA weights")
+    return out
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[N, ..., d] -> [N, L, d]."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+class GhostHooks:
+    """Per-sample inner products with a fixed validation gradient, accumulated during backward.
+
+    Usage:
+        with GhostHooks(model) as gh:
+            val_loss().backward(); gh.capture_validation_gradient()   # G per layer; grads zeroed
+            gh.rows = torch.arange(N); train_losses().sum().backward()
+        gh.scores  # [N]
+    Set `rows` before each micro-batch's backward to place its samples in `scores`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, keep_factors: bool = False) -> None:
+        self.layers = lora_layers(model)
+        self.keep_factors = keep_factors
+        self.val_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scores: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor, torch.Tensor]] = []  # (layer, rows, "A"/"B", g, a)
+        self._handles: list = []
+
+    def __enter__(self) -> "GhostHooks":
+        for i, (_, a, b) in enumerate(self.layers):
+            self._handles.append(a.register_forward_hook(self._hook(i, "A")))
+            self._handles.append(b.register_forward_hook(self._hook(i, "B")))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def capture_validation_gradient(self) -> None:
+        """Take the accumulated .grad of every LoRA A and B as the validation direction, then zero it."""
+        for i, (_, a, b) in enumerate(self.layers):
+            if a.weight.grad is None or b.weight.grad is None:
+                raise RuntimeError("no validation gradient: call backward on the validation loss first")
+            self.val_grads[i] = (a.weight.grad.detach().clone(), b.weight.grad.detach().clone())
+            a.weight.grad = None
+            b.weight.grad = None
+
+    def _hook(self, i: int, which: str) -> Callable:
+        def forward_hook(_module, inputs, output):
+            if i not in self.val_grads or not output.requires_grad:
+                return  # validation pass (or no grad): nothing to score yet
+            inp = _flat(inputs[0].detach())
+            rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])  # A: x' [N, L, d_in];  B: h [N, L, r]
+            g_a, g_b = self.val_grads[i]
+            # A: project the input now ([N, L, r]); B: keep h ([N, L, r]) and project the gradient later
+            proj = inp @ g_a.T.to(inp.dtype) if which == "A" else inp
+
+            def backward_hook(grad):
+                g = _flat(grad.detach())  # A: g_h [N, L, r];  B: g_o [N, L, d_out]
+                if which == "A":
+                    contrib = (g * proj).sum(dim=(1, 2))  # sum_t <g_h, x' G_A^T>
+                else:
+                    contrib = ((g @ g_b.to(g.dtype)) * proj).sum(dim=(1, 2))  # sum_t <g_o G_B, h>
+                self.scores.index_add_(0, rows.to(self.scores.device), contrib.to(self.scores.dtype))
+                if self.keep_factors:
+                    self.factors.append((i, rows, which, g, inp))
+
+            output.register_hook(backward_hook)
+
+        return forward_hook
+
+    def start_scoring(self, n: int, device: torch.device | str) -> None:
+        self.scores = torch.zeros(n, dtype=torch.float64, device=device)
+        self.factors.clear()
+
+    def subset_gradients(self, weights: torch.Tensor) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """sum_i weights[i] * grad_i for every LoRA weight, from the kept factors. weights: [N]."""
+        if not self.keep_factors:
+            raise RuntimeError("GhostHooks(keep_factors=True) is needed to recover subset gradients")
+        out: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for i, rows, which, g, inp in self.factors:
+            w = weights.to(g.device, g.dtype)[rows.to(g.device)].view(-1, 1, 1)
+            _, a, b = self.layers[i]
+            if which == "A":
+                grad, p = torch.einsum("nlr,nld->rd", g * w, inp), a.weight  # [r, d_in]
+            else:
+                grad, p = torch.einsum("nlo,nlr->or", g * w, inp), b.weight  # [d_out, r]
+            out[p] = out[p] + grad if p in out else grad
+        return out
+
+
+def influence_scores(
+    model: torch.nn.Module, train_losses: Callable[[], torch.Tensor], val_loss: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """<grad of train_losses()[i], grad of val_loss()> over the model's LoRA A and B weights, for every i.
+
+    train_losses() returns per-sample losses [N] from one batched forward; val_loss() a scalar.
+    No per-sample gradient is materialised. Leaves the parameters' .grad as it found them (None).
+    Returns [N] float64.
+    """
+    params = [p for _, a, b in lora_layers(model) for p in (a.weight, b.weight)]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with GhostHooks(model) as hooks:
+            val_loss().backward()
+            hooks.capture_validation_gradient()
+            losses = train_losses()  # [N]
+            hooks.start_scoring(losses.shape[0], losses.device)
+            losses.sum().backward()
+        return hooks.scores
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g

@@ -296,6 +296,9 @@ class TracInJob(_JobBase):
     def _needs_lora(self) -> "TracInJob":
         if self.model.lora is None:
             raise ValueError("model.lora is required for kind 'tracin': influence is computed over LoRA weights")
+        if self.model.gradient_checkpointing:
+            raise ValueError("model.gradient_checkpointing is not supported for kind 'tracin': recomputed "
+                             "forwards would count each sample's influence twice")
         if self.dataset.name == "persona-facts":
             raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
         return self

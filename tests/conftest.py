@@ -85,3 +85,58 @@ def settings_factory(tmp_path, models_root):
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+def _digit_share(completion, answers):
+    """A reward a 2-layer random model can learn fast: the share of digits in its completion."""
+    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+
+
+@pytest.fixture
+def digit_reward(monkeypatch):
+    """Registers `digit_share`, a dense reward with spread even for random models."""
+    from service import specs
+    from worker import rewards as R
+
+    monkeypatch.setitem(R.REGISTRY, "digit_share", R.RewardInfo(_digit_share))
+    monkeypatch.setattr(specs, "REWARDS", (*specs.REWARDS, "digit_share"))
+
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from service.app import create_app  # noqa: E402
+from service.store import keys as keys_q  # noqa: E402
+from service.store.db import session_scope  # noqa: E402
+from service.store.migrate import upgrade  # noqa: E402
+
+
+class Api:
+    """A TestClient on a migrated store with two owners' keys."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        upgrade(settings.store_url)
+        with session_scope(settings.store_url) as s:
+            self.alice = keys_q.create_key(s, owner="alice")
+            self.bob = keys_q.create_key(s, owner="bob")
+        self.client = TestClient(create_app(settings))
+
+    def auth(self, key=None):
+        return {"Authorization": f"Bearer {key or self.alice}"}
+
+    def get(self, path, key=None, **kw):
+        return self.client.get(path, headers={**self.auth(key), **kw.pop("headers", {})}, **kw)
+
+    def post(self, path, key=None, **kw):
+        return self.client.post(path, headers={**self.auth(key), **kw.pop("headers", {})}, **kw)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def api(request, settings_factory):
+    url = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    return Api(settings_factory(database_url=url))
+
+
+@pytest.fixture
+def sqlite_api(settings_factory):
+    return Api(settings_factory())

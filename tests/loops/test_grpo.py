@@ -4,22 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service import specs
 from service.specs import GRPOJob
-from worker import rewards as R
 from worker.loops import grpo
 from worker.reporting import FileReporter
-
-
-def _digit_share(completion, answers):
-    """A reward a 2-layer random model can learn fast: the share of digits in its completion."""
-    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
-
-
-@pytest.fixture
-def digit_reward(monkeypatch):
-    monkeypatch.setitem(R.REGISTRY, "digit_share", R.RewardInfo(_digit_share))
-    monkeypatch.setattr(specs, "REWARDS", (*specs.REWARDS, "digit_share"))
 
 
 def _metrics(out):

@@ -179,7 +179,7 @@ def test_health_ready_and_prometheus(api):
 
 
 def test_readyz_reports_unreachable_broker(settings_factory):
-    from tests.service.conftest import Api
+    from tests.conftest import Api
 
     api = Api(settings_factory(broker_url="redis://127.0.0.1:1/0"))
     r = api.client.get("/readyz")

@@ -124,6 +124,25 @@ class GhostHooks:
         return out
 
 
+    def gram(self) -> torch.Tensor:
+        """[N, N] inner products <grad_i, grad_j> of the training samples over the LoRA weights, from
+        the kept factors, one layer at a time (per-sample gradients of one layer exist transiently)."""
+        if not self.keep_factors:
+            raise RuntimeError("GhostHooks(keep_factors=True) is needed for the Gram matrix")
+        n = self.scores.numel()
+        per_layer: dict[tuple[int, str], list] = {}
+        for i, rows, which, g, inp in self.factors:
+            per_layer.setdefault((i, which), []).append((rows, g, inp))
+        gram = torch.zeros(n, n, dtype=torch.float64)
+        for parts in per_layer.values():
+            d_g, d_a = parts[0][1].shape[-1], parts[0][2].shape[-1]
+            grads = torch.zeros(n, d_g * d_a, dtype=parts[0][1].dtype, device=parts[0][1].device)
+            for rows, g, inp in parts:
+                grads[rows.to(grads.device)] = torch.einsum("nlg,nla->nga", g, inp).reshape(len(rows), -1)
+            gram += (grads @ grads.T).double().cpu()
+        return gram
+
+
 def influence_scores(
     model: torch.nn.Module, train_losses: Callable[[], torch.Tensor], val_loss: Callable[[], torch.Tensor]
 ) -> torch.Tensor:

@@ -89,3 +89,36 @@ def policy_loss(
             "clip_ratio/region_mean": (clipped_taken * mask).sum() / n,
         }
     return loss, stats
+
+
+def per_sample_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    batch_tokens: float,
+    batch_size: int,
+    ref_logp: torch.Tensor | None = None,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.0,
+    agg: Agg = "token_mean",
+) -> torch.Tensor:
+    """Each sample's share of the aggregated GRPO-Clip loss, so that over the whole batch the shares
+    sum to `policy_loss` (batch_tokens / batch_size describe the whole batch, not this micro-batch).
+    Returns [B]; the gradient of share i is sample i's gradient, as TracIn needs."""
+    mask = mask.to(logp.dtype)
+    ratios = torch.exp(logp - old_logp)  # [B, T]
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
+    per_token = -torch.minimum(ratios * adv, torch.clamp(ratios, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)
+    if ref_logp is not None and kl_coef:
+        per_token = per_token + kl_coef * k3_kl(logp, ref_logp)
+    summed = (per_token * mask).sum(1)  # [B]
+    if agg == "token_mean":
+        return summed / max(batch_tokens, 1.0)
+    if agg == "seq_mean":
+        return summed / mask.sum(1).clamp(min=1.0) / batch_size
+    if agg == "dr_grpo":
+        return summed / (batch_size * mask.shape[1])
+    raise ValueError(f"unknown aggregation {agg!r}")

@@ -123,16 +123,17 @@ def score_groups(completions: list[str], examples: list[Example], G: int, weight
 
 
 def collect_rollouts(s: Setup, step: int, reporter: Reporter, *, examples_pool: list[Example] | None = None,
-                     prompts_per_step: int | None = None) -> Rollouts | None:
+                     prompts_per_step: int | None = None, group_size: int | None = None,
+                     tag: str = "train") -> Rollouts | None:
     """Sample P prompts, G completions each, score and normalise per group.
 
     With drop_zero_std_groups, groups whose rewards all tie are dropped and fresh prompts fill the
     batch, up to max_refill_rounds times. Returns None when no group is left.
     """
     g: GRPOSpec = s.spec.grpo
-    G, P = g.num_generations, prompts_per_step or g.prompts_per_step
+    G, P = group_size or g.num_generations, prompts_per_step or g.prompts_per_step
     pool = examples_pool or s.task.train
-    rng = random.Random(f"prompts-{g.seed}-{step}")
+    rng = random.Random(f"prompts-{tag}-{g.seed}-{step}")
     kept: list[tuple[RolloutBatch, list[Example], torch.Tensor, torch.Tensor, dict]] = []
     frac_zero = None
     need, rounds = P, 0

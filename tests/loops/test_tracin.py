@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from service.specs import TracInJob
+from service.store.db import session_scope
+from worker import runner
+from worker.loops import tracin
+from worker.reporting import FileReporter
+
+
+def _spec(selection="positive", epochs=1, **tr):
+    return {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+            "dataset": {"num_train": 60, "num_val": 8}, "rewards": [{"name": "digit_share"}],
+            "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8,
+                     "learning_rate": 1e-3, "micro_batch_size": 3, "eval_prompts": 2,
+                     "epochs_per_rollout_batch": epochs},
+            "tracin": {"val_prompts": 2, "val_generations": 3, "selection": selection, "fraction": 0.5, **tr}}
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("selection,epochs", [("positive", 1), ("top_fraction", 1), ("greedy", 1),
+                                              ("random", 1), ("positive", 2)])
+def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward, selection, epochs):
+    spec = TracInJob.model_validate(_spec(selection, epochs, val_regenerate_every=2))
+    assert tracin.run(spec, FileReporter(tmp_path), settings=settings_factory())["status"] == "succeeded"
+    sels = _lines(tmp_path / "selections.jsonl")
+    assert [s["step"] for s in sels] == [1, 2, 3]
+    for s in sels:
+        scores = [v for _, v, _ in s["scores"]]
+        chosen = [c for _, _, c in s["scores"]]
+        assert s["total"] == 8 and s["selected"] == sum(chosen)
+        if selection == "positive":
+            assert chosen == [v > 0 for v in scores]
+        if selection in ("top_fraction", "random"):
+            assert s["selected"] == 4
+        if selection == "greedy":
+            assert s["selected"] <= 4 and all(v > 0 for v, c in zip(scores, chosen) if c)
+        assert sum(s["histogram"]["counts"]) == 8
+    metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
+    assert {"tracin/mean_ip", "tracin/num_selected", "tracin/selection_ratio", "tracin/time_s"} <= metrics[1].keys()
+    samples = [x for x in _lines(tmp_path / "samples.jsonl") if x["step"] == 1]
+    assert len(samples) == 8 and all(x["influence"] is not None for x in samples)
+    for x in samples:  # zero-advantage samples have zero influence
+        if x["advantage"] == 0.0:
+            assert x["influence"] == 0.0
+
+
+def test_tracin_job_through_the_api(sqlite_api, digit_reward):
+    api = sqlite_api
+    r = api.post("/v1/jobs", json=_spec())
+    assert r.status_code == 201, r.text
+    jid = r.json()["id"]
+    assert runner.run_job(jid, settings=api.settings) == "succeeded"
+    sels = api.get(f"/v1/jobs/{jid}/selections").json()
+    assert [s["step"] for s in sels] == [1, 2, 3] and all(len(s["scores"]) == 8 for s in sels)
+    samples = api.get(f"/v1/jobs/{jid}/samples", params={"step": 2}).json()
+    assert len(samples) == 8 and all(s["selected"] is not None for s in samples)
+    latest = api.get(f"/v1/jobs/{jid}/metrics/latest").json()
+    assert "tracin/selection_ratio" in latest
+
+
+def test_validation_group_of_one_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="val_generations"):
+        TracInJob.model_validate({**_spec(), "tracin": {"val_generations": 1}})

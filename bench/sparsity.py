@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def main() -> None:
                      "quality": {"enabled": True, "probe_size": args.probe_size}},
     })
     rep = Reporter()
-    rep.checkpoint_root = Path("/tmp/grpo-bench-sparsity")
+    rep.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-sparsity-"))
     s = S.build(spec, get_settings(), rep)
     ro = S.collect_rollouts(s, 0, rep)
     S.train_epochs(s, ro, None, None, 0)  # warm-up

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def main() -> None:
                  "learning_rate": 1e-4},
     })
     reporter = Reporter()
-    reporter.checkpoint_root = Path("/tmp/grpo-bench-step")
+    reporter.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-step-"))
     s = S.build(spec, get_settings(), reporter)
     S.collect_rollouts(s, 0, reporter)  # warm-up: allocator, kernels, tokenizer caches
 

@@ -1,0 +1,164 @@
+"""TracIn benchmark, measured side by side in one run.
+
+1. Scoring, on one training batch and one validation batch: the ghost hooks (one batched backward)
+   against naive per-sample autograd (one backward per sample through the same batched forward):
+   time and the largest relative error of the hook scores.
+2. A step of the real TracIn loop against a step of the real GRPO loop on the same settings and
+   seed, each loop in its own process so that each one's peak memory is its own.
+
+    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 4] [--generations 8]
+
+Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from service.settings import get_settings
+from service.specs import TracInJob
+from worker.algos.influence import GhostHooks, lora_layers
+from worker.algos.losses import per_sample_loss
+from worker.loops import steps as S
+from worker.reporting import Reporter
+from worker.rollout import sequence_logprobs
+
+
+def job(args, kind: str, steps: int) -> dict:
+    spec = {
+        "kind": kind,
+        "model": {"name": args.model, "lora": {"r": args.lora_r}},
+        "dataset": {"name": "arith"},
+        # a graded reward beside the exact one, so advantages (and scores) are rarely all zero
+        "rewards": [{"name": "numeric_match"}, {"name": "rouge_l", "weight": 0.2}],
+        "grpo": {"steps": steps, "prompts_per_step": args.prompts, "num_generations": args.generations,
+                 "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.prompts * args.generations,
+                 "learning_rate": 1e-4, "temperature": 1.0, "eval_prompts": 1, "samples_per_step": 0},
+    }
+    if kind == "tracin":
+        spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": args.val_generations,
+                          "val_regenerate_every": args.val_regenerate_every}
+    return spec
+
+
+class Capture(Reporter):
+    def __init__(self):
+        self.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-tracin-"))
+        self.steps = {}
+
+    def metrics(self, step, values):
+        self.steps[step] = values
+
+
+def child(args) -> None:
+    """Run the real loop of one kind; print mean step time (eval steps excluded) and peak RSS."""
+    from pydantic import TypeAdapter
+
+    from service.specs import JobSpec
+    from worker.runner import loop_for
+
+    spec = TypeAdapter(JobSpec).validate_python(job(args, args.child, args.loop_steps))
+    rep = Capture()
+    loop_for(spec.kind)(spec, rep, settings=get_settings())
+    times = [rep.steps[s]["time/step_s"] for s in range(2, args.loop_steps)]  # 1: warm-up; last: eval
+    print(json.dumps({"step_s": sum(times) / len(times),
+                      "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def losses_fn(s, ro):
+    g = s.spec.grpo
+    tokens, n = float(ro.loss_mask.sum()), len(ro.batch)
+
+    def f():
+        logp, _ = sequence_logprobs(s.model, ro.batch, g.temperature)
+        return per_sample_loss(logp, logp.detach(), ro.advantages, ro.loss_mask, batch_tokens=tokens, batch_size=n)
+
+    return f
+
+
+def scoring(args) -> tuple[float, float, float, int]:
+    spec = TracInJob.model_validate(job(args, "tracin", 1))
+    rep = Reporter()
+    rep.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-tracin-"))
+    s = S.build(spec, get_settings(), rep)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter, not B = 0: both factors' gradients matter
+        for _, _, b in lora_layers(s.model):
+            b.weight.normal_(0, 1e-3)
+    ro = S.collect_rollouts(s, 1, rep)
+    val = S.collect_rollouts(s, 1, rep, examples_pool=s.task.val, prompts_per_step=args.val_prompts,
+                             group_size=args.val_generations, tag="val")
+    s.model.train()
+    train_f, val_f = losses_fn(s, ro), losses_fn(s, val)
+    params = [p for _, a, b in lora_layers(s.model) for p in (a.weight, b.weight)]
+
+    t0 = time.perf_counter()
+    with GhostHooks(s.model) as hooks:
+        val_f().sum().backward()
+        hooks.capture_validation_gradient()
+        losses = train_f()
+        hooks.start_scoring(losses.shape[0], "cpu")
+        losses.sum().backward()
+    ghost_s = time.perf_counter() - t0
+    ghost = hooks.scores
+    s.model.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    g_val = torch.autograd.grad(val_f().sum(), params)
+    losses = train_f()
+    naive = []
+    for i in range(losses.shape[0]):
+        g_i = torch.autograd.grad(losses[i], params, retain_graph=i < losses.shape[0] - 1)
+        naive.append(sum((a.double() * b.double()).sum() for a, b in zip(g_i, g_val)))
+    naive_s = time.perf_counter() - t0
+    naive = torch.stack(naive)
+    if not (naive != 0).any():
+        raise SystemExit("every advantage in the batch is zero, so every score is 0: try another --seed-step")
+    nz = naive.abs() > 1e-12 * naive.abs().max()
+    rel = ((ghost - naive).abs()[nz] / naive.abs()[nz]).max().item() if nz.any() else 0.0
+    return ghost_s, naive_s, rel, losses.shape[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--val-prompts", type=int, default=2)
+    ap.add_argument("--val-generations", type=int, default=4)
+    ap.add_argument("--val-regenerate-every", type=int, default=4)
+    ap.add_argument("--loop-steps", type=int, default=6)
+    ap.add_argument("--child", choices=["grpo", "tracin"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    ghost_s, naive_s, rel, n = scoring(args)
+    print(f"scoring {n} samples: hooks {ghost_s:.2f} s, naive per-sample autograd {naive_s:.2f} s, "
+          f"max relative error {rel:.2e}")
+    runs = {}
+    for kind in ("grpo", "tracin"):
+        out = subprocess.run([sys.executable, __file__, "--child", kind, *sys.argv[1:]], check=True,
+                             capture_output=True, text=True).stdout
+        runs[kind] = json.loads(out.strip().splitlines()[-1])
+        print(f"{kind} loop: {runs[kind]['step_s']:.2f} s/step, peak RSS {runs[kind]['peak_mb']:.0f} MB")
+    print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations}, "
+          f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
+    print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e} "
+          f"step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
+          f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

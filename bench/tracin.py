@@ -94,9 +94,12 @@ def scoring(args) -> tuple[float, float, float, int]:
     with torch.no_grad():  # a trained adapter, not B = 0: both factors' gradients matter
         for _, _, b in lora_layers(s.model):
             b.weight.normal_(0, 1e-3)
-    ro = S.collect_rollouts(s, 1, rep)
-    val = S.collect_rollouts(s, 1, rep, examples_pool=s.task.val, prompts_per_step=args.val_prompts,
-                             group_size=args.val_generations, tag="val")
+    for step in range(1, 21):  # a batch pair whose advantages are not all zero, or every score is 0
+        ro = S.collect_rollouts(s, step, rep)
+        val = S.collect_rollouts(s, step, rep, examples_pool=s.task.val, prompts_per_step=args.val_prompts,
+                                 group_size=args.val_generations, tag="val")
+        if ro.advantages.abs().sum() > 0 and val.advantages.abs().sum() > 0:
+            break
     s.model.train()
     train_f, val_f = losses_fn(s, ro), losses_fn(s, val)
     params = [p for _, a, b in lora_layers(s.model) for p in (a.weight, b.weight)]
@@ -122,7 +125,7 @@ def scoring(args) -> tuple[float, float, float, int]:
     naive_s = time.perf_counter() - t0
     naive = torch.stack(naive)
     if not (naive != 0).any():
-        raise SystemExit("every advantage in the batch is zero, so every score is 0: try another --seed-step")
+        raise SystemExit("no batch with non-zero advantages in 20 tries: every score is 0")
     nz = naive.abs() > 1e-12 * naive.abs().max()
     rel = ((ghost - naive).abs()[nz] / naive.abs()[nz]).max().item() if nz.any() else 0.0
     return ghost_s, naive_s, rel, losses.shape[0]

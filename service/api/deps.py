@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from service.settings import Settings
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q
-from service.store.db import get_sessionmaker
+from service.store.db import session_scope
 from service.store.models import Job
 
 
@@ -23,15 +23,8 @@ SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 
 
 def get_db(settings: SettingsDep) -> Iterator[Session]:
-    session = get_sessionmaker(settings.store_url)()
-    try:
+    with session_scope(settings.store_url) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 SessionDep = Annotated[Session, Depends(get_db)]

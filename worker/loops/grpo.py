@@ -35,15 +35,10 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> dict:
     S.resume_if_possible(s, reporter)
     tracker = SparsityTracker.maybe(spec, s, reporter)
 
-    first_eval = S.evaluate(s) if s.start_step == 0 else None
-    if first_eval:
-        reporter.metrics(0, first_eval)
-    last_eval = first_eval or {}
+    last_eval = S.initial_eval(s, reporter)
     for step in range(s.start_step + 1, g.steps + 1):
-        if reporter.should_stop():
-            S.checkpoint(s, reporter, step - 1)
-            reporter.event("cancelled", f"stopped before step {step}; checkpoint saved")
-            return {"status": "cancelled", "step": step - 1}
+        if stopped := S.stop_requested(s, reporter, step):
+            return stopped
         t0 = time.perf_counter()
         seed_everything(step_seed(g.seed, step))
 

@@ -76,6 +76,24 @@ def resume_if_possible(s: Setup, reporter: Reporter) -> None:
     reporter.event("resumed", f"resumed from checkpoint at step {s.start_step}", data={"path": str(ckpt)})
 
 
+def initial_eval(s: Setup, reporter: Reporter) -> dict[str, float]:
+    """Evaluate before the first step (not again after a resume) and report it as step 0."""
+    if s.start_step:
+        return {}
+    ev = evaluate(s)
+    reporter.metrics(0, ev)
+    return ev
+
+
+def stop_requested(s: Setup, reporter: Reporter, step: int) -> dict | None:
+    """Cooperative cancel, checked between steps: checkpoint what was done and say so."""
+    if not reporter.should_stop():
+        return None
+    checkpoint(s, reporter, step - 1)
+    reporter.event("cancelled", f"stopped before step {step}; checkpoint saved")
+    return {"status": "cancelled", "step": step - 1}
+
+
 def checkpoint(s: Setup, reporter: Reporter, step: int, *, extra_optimizers: dict | None = None,
                extra_schedulers: dict | None = None) -> Path:
     path = reporter.checkpoint_root / f"step-{step}"

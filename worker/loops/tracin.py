@@ -77,15 +77,11 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
     tracker = SparsityTracker.maybe(spec, s, reporter)
     one_epoch = g.epochs_per_rollout_batch == 1
 
-    last_eval = S.evaluate(s) if s.start_step == 0 else {}
-    if last_eval:
-        reporter.metrics(0, last_eval)
+    last_eval = S.initial_eval(s, reporter)
     val_ro = None
     for step in range(s.start_step + 1, g.steps + 1):
-        if reporter.should_stop():
-            S.checkpoint(s, reporter, step - 1)
-            reporter.event("cancelled", f"stopped before step {step}; checkpoint saved")
-            return {"status": "cancelled", "step": step - 1}
+        if stopped := S.stop_requested(s, reporter, step):
+            return stopped
         t0 = time.perf_counter()
         seed_everything(step_seed(g.seed, step))
 

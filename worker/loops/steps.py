@@ -142,7 +142,7 @@ def score_groups(completions: list[str], examples: list[Example], G: int, weight
 
 def collect_rollouts(s: Setup, step: int, reporter: Reporter, *, examples_pool: list[Example] | None = None,
                      prompts_per_step: int | None = None, group_size: int | None = None,
-                     tag: str = "train") -> Rollouts | None:
+                     tag: str = "train", drop_zero_std: bool | None = None) -> Rollouts | None:
     """Sample P prompts, G completions each, score and normalise per group.
 
     With drop_zero_std_groups, groups whose rewards all tie are dropped and fresh prompts fill the
@@ -164,7 +164,8 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, *, examples_pool: 
         rewards, excluded, per_fn = score_groups(batch.completions, examples, G, s.weights, reporter, step)
         zero = zero_std_groups(rewards, G)  # [need]
         frac_zero = float(zero.float().mean()) if frac_zero is None else frac_zero
-        keep = ~zero if g.drop_zero_std_groups else torch.ones_like(zero)
+        drop = g.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
+        keep = ~zero if drop else torch.ones_like(zero)
         if keep.any():
             rows = torch.arange(len(batch)).view(-1, G)[keep].reshape(-1)
             kept.append((batch.select(rows), [ex for ex, k in zip(examples, keep) if k], rewards[rows],

@@ -89,11 +89,14 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
         s.engine.sync(s.model)
         ro = S.collect_rollouts(s, step, reporter)
         if val_ro is None or (step - 1) % t.val_regenerate_every == 0:
+            # tied validation groups have zero advantages and add nothing to G_val: replace them
             val_ro = S.collect_rollouts(s, step, reporter, examples_pool=s.task.val, prompts_per_step=t.val_prompts,
-                                        group_size=t.val_generations, tag="val")
+                                        group_size=t.val_generations, tag="val", drop_zero_std=True)
         t_rollout = time.perf_counter() - t0
         if ro is None or val_ro is None:
-            reporter.event("skipped", f"step {step}: every group's rewards tied; no update", level="warning")
+            which = "training" if ro is None else "validation"
+            reporter.event("skipped", f"step {step}: every {which} group's rewards tied (no signal); no update",
+                           level="warning")
             reporter.progress(step)
             continue
         old_logp = None if one_epoch else s.engine.logprobs(ro.batch, g.micro_batch_size)

@@ -83,6 +83,9 @@ class DatasetSpec(_Section):
     seed: int = Field(0, description="Seed of generated tasks and of the train/validation split.")
     num_train: int = Field(2000, ge=1, le=1_000_000, description="Generated tasks: training examples.")
     num_val: int = Field(200, ge=1, le=100_000, description="Generated tasks / jsonl: validation examples.")
+    corpus_size: int = Field(
+        64, ge=2, le=100_000, description="persona-facts: documents (one per made-up person) in the corpus."
+    )
     difficulty: int = Field(
         1, ge=1, le=3,
         description="arith: 1 = one addition or subtraction of small numbers, 2 = two operations, "
@@ -246,6 +249,9 @@ class RetrieverSpec(_Section):
     def _pool(self) -> "RetrieverSpec":
         if self.k > self.candidates:
             raise ValueError("retriever.k must not exceed retriever.candidates")
+        if self.k < 2 and not self.generator_only:
+            raise ValueError("retriever.k must be >= 2 to train the retriever: document advantages are "
+                             "normalised within the k documents, so one document always gets zero")
         return self
 
 

@@ -138,3 +138,77 @@ def render_prompt(tokenizer, question: str, instruction: str, *, chat: bool = Tr
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     head = f"{instruction}\n\n" if instruction else ""
     return f"{head}Question: {question}\nAnswer:"
+
+
+# -- persona-facts: a generated corpus about made-up people, and questions answered by one document --
+
+_FIRST = ["Alma", "Bruno", "Cyra", "Dario", "Elin", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kaia", "Lucan",
+          "Mira", "Nils", "Oona", "Pavel", "Quinn", "Rosa", "Soren", "Tilde", "Umar", "Vera", "Wren", "Yusuf"]
+_LAST = ["Voss", "Marek", "Quill", "Thorne", "Albrecht", "Okafor", "Lindqvist", "Ferro", "Castell", "Ng",
+         "Bramwell", "Oyelaran", "Szabo", "Halloran", "Ishikawa", "Duval"]
+_JOBS = ["glassblower", "beekeeper", "cartographer", "violin maker", "lighthouse keeper", "bookbinder",
+         "clockmaker", "ferry pilot", "cheesemaker", "stonemason", "tea taster", "kite designer"]
+_CITIES = ["Tarnby", "Veldhollow", "Brisk Harbor", "Oakmere", "Saltreach", "Dunmarrow", "Kestrelford",
+           "Lowwater", "Pellham", "Ravensgate", "Quarry Hill", "Mistral Bay"]
+_PETS = ["ferret", "parrot", "tortoise", "goat", "cat", "hedgehog", "rabbit", "dog"]
+_PET_NAMES = ["Pim", "Zorba", "Tuffet", "Mungo", "Biscuit", "Quasar", "Fennel", "Widget", "Pepper", "Juno",
+              "Noodle", "Orbit", "Sprocket", "Clover", "Dumpling", "Yeti"]
+
+
+def persona_facts(spec: DatasetSpec) -> tuple[list[Example], list[Example], list[tuple[str, str]]]:
+    """(train questions, validation questions, corpus of (doc_id, text)).
+
+    One document per person states their job, city and pet's name; each question asks for one of
+    them, so only that person's document makes a correct answer possible. Validation questions ask
+    about the same people as training ones, but other facts.
+    """
+    rng = random.Random(f"persona-{spec.seed}")
+    names = rng.sample([f"{f} {l}" for f in _FIRST for l in _LAST], spec.corpus_size)
+    corpus, questions = [], []
+    for i, name in enumerate(names):
+        job, city, pet, pet_name = rng.choice(_JOBS), rng.choice(_CITIES), rng.choice(_PETS), rng.choice(_PET_NAMES)
+        doc_id = f"person-{i}"
+        corpus.append((doc_id, f"{name} works as a {job} in {city}. {name} has a {pet} named {pet_name}."))
+        meta = {"gold_doc_id": doc_id}
+        questions.append([
+            Example(f"What is the name of {name}'s {pet}?", (pet_name,), meta),
+            Example(f"In which town does {name} work?", (city,), meta),
+            Example(f"What is {name}'s job?", (job,), meta),
+        ])
+    train, val = [], []
+    for qs in questions:  # per person: one question held out for validation, in turn
+        held = rng.randrange(3)
+        val.append(qs[held])
+        train += [q for j, q in enumerate(qs) if j != held]
+    rng.shuffle(train)
+    rng.shuffle(val)
+    return train[: spec.num_train], val[: spec.num_val], corpus
+
+
+def jsonl_corpus(spec: DatasetSpec, root: Path) -> list[tuple[str, str]]:
+    path = root / spec.corpus_path  # type: ignore[operator]
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset.corpus_path {spec.corpus_path!r} not found under the datasets root {root}")
+    out = []
+    for n, row in enumerate(read_jsonl(path), 1):
+        if not isinstance(row.get("text"), str) or "id" not in row:
+            raise ValueError(f"{spec.corpus_path}:{n}: each corpus row needs an 'id' and a string 'text'")
+        out.append((str(row["id"]), row["text"]))
+    return out
+
+
+RAG_INSTRUCTION = "Answer the question using the context. Reply with the answer only."
+
+
+def load_retrieval_task(spec: DatasetSpec, *, datasets_root: Path) -> tuple[TaskData, list[tuple[str, str]]]:
+    """Questions with gold documents (where known) and the corpus, for joint jobs."""
+    if spec.name == "persona-facts":
+        train, val, corpus = persona_facts(spec)
+    else:
+        train, val = jsonl(spec, datasets_root)
+        corpus = jsonl_corpus(spec, datasets_root)
+    return TaskData(train=train, val=val, instruction=spec.system_prompt or RAG_INSTRUCTION), corpus
+
+
+def rag_question(question: str, document: str) -> str:
+    return f"Context: {document}\n\nQuestion: {question}"

@@ -84,7 +84,8 @@ class DatasetSpec(_Section):
     num_train: int = Field(2000, ge=1, le=1_000_000, description="Generated tasks: training examples.")
     num_val: int = Field(200, ge=1, le=100_000, description="Generated tasks / jsonl: validation examples.")
     corpus_size: int = Field(
-        64, ge=2, le=100_000, description="persona-facts: documents (one per made-up person) in the corpus."
+        64, ge=2, le=50_000, description="persona-facts: made-up people; each has a fact document and a "
+        "distractor profile in the corpus."
     )
     difficulty: int = Field(
         1, ge=1, le=3,

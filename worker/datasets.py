@@ -158,9 +158,10 @@ _PET_NAMES = ["Pim", "Zorba", "Tuffet", "Mungo", "Biscuit", "Quasar", "Fennel", 
 def persona_facts(spec: DatasetSpec) -> tuple[list[Example], list[Example], list[tuple[str, str]]]:
     """(train questions, validation questions, corpus of (doc_id, text)).
 
-    One document per person states their job, city and pet's name; each question asks for one of
-    them, so only that person's document makes a correct answer possible. Validation questions ask
-    about the same people as training ones, but other facts.
+    Per person, one document states their job, town and pet's name, and a distractor profile repeats
+    the questions' words without answering any; each question asks for one fact, so only the
+    person's fact document makes a correct answer possible. Validation questions ask about the same
+    people as training ones, but other facts.
     """
     rng = random.Random(f"persona-{spec.seed}")
     names = rng.sample([f"{f} {l}" for f in _FIRST for l in _LAST], spec.corpus_size)
@@ -168,7 +169,11 @@ def persona_facts(spec: DatasetSpec) -> tuple[list[Example], list[Example], list
     for i, name in enumerate(names):
         job, city, pet, pet_name = rng.choice(_JOBS), rng.choice(_CITIES), rng.choice(_PETS), rng.choice(_PET_NAMES)
         doc_id = f"person-{i}"
-        corpus.append((doc_id, f"{name} works as a {job} in {city}. {name} has a {pet} named {pet_name}."))
+        corpus.append((doc_id, f"{name}: {job}, based in {city}; {pet} {pet_name}."))
+        # A distractor that echoes the questions' words but answers none of them: lexical
+        # similarity alone does not find the useful document.
+        corpus.append((f"profile-{i}", f"People often ask what {name}'s job is, in which town {name} works and "
+                                       f"what the name of {name}'s {pet} is. {name} never answers."))
         meta = {"gold_doc_id": doc_id}
         questions.append([
             Example(f"What is the name of {name}'s {pet}?", (pet_name,), meta),

@@ -70,3 +70,18 @@ def test_one_document_cannot_train_a_retriever():
     with pytest.raises(ValueError, match="k must be >= 2"):
         RetrieverSpec(k=1)
     assert RetrieverSpec(k=1, generator_only=True).k == 1
+
+
+@pytest.mark.slow
+def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory):
+    """MiniLM starts by preferring the distractor profiles (they repeat the question's words);
+    only the fact documents let SmolLM2 answer, so the rewards teach the retriever to rank them first."""
+    import yaml
+    from pathlib import Path
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / "examples" / "joint-smollm2.yaml").read_text())
+    spec["grpo"].update(steps=5, eval_every=5, samples_per_step=0)
+    joint.run(JointJob.model_validate(spec), FileReporter(tmp_path), settings=settings_factory())
+    metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
+    start, end = metrics[0]["eval/retriever_recall_at_1"], metrics[5]["eval/retriever_recall_at_1"]
+    assert start <= 0.5 and end >= start + 0.3, (start, end)

@@ -234,7 +234,8 @@ def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
 
 
 def train_epochs(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
-                 *, rows: list[int] | None = None, on_opt_step=None) -> dict[str, float]:
+                 *, rows: list[int] | None = None, whole_batch_weights: bool = False,
+                 on_opt_step=None) -> dict[str, float]:
     """epochs_per_rollout_batch passes over the rollout batch (or its `rows`), each one optimizer
     step with gradient accumulation over micro-batches, weighted so the accumulated gradient is
     the gradient of the loss aggregated over the whole batch."""
@@ -242,8 +243,10 @@ def train_epochs(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
     model = s.model
     model.train()
     rows = list(range(len(ro.batch))) if rows is None else rows
-    mask_all = ro.loss_mask[rows].float()
-    total_tokens = float(mask_all.sum().clamp(min=1.0))
+    # The loss is aggregated over `rows`, or, with whole_batch_weights, each row keeps its weight
+    # in the whole batch's loss (the other rows simply contribute nothing).
+    norm_rows = list(range(len(ro.batch))) if whole_batch_weights else rows
+    total_tokens = float(ro.loss_mask[norm_rows].float().sum().clamp(min=1.0))
     acc: dict[str, float] = {}
     ratio_max, norms, ents, n_tok = 0.0, [], 0.0, 0.0
     for epoch in range(g.epochs_per_rollout_batch):
@@ -261,7 +264,7 @@ def train_epochs(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
                 ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
                 clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef, agg=g.loss_agg)
             mb_tokens = float(mask.sum())
-            weight = mb_tokens / total_tokens if g.loss_agg == "token_mean" else len(idx) / len(rows)
+            weight = mb_tokens / total_tokens if g.loss_agg == "token_mean" else len(idx) / len(norm_rows)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss.item()} at step {step} (epoch {epoch}); "
                                          "lower grpo.learning_rate or check the rewards")

@@ -8,8 +8,9 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
   3. the training batch's forward/backward runs with ghost hooks: sample i's influence
      <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py);
   4. a selection policy (positive / top_fraction / greedy / random) keeps samples;
-  5. the update uses only the selected samples. With one epoch per rollout batch their gradient is
-     recovered from the same hooks (no second backward); with more epochs, the epochs run on them.
+  5. the update uses only the selected samples, each with the weight it has in the whole batch's
+     loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no
+     second backward); with more epochs, the epochs run on them.
 With no sample selected the step makes no update, and an event says so.
 
 Run it:  grpo-jobs run examples/tracin-minimal.yaml --out runs/tracin
@@ -133,12 +134,10 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
             reporter.event("no_selection", f"step {step}: no sample had positive influence; no update",
                            level="warning", data={"max_influence": float(scores.max())})
         elif one_epoch:
-            # the selected subset's loss, renormalised over its own tokens (or sequences)
-            if g.loss_agg == "token_mean":
-                scale = float(ro.loss_mask.sum()) / max(float(ro.loss_mask[chosen].sum()), 1.0)
-            else:
-                scale = len(scores) / len(rows)
-            recovered = hooks.subset_gradients(chosen.double() * scale)
+            # Selected samples keep the weight they have in the whole batch's loss; the rest get 0.
+            # Renormalising over a small subset (often mostly negative advantages) multiplies their
+            # weight many times over, and that collapsed SmolLM2 within four steps.
+            recovered = hooks.subset_gradients(chosen.double())
             for p in (p for group in s.optimizer.param_groups for p in group["params"]):
                 p.grad = recovered.get(p, torch.zeros_like(p)).to(p.dtype)
             params = [p for group in s.optimizer.param_groups for p in group["params"]]
@@ -152,7 +151,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
             metrics.update({"grad_norm": norm, "lr": s.scheduler.get_last_lr()[0]})
         else:
             s.optimizer.zero_grad(set_to_none=True)
-            metrics.update(S.train_epochs(s, ro, old_logp, ref_logp, step, rows=rows,
+            metrics.update(S.train_epochs(s, ro, old_logp, ref_logp, step, rows=rows, whole_batch_weights=True,
                                           on_opt_step=tracker.on_optimizer_step if tracker else None))
         hooks.factors.clear()
         t_train = time.perf_counter() - t1

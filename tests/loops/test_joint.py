@@ -42,7 +42,7 @@ def test_retriever_trains_against_a_frozen_reference(tmp_path, settings_factory,
     assert any(not torch.equal(saved[k], init[k]) for k in init if k in saved)
     assert metrics[3]["retriever/kl"] > 0
     samples = _lines(tmp_path / "samples.jsonl")
-    assert all(s["extra"]["doc_id"].startswith("person-") for s in samples)
+    assert all(s["extra"]["doc_id"].startswith(("person-", "profile-")) for s in samples)
 
 
 def test_generator_only_keeps_the_retriever(tmp_path, settings_factory, digit_reward):
@@ -63,7 +63,7 @@ def test_joint_job_through_the_api(sqlite_api, digit_reward):
     assert runner.run_job(jid, settings=api.settings) == "succeeded"
     latest = api.get(f"/v1/jobs/{jid}/metrics/latest").json()
     assert "retriever/gold_recall" in latest and "eval/retriever_recall_at_1" in latest
-    assert api.get(f"/v1/jobs/{jid}/samples").json()[0]["extra"]["doc_id"].startswith("person-")
+    assert api.get(f"/v1/jobs/{jid}/samples").json()[0]["extra"]["doc_id"].startswith(("person-", "profile-"))
 
 
 def test_one_document_cannot_train_a_retriever():

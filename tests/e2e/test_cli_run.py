@@ -30,7 +30,10 @@ def test_run_writes_the_contract_files(tmp_path, models_root, name):
     types = [e["type"] for e in _lines(out / "events.jsonl")]
     assert types[-1] == "succeeded"
     last = out / "checkpoints" / f"step-{total}"
-    weights = "model.safetensors" if name == "sparsity-minimal" or name == "grpo-minimal" else "adapter_model.safetensors"
+    import yaml
+
+    lora = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())["model"].get("lora")
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
     assert (last / weights).exists() and (last / "trainer_state.pt").exists()
     if name == "tracin-minimal":
         assert [s["step"] for s in _lines(out / "selections.jsonl")] == [1, 2, 3]

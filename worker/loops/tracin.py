@@ -98,6 +98,16 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
             which = "training" if ro is None else "validation"
             reporter.event("skipped", f"step {step}: every {which} group's rewards tied (no signal); no update",
                            level="warning")
+            skipped = {"tracin/num_selected": 0.0, "tracin/selection_ratio": 0.0,
+                       "time/step_s": time.perf_counter() - t0}
+            if ro is not None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
+                n = len(ro.batch)
+                reporter.selection({"step": step, "policy": t.selection, "total": n, "selected": 0, "ratio": 0.0,
+                                    "mean_influence": 0.0, "min_influence": 0.0, "max_influence": 0.0,
+                                    "histogram": sel.histogram(torch.zeros(n)),
+                                    "scores": [[i, 0.0, False] for i in range(n)]})
+                skipped["tracin/mean_ip"] = 0.0
+            reporter.metrics(step, {**(S.rollout_metrics(ro) if ro is not None else {}), **skipped})
             reporter.progress(step)
             continue
         old_logp = None if one_epoch else s.engine.logprobs(ro.batch, g.micro_batch_size)

@@ -145,8 +145,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
                            level="warning", data={"max_influence": float(scores.max())})
         elif one_epoch:
             # Selected samples keep the weight they have in the whole batch's loss; the rest get 0.
-            # Renormalising over a small subset (often mostly negative advantages) multiplies their
-            # weight many times over, and that collapsed SmolLM2 within four steps.
+            # (AdamW is invariant to a constant loss scale, so this is a definition, not a step size.)
             recovered = hooks.subset_gradients(chosen.double())
             for p in (p for group in s.optimizer.param_groups for p in group["params"]):
                 p.grad = recovered.get(p, torch.zeros_like(p)).to(p.dtype)

@@ -10,6 +10,7 @@ Presets that need no network:
 from __future__ import annotations
 
 import fcntl
+import warnings
 import importlib.util
 import shutil
 from contextlib import contextmanager
@@ -18,8 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from service.specs import LoraSpec, ModelSpec
+
+# Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
+# transformers' own deprecated internals (peft calls them) on every model load.
+hf_logging.disable_progress_bar()
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_PRESETS = ("tiny-random-llama", "tiny-random-qwen")

@@ -151,11 +151,21 @@ def dev(host: str, port: int) -> None:
     try:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
-        proc.send_signal(signal.SIGTERM)
+        _stop_worker(proc)
+
+
+def _stop_worker(proc: subprocess.Popen) -> None:
+    """Warm shutdown (finish the current step's bookkeeping), then cold, then kill. A job cut
+    short keeps its lease until it goes stale and resumes from its checkpoint on the next start."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGQUIT, 5)):
+        proc.send_signal(sig)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            proc.kill()
+            continue
+    proc.kill()
+    proc.wait()
 
 
 @main.command()

@@ -45,7 +45,7 @@ class Procs:
             p.terminate()
         for _, p in self.procs:
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=40)  # longer than `dev` takes to stop its worker
             except subprocess.TimeoutExpired:
                 p.kill()
 

@@ -67,10 +67,8 @@ class FileReporter(Reporter):
     def metrics(self, step, values):
         self._append("metrics.jsonl", {"step": step, "metrics": values})
         if self.echo:
-            r = values.get("reward/mean")
-            self.echo(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()
-                                                    if k in ("reward/mean", "loss/total", "kl", "eval/accuracy", "time/step_s")
-                                                    and v is not None) if r is not None or values else "")
+            shown = ("reward/mean", "loss/total", "kl", "eval/accuracy", "time/step_s")
+            self.echo(f"step {step}: " + ", ".join(f"{k}={values[k]:.4g}" for k in shown if values.get(k) is not None))
 
     def samples(self, step, rows):
         for r in rows:

@@ -25,7 +25,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
-    mask_truncated: bool = False
 
 
 @dataclass

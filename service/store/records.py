@@ -14,8 +14,7 @@ def put_selection(session: Session, *, job_id: int, record: dict) -> None:
     session.add(Selection(job_id=job_id, **record))
 
 
-def list_selections(session: Session, *, job_id: int, from_step: int = 0, limit: int = 1000,
-                    with_scores: bool = False) -> list[Selection]:
+def list_selections(session: Session, *, job_id: int, from_step: int = 0, limit: int = 1000) -> list[Selection]:
     q = (select(Selection).where(Selection.job_id == job_id, Selection.step >= from_step)
          .order_by(Selection.step).limit(limit))
     return list(session.scalars(q))

@@ -51,7 +51,7 @@ def build(spec: _JobBase, settings: Settings, reporter: Reporter, *, task: TaskD
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None})
     params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                            top_k=g.top_k, stop=tuple(g.stop), mask_truncated=g.mask_truncated_completions)
+                            top_k=g.top_k, stop=tuple(g.stop))
     engine = RolloutEngine(model, tok, spec.devices.rollout or spec.devices.policy, params)
     ref = None
     if g.kl_coef > 0 and not is_lora(model):
@@ -122,6 +122,10 @@ class Rollouts:
     stats: dict = field(default_factory=dict)
 
 
+def prompt_for(s: Setup, ex: Example) -> str:
+    return render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+
+
 def score_groups(completions: list[str], examples: list[Example], G: int, weights: dict[str, float],
                  reporter: Reporter, step: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
     """Rewards [N] and an exclusion mask [N] (True = a reward function raised on it)."""
@@ -152,13 +156,12 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, *, examples_pool: 
     G, P = group_size or g.num_generations, prompts_per_step or g.prompts_per_step
     pool = examples_pool or s.task.train
     rng = random.Random(f"prompts-{tag}-{g.seed}-{step}")
-    kept: list[tuple[RolloutBatch, list[Example], torch.Tensor, torch.Tensor, dict]] = []
+    kept: list[tuple[RolloutBatch, list[Example], torch.Tensor, torch.Tensor, dict, list[str]]] = []
     frac_zero = None
     need, rounds = P, 0
     while need > 0:
         examples = [pool[rng.randrange(len(pool))] for _ in range(need)]
-        prompts = [render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
-                   for ex in examples]
+        prompts = [prompt_for(s, ex) for ex in examples]
         batch = s.engine.generate(prompts, G)
         assert len(batch) == len(prompts) * G, f"expected {len(prompts) * G} completions, got {len(batch)}"
         rewards, excluded, per_fn = score_groups(batch.completions, examples, G, s.weights, reporter, step)
@@ -169,7 +172,8 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, *, examples_pool: 
         if keep.any():
             rows = torch.arange(len(batch)).view(-1, G)[keep].reshape(-1)
             kept.append((batch.select(rows), [ex for ex, k in zip(examples, keep) if k], rewards[rows],
-                         excluded[rows], {k: [v[i] for i in rows.tolist()] for k, v in per_fn.items()}))
+                         excluded[rows], {k: [v[i] for i in rows.tolist()] for k, v in per_fn.items()},
+                         [p for p, k in zip(prompts, keep) if k]))
         need -= int(keep.sum())
         rounds += 1
         if need > 0 and rounds > g.max_refill_rounds:
@@ -191,8 +195,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, *, examples_pool: 
     if g.mask_truncated_completions:
         loss_mask[batch.truncated] = 0
     loss_mask[excluded] = 0
-    prompts = [render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
-               for ex in examples]
+    prompts = [p for k in kept for p in k[5]]
     reporter.event("groups", f"first groups of step {step}", level="debug", data={
         "rewards": rewards.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
     return Rollouts(batch, examples, prompts, rewards, adv, loss_mask, per_fn, frac_zero or 0.0, G,
@@ -327,8 +330,7 @@ def evaluate(s: Setup, *, examples: list[Example] | None = None) -> dict[str, fl
     bs = max(1, g.micro_batch_size * 2)
     for i in range(0, len(examples), bs):
         chunk = examples[i:i + bs]
-        prompts = [render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
-                   for ex in chunk]
+        prompts = [prompt_for(s, ex) for ex in chunk]
         batch = s.engine.generate(prompts, 1, greedy=True)
         scored = R.score(batch.completions, [ex.answers for ex in chunk], s.weights)
         rewards += [v for v in scored.total if not math.isnan(v)]

@@ -55,6 +55,7 @@ def test_per_layer_and_component_breakdown():
     assert r["per_layer"]["1"]["sparsity"]["0.0"] == 0.5
     assert r["per_component"]["q_proj"]["sparsity"]["0.0"] == pytest.approx(7 / 8)
     assert r["per_component"]["up_proj"]["numel"] == 4
+    assert r["per_layer_component"] == {"0": {"q_proj": 0.75}, "1": {"q_proj": 1.0, "up_proj": 0.0}}
 
 
 def test_float32_diff_catches_what_bf16_storage_hides():

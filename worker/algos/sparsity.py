@@ -122,6 +122,7 @@ def diff_report(
     total = Counter(thresholds, rtol)
     per_layer: dict[str, Counter] = {}
     per_comp: dict[str, Counter] = {}
+    per_cell: dict[tuple[str, str], Counter] = {}  # (layer, component): the dashboard's heatmap
     for name, before, after in pairs:
         c = Counter(thresholds, rtol)
         c.add(before.detach().float(), after.detach().float())
@@ -129,11 +130,17 @@ def diff_report(
         layer = layer_index(name)
         per_layer.setdefault("other" if layer is None else str(layer), Counter(thresholds, rtol)).merge(c)
         per_comp.setdefault(component(name), Counter(thresholds, rtol)).merge(c)
+        cell = ("other" if layer is None else str(layer), component(name))
+        per_cell.setdefault(cell, Counter(thresholds, rtol)).merge(c)
     out = total.summary()
     out["primary_threshold"] = primary
     out["sparsity_primary"] = out["sparsity"][str(primary)]
     out["per_layer"] = {k: v.summary() for k, v in sorted(per_layer.items(), key=lambda kv: (kv[0] == "other", int(kv[0]) if kv[0].isdigit() else 0))}
     out["per_component"] = {k: v.summary() for k, v in sorted(per_comp.items())}
+    grid: dict[str, dict[str, float]] = {}  # layer -> component -> sparsity at the primary threshold
+    for (layer, comp), c in per_cell.items():
+        grid.setdefault(layer, {})[comp] = c.summary()["sparsity"][str(primary)]
+    out["per_layer_component"] = {k: grid[k] for k in out["per_layer"]}
     return out
 
 

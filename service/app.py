@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api import health, jobs, metrics, reports
+from service.api import health, jobs, metrics, reports, specs
+from service.api.errors import format_errors
 from service.settings import Settings, get_settings
 from service.specs import STATUSES
 from service.store import jobs as jobs_q
@@ -60,22 +61,8 @@ class _TooLarge(Exception):
     pass
 
 
-def _field_path(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    # A discriminated union puts the chosen kind first in the path; it is not a field.
-    if len(parts) > 1 and parts[0] in ("grpo", "tracin", "joint") and loc[:1] == ("body",):
-        parts = parts[1:]
-    return ".".join(parts)
-
-
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = []
-    for e in exc.errors():
-        field = _field_path(tuple(e.get("loc", ())))
-        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        errors.append({"field": field, "message": msg, "type": e.get("type"), "loc": list(e.get("loc", ()))})
-    summary = "; ".join(f"{x['field'] or 'body'}: {x['message']}" for x in errors)
-    return JSONResponse({"detail": errors, "message": summary}, status_code=422)
+    return JSONResponse(format_errors(exc.errors()), status_code=422)
 
 
 class _JobCollector:
@@ -121,7 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    for r in (health.router, jobs.router, metrics.router, reports.router):
+    for r in (health.router, jobs.router, metrics.router, reports.router, specs.router):
         app.include_router(r)
     if (DASHBOARD_DIR / "index.html").exists():
         app.mount("/", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")

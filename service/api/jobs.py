@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service import queue
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
-from service.api.schemas import EventOut, JobOut, JobPage
+from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint
 from service.specs import STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
@@ -56,8 +56,16 @@ def list_jobs(
     kind: Annotated[Literal["grpo", "tracin", "joint"] | None, Query(description="Only jobs of this kind.")] = None,
     after: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Cursor: the `next_after` of the previous page.")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    latest: Annotated[str | None, Query(max_length=1000, description="Comma-separated metric names: each job "
+                                        "carries the newest point of each, e.g. `reward/mean`.")] = None,
 ):
-    items, has_more = jobs_q.list_jobs(session, owner=owner, status=status, kind=kind, after=after, limit=limit)
+    rows, has_more = jobs_q.list_jobs(session, owner=owner, status=status, kind=kind, after=after, limit=limit)
+    items = [JobOut.model_validate(r) for r in rows]
+    wanted = [k.strip() for k in latest.split(",") if k.strip()] if latest else []
+    if wanted:
+        newest = metrics_q.latest_of(session, job_ids=[j.id for j in items], keys=wanted)
+        for j in items:
+            j.latest = {k: LatestPoint(**v) for k, v in newest.get(j.id, {}).items()}
     return JobPage(items=items, has_more=has_more, next_after=items[-1].id if has_more and items else None)
 
 

@@ -12,6 +12,11 @@ class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+class LatestPoint(BaseModel):
+    step: int
+    value: float
+
+
 class JobOut(_Out):
     id: int
     owner: str
@@ -27,6 +32,7 @@ class JobOut(_Out):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    latest: dict[str, LatestPoint] | None = None  # only on lists that ask for it with `latest=`
 
 
 class JobPage(BaseModel):
@@ -63,11 +69,6 @@ class MetricsOut(BaseModel):
     job_id: int
     keys: list[str]
     series: list[Series]
-
-
-class LatestPoint(BaseModel):
-    step: int
-    value: float
 
 
 class SelectionOut(_Out):

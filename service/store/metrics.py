@@ -134,6 +134,27 @@ def latest(session: Session, *, job_id: int) -> dict[str, dict]:
     return {k: {"step": s, "value": v} for k, s, v in rows}
 
 
+def latest_of(session: Session, *, job_ids: Iterable[int], keys: Iterable[str]) -> dict[int, dict[str, dict]]:
+    """The newest point of each of `keys` for each job: {job_id: {key: {step, value}}} (for job lists)."""
+    job_ids = list(job_ids)
+    ids = key_ids(session, names=keys, create=False)
+    if not job_ids or not ids:
+        return {}
+    newest = (select(Metric.job_id, Metric.key_id, func.max(Metric.step).label("step"))
+              .where(Metric.job_id.in_(job_ids), Metric.key_id.in_(list(ids.values())))
+              .group_by(Metric.job_id, Metric.key_id).subquery())
+    rows = session.execute(
+        select(Metric.job_id, MetricKey.name, Metric.step, Metric.value)
+        .join(newest, (Metric.job_id == newest.c.job_id) & (Metric.key_id == newest.c.key_id)
+              & (Metric.step == newest.c.step))
+        .join(MetricKey, MetricKey.id == Metric.key_id)
+    ).all()
+    out: dict[int, dict[str, dict]] = {}
+    for j, k, st, v in rows:
+        out.setdefault(j, {})[k] = {"step": st, "value": v}
+    return out
+
+
 def points_between(session: Session, *, job_id: int, after_step: int, to_step: int) -> dict[int, dict[str, float]]:
     """All points with after_step < step <= to_step, grouped by step (for live streams)."""
     rows = session.execute(

@@ -1,0 +1,27 @@
+"""One error shape for every validation failure: `detail[]` of {field, message, type, loc} plus a summary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+KINDS = ("grpo", "tracin", "joint")
+
+
+def field_path(loc: tuple) -> str:
+    """`grpo.num_generations` from pydantic's loc, without the request part or the union tag."""
+    parts = [str(p) for p in loc if p != "body"]
+    # A discriminated union puts the chosen kind first in the path; it is not a field
+    # (a loc of the tag alone is a rule over the whole spec: field "").
+    if parts and parts[0] in KINDS:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def format_errors(errors: Iterable[dict]) -> dict:
+    detail = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        detail.append({"field": field_path(loc), "message": msg, "type": e.get("type"), "loc": list(loc)})
+    summary = "; ".join(f"{x['field'] or 'body'}: {x['message']}" for x in detail)
+    return {"detail": detail, "message": summary}

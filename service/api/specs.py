@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import yaml
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from service.api.deps import OwnerDep
@@ -18,9 +17,20 @@ _TEXT_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"type": "object"}}}}}
 
 
-class ValidSpec(BaseModel):
-    kind: str
-    spec: dict  # with every default filled in: what POST /v1/jobs would store
+class SpecError(BaseModel):
+    field: str
+    message: str
+    type: str | None = None
+    loc: list = []
+    line: int | None = None  # 1-based line in the submitted text
+
+
+class SpecCheck(BaseModel):
+    valid: bool
+    kind: str | None = None
+    spec: dict | None = None  # with every default filled in: what POST /v1/jobs would store
+    detail: list[SpecError] = []
+    message: str | None = None
 
 
 def line_of(root: yaml.Node | None, field: str) -> int | None:
@@ -41,15 +51,15 @@ def line_of(root: yaml.Node | None, field: str) -> int | None:
     return line
 
 
-def _error(detail: list[dict], message: str) -> JSONResponse:
-    return JSONResponse({"detail": detail, "message": message}, status_code=422)
+def _error(detail: list[dict], message: str) -> SpecCheck:
+    return SpecCheck(valid=False, detail=detail, message=message)
 
 
-@router.post("/validate", response_model=ValidSpec, openapi_extra=_TEXT_BODY,
-             responses={422: {"description": "Errors, each with `field`, `message` and the spec's `line`."}})
+@router.post("/validate", response_model=SpecCheck, openapi_extra=_TEXT_BODY)
 async def validate_spec(request: Request, owner: OwnerDep):
-    """Check a YAML or JSON job spec without submitting it. 200 gives the spec with defaults filled in;
-    422 lists each error with the field it names and its line in the text."""
+    """Check a YAML or JSON job spec without submitting it (a linter: the answer is 200 either way).
+    Valid: the spec with every default filled in. Invalid: each error with the field it names
+    and its line in the text, in the same shape as a 422 from POST /v1/jobs."""
     text = (await request.body()).decode("utf-8", errors="replace")
     try:
         data = yaml.safe_load(text)  # JSON is YAML
@@ -68,5 +78,5 @@ async def validate_spec(request: Request, owner: OwnerDep):
         out = format_errors(exc.errors())
         for d in out["detail"]:
             d["line"] = line_of(root, d["field"])
-        return JSONResponse(out, status_code=422)
-    return ValidSpec(kind=spec.kind, spec=spec.model_dump(mode="json"))
+        return SpecCheck(valid=False, kind=data.get("kind") if isinstance(data.get("kind"), str) else None, **out)
+    return SpecCheck(valid=True, kind=spec.kind, spec=spec.model_dump(mode="json"))

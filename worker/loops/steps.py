@@ -90,7 +90,7 @@ def stop_requested(s: Setup, reporter: Reporter, step: int) -> dict | None:
     if not reporter.should_stop():
         return None
     checkpoint(s, reporter, step - 1)
-    reporter.event("cancelled", f"stopped before step {step}; checkpoint saved")
+    reporter.event("stopping", f"cancel requested: stopped before step {step}; checkpoint saved")
     return {"status": "cancelled", "step": step - 1}
 
 

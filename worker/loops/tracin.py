@@ -107,6 +107,8 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
                                     "histogram": sel.histogram(torch.zeros(n)),
                                     "scores": [[i, 0.0, False] for i in range(n)]})
                 skipped["tracin/mean_ip"] = 0.0
+                if g.samples_per_step:  # what was generated stays inspectable on skipped steps too
+                    reporter.samples(step, S.sample_rows(ro, n, influence=[0.0] * n, selected=[False] * n))
             reporter.metrics(step, {**(S.rollout_metrics(ro) if ro is not None else {}), **skipped})
             reporter.progress(step)
             continue

@@ -1,0 +1,50 @@
+// The API client: every request carries the signed-in API key; a 401 sends the user back to sign-in.
+
+const KEY = "grpo-jobs.api-key";
+
+export const auth = {
+  get key() { return localStorage.getItem(KEY); },
+  set(key) { localStorage.setItem(KEY, key); },
+  clear() { localStorage.removeItem(KEY); },
+};
+
+export class ApiError extends Error {
+  constructor(status, body) {
+    super(body?.message || (typeof body?.detail === "string" ? body.detail : `HTTP ${status}`));
+    this.status = status;
+    this.body = body;
+  }
+}
+
+export async function api(path, { method = "GET", json, text, contentType, headers = {}, key } = {}) {
+  const h = { Authorization: `Bearer ${key || auth.key}`, ...headers };
+  let body;
+  if (json !== undefined) { body = JSON.stringify(json); h["Content-Type"] = "application/json"; }
+  if (text !== undefined) { body = text; h["Content-Type"] = contentType || "application/yaml"; }
+  const r = await fetch(path, { method, headers: h, body });
+  const data = r.headers.get("content-type")?.includes("json") ? await r.json() : await r.text();
+  if (r.status === 401 && !key) {
+    auth.clear();
+    location.hash = "#/login";
+  }
+  if (!r.ok) throw new ApiError(r.status, data);
+  return data;
+}
+
+export const qs = (params) => {
+  const p = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null && v !== "") p.set(k, v);
+  const s = p.toString();
+  return s ? `?${s}` : "";
+};
+
+// EventSource cannot send headers: the API takes the key as `access_token` on GET.
+export function stream(path, params = {}) {
+  return new EventSource(path + qs({ ...params, access_token: auth.key }));
+}
+
+export async function metrics(jobId, { keys, fromStep, toStep, maxPoints = 1000 } = {}) {
+  return api(`/v1/jobs/${jobId}/metrics` + qs({
+    keys: keys?.join(","), from_step: fromStep, to_step: toStep, max_points: maxPoints,
+  }));
+}

@@ -1,0 +1,120 @@
+// One job: header with progress and ETA, live charts of every metric, reports, samples, events, checkpoints.
+// Running jobs update from the server-sent-events stream; long series come bucketed from the server,
+// and a drag-zoom refetches the selected range at full resolution.
+import { api, metrics, stream } from "../api.js";
+import { StepChart } from "../charts.js";
+import { TERMINAL, badge, duration, h, progress, runTime } from "../dom.js";
+import { SECTIONS, claimed, keysOf } from "../panels.js";
+import { checkpointsSection, eventsSection, samplesSection, selectionSection, sparsitySection } from "./reports.js";
+
+export async function jobPage({ app, onLeave }, id) {
+  let job = await api(`/v1/jobs/${id}`);
+  const head = h("div", { id: "job-header" });
+  const chartsRoot = h("div", { id: "charts" });
+  const events = eventsSection(id);
+  const checkpoints = checkpointsSection(id);
+  const samples = samplesSection(id, job);
+  app.append(head, chartsRoot);
+  if (job.kind === "tracin") app.append(selectionSection(id));
+  if (job.spec?.sparsity) app.append(sparsitySection(id));
+  app.append(samples.el, events.el, checkpoints.el);
+
+  const renderHeader = () => head.replaceChildren(header(job, async () => {
+    job = await api(`/v1/jobs/${id}/cancel`, { method: "POST" });
+    renderHeader();
+  }));
+  renderHeader();
+
+  // Charts: one per panel that has data, created as keys appear.
+  const charts = new Map(); // panel -> StepChart
+  const grids = new Map(); // section title -> grid element
+  const known = new Set();
+  const zoom = (chart) => async (from, to) => {
+    const body = await metrics(id, { keys: chart.keys, fromStep: from ?? undefined, toStep: to ?? undefined });
+    chart.load(Object.fromEntries(body.series.map((s) => [s.key, s])), { keepScale: from !== null });
+  };
+  function ensureCharts(keys) {
+    keys.forEach((k) => known.add(k));
+    const all = [...known].sort();
+    const other = { title: "Other", panels: all.filter((k) => !claimed(k)).map((k) => ({ title: k, keys: [k] })) };
+    for (const section of [...SECTIONS, other]) {
+      for (const panel of section.panels) {
+        const mine = keysOf(panel, all);
+        if (!mine.length) continue;
+        let chart = charts.get(panel.title);
+        if (!chart) {
+          chart = new StepChart({ title: panel.title, keys: mine, band: panel.band, note: panel.note });
+          chart.onZoom = zoom(chart);
+          charts.set(panel.title, chart);
+          if (!grids.has(section.title)) {
+            const grid = h("div", { class: "grid" });
+            grids.set(section.title, grid);
+            chartsRoot.append(h("section", { "data-section": section.title }, h("h2", {}, section.title), grid));
+          }
+          grids.get(section.title).append(chart.el);
+        } else {
+          for (const k of mine) if (!chart.keys.includes(k)) chart.keys.push(k);
+        }
+      }
+    }
+  }
+
+  const first = await metrics(id);
+  ensureCharts(first.keys);
+  const byKey = Object.fromEntries(first.series.map((s) => [s.key, s]));
+  for (const chart of charts.values()) chart.load(byKey);
+  let lastStep = Math.max(-1, ...first.series.flatMap((s) => s.points.map((p) => p.step)));
+  if (!first.keys.length) chartsRoot.append(h("p", { class: "muted", id: "no-metrics" }, "No metrics yet: charts appear with the first step."));
+
+  if (TERMINAL.has(job.status)) return;
+  const es = stream(`/v1/jobs/${id}/stream`, { from_step: lastStep });
+  es.addEventListener("status", (e) => {
+    const s = JSON.parse(e.data);
+    const changed = s.status !== job.status;
+    Object.assign(job, s);
+    renderHeader();
+    if (changed) api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
+  });
+  es.addEventListener("metrics", (e) => {
+    const { step, metrics: values } = JSON.parse(e.data);
+    document.getElementById("no-metrics")?.remove();
+    ensureCharts(Object.keys(values));
+    for (const chart of charts.values()) chart.append(step, values);
+    lastStep = Math.max(lastStep, step);
+    samples.refreshIfLatest(step);
+  });
+  es.addEventListener("event", (e) => events.add(JSON.parse(e.data)));
+  es.addEventListener("end", () => {
+    es.close();
+    api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
+    checkpoints.reload();
+  });
+  onLeave(() => es.close());
+}
+
+function header(job, cancel) {
+  const spec = job.spec || {};
+  const elapsed = runTime(job);
+  const eta = job.status === "running" && job.step > 0 && elapsed ? (elapsed / job.step) * (job.total_steps - job.step) : null;
+  const rewards = (spec.rewards || []).map((r) => (r.weight !== undefined && r.weight !== 1 ? `${r.name}×${r.weight}` : r.name)).join(", ");
+  const canCancel = !TERMINAL.has(job.status) && !job.cancel_requested;
+  return h("div", { class: "header-row" },
+    h("div", { class: "card" },
+      h("h1", {}, job.name || `job ${job.id}`, " ", badge(job.status)),
+      h("dl", { class: "kv" },
+        h("dt", {}, "id"), h("dd", {}, job.id),
+        h("dt", {}, "kind"), h("dd", {}, job.kind),
+        h("dt", {}, "model"), h("dd", {}, `${spec.model?.name ?? "–"}${spec.model?.lora ? ` (LoRA r=${spec.model.lora.r})` : " (full)"}`),
+        h("dt", {}, "dataset"), h("dd", {}, spec.dataset?.name ?? "–"),
+        h("dt", {}, "rewards"), h("dd", {}, rewards || "–"),
+        h("dt", {}, "batch"), h("dd", {}, `${spec.grpo?.prompts_per_step} prompts × ${spec.grpo?.num_generations} completions, lr ${spec.grpo?.learning_rate}`))),
+    h("div", { class: "card" },
+      progress(job.step, job.total_steps),
+      h("dl", { class: "kv", style: { marginTop: "10px" } },
+        h("dt", {}, "run time"), h("dd", {}, duration(elapsed)),
+        h("dt", {}, "ETA"), h("dd", { id: "eta" }, eta === null ? "–" : duration(eta)),
+        h("dt", {}, "attempt"), h("dd", {}, job.attempt)),
+      job.error ? h("div", { class: "error-box", id: "job-error" }, job.error) : null,
+      job.cancel_requested && !TERMINAL.has(job.status) ? h("p", { class: "muted" }, "Cancel requested: stopping after the current step.") : null,
+      canCancel ? h("button", { class: "danger", id: "cancel-btn", onclick: cancel }, "Cancel job") : null));
+}

@@ -1,0 +1,121 @@
+// The job page's report sections: TracIn selections, sparsity reports, samples, events, checkpoints.
+import { api, qs } from "../api.js";
+import { categoryChart, heatmap, histogramChart } from "../charts.js";
+import { fmt, h, parseTime } from "../dom.js";
+
+const section = (title, id, ...children) => h("section", { id }, h("h2", {}, title), ...children);
+const stepSelect = (id, items, label, onchange) => h("select", { id, onchange: (e) => onchange(Number(e.target.value)) },
+  items.map((it, i) => h("option", { value: i, selected: i === items.length - 1 }, label(it))));
+
+/** Per-step TracIn selections: the influence histogram of a chosen step and its summary. */
+export function selectionSection(jobId) {
+  const body = h("div", {});
+  const load = async () => {
+    const sels = await api(`/v1/jobs/${jobId}/selections?scores=false&limit=10000`);
+    if (!sels.length) { body.replaceChildren(h("p", { class: "muted" }, "No selections recorded yet.")); return; }
+    const show = (i) => {
+      const s = sels[i];
+      detail.replaceChildren(
+        h("p", { id: "selection-summary" }, `step ${s.step} (${s.policy}): ${s.selected} of ${s.total} selected `,
+          `(ratio ${fmt(s.ratio)}), influence mean ${fmt(s.mean_influence, 4)}, min ${fmt(s.min_influence, 4)}, max ${fmt(s.max_influence, 4)}`),
+        h("div", { class: "grid" }, histogramChart(`Influence histogram, step ${s.step}`, s.histogram.edges, s.histogram.counts,
+          "positive scores: training on the sample lowers the validation loss")));
+    };
+    const detail = h("div", {});
+    body.replaceChildren(h("div", { class: "toolbar" }, "Step ",
+      stepSelect("selection-step", sels, (s) => `${s.step}: ${s.selected}/${s.total}`, show),
+      h("button", { onclick: load }, "Refresh")), detail);
+    show(sels.length - 1);
+  };
+  load();
+  return section("TracIn selections", "selections", body);
+}
+
+const thresholdLabels = (obj) => Object.keys(obj).sort((a, b) => Number(a) - Number(b));
+
+/** Parameter-update sparsity: against threshold, magnitude vs random quality, layer x component heatmap. */
+export function sparsitySection(jobId) {
+  const body = h("div", {});
+  const show = async (r) => {
+    const { report } = await api(`/v1/jobs/${jobId}/sparsity/${r.id}`);
+    const labels = thresholdLabels(report.sparsity);
+    const charts = [categoryChart("Unchanged fraction against threshold", labels,
+      [{ label: "adapter", y: labels.map((t) => report.sparsity[t]) },
+       ...(report.merged ? [{ label: "merged weights", y: labels.map((t) => report.merged.sparsity[t] ?? null) }] : [])],
+      "fraction of parameters whose change is at most the threshold")];
+    if (report.quality?.length) {
+      const q = [...report.quality].sort((a, b) => a.threshold - b.threshold);
+      const ql = q.map((row) => `${row.threshold} (${fmt(row.density, 2)})`);
+      charts.push(
+        categoryChart("Partial update: KL to the full update", ql,
+          [{ label: "largest changes kept", y: q.map((x) => x.magnitude.kl) }, { label: "random, same count", y: q.map((x) => x.random.kl) }],
+          "x: threshold (fraction of the update kept); lower is closer to the full update"),
+        categoryChart("Partial update: top-1 agreement", ql,
+          [{ label: "largest changes kept", y: q.map((x) => x.magnitude.top1_agreement) }, { label: "random, same count", y: q.map((x) => x.random.top1_agreement) }]));
+    }
+    if (report.per_layer_component) charts.push(heatmap(`Unchanged fraction by layer × component (threshold ${report.primary_threshold})`, "layer", report.per_layer_component));
+    if (report.merged?.per_layer_component) charts.push(heatmap("Merged weights: layer × component", "layer", report.merged.per_layer_component));
+    detail.replaceChildren(h("p", { id: "sparsity-summary" }, `steps ${r.from_step}→${r.step} (${r.scope}): `,
+      `${fmt(100 * report.sparsity_primary, 2)}% unchanged, sign flips ${fmt(report.sign_flip_ratio, 4)}`), h("div", { class: "grid" }, charts));
+  };
+  const detail = h("div", {});
+  (async () => {
+    const reports = await api(`/v1/jobs/${jobId}/sparsity?full=false`);
+    if (!reports.length) { body.replaceChildren(h("p", { class: "muted" }, "No sparsity reports yet.")); return; }
+    body.replaceChildren(h("div", { class: "toolbar" }, "Report ",
+      stepSelect("sparsity-report", reports, (r) => `${r.scope} ${r.from_step}→${r.step}: ${fmt(r.sparsity)}`, (i) => show(reports[i]))), detail);
+    show(reports.at(-1));
+  })();
+  return section("Sparsity reports", "sparsity", body);
+}
+
+/** Recorded completions, filterable by step. */
+export function samplesSection(jobId, job) {
+  const input = h("input", { type: "number", min: 0, id: "samples-step", placeholder: "latest step", style: { width: "9em" } });
+  const tbody = h("tbody", { id: "samples-body" });
+  const note = h("span", { class: "muted" });
+  let follow = true; // show the newest step until the user picks one
+  const load = async (step) => {
+    const rows = await api(`/v1/jobs/${jobId}/samples` + qs({ step, limit: 200 }));
+    note.textContent = `${rows.length} samples of step ${step}`;
+    tbody.replaceChildren(...rows.map((s) => h("tr", {},
+      h("td", { class: "num" }, s.step), h("td", { class: "text" }, s.prompt), h("td", { class: "text" }, s.completion),
+      h("td", { class: "num" }, fmt(s.reward)), h("td", { class: "num" }, fmt(s.advantage)),
+      h("td", { class: "num" }, fmt(s.influence, 4)), h("td", {}, s.selected === null ? "–" : s.selected ? "yes" : "no"))));
+  };
+  input.addEventListener("change", () => { follow = input.value === ""; load(follow ? job.step : Number(input.value)); });
+  if (job.step > 0) load(job.step);
+  const el = section("Samples", "samples",
+    h("div", { class: "toolbar" }, "Step ", input, note),
+    h("table", { class: "samples" }, h("thead", {}, h("tr", {}, ["step", "prompt", "completion", "reward", "advantage", "influence", "selected"].map((c) => h("th", {}, c)))), tbody));
+  return { el, refreshIfLatest: (step) => { if (follow) load(step); } };
+}
+
+/** The job's events, newest last; live ones are appended. */
+export function eventsSection(jobId) {
+  const list = h("div", { class: "events card", id: "events" });
+  const seen = new Set();
+  const add = (e) => {
+    if (seen.has(e.id)) return;
+    seen.add(e.id);
+    const t = parseTime(e.created_at);
+    list.append(h("div", { class: e.level, "data-type": e.type }, `${t ? t.toLocaleTimeString() : ""}  ${e.type.padEnd(10)} ${e.message}`));
+    list.scrollTop = list.scrollHeight;
+  };
+  api(`/v1/jobs/${jobId}/events?limit=1000`).then((evs) => evs.forEach(add));
+  return { el: section("Events", "events-section", list), add };
+}
+
+export function checkpointsSection(jobId) {
+  const tbody = h("tbody", { id: "checkpoints-body" });
+  const reload = async () => {
+    const rows = await api(`/v1/jobs/${jobId}/checkpoints`);
+    tbody.replaceChildren(...(rows.length ? rows.map((c) => h("tr", {},
+      h("td", { class: "num" }, c.step), h("td", {}, c.format), h("td", { class: "num" }, `${fmt(c.size_bytes / 1e6, 1)} MB`),
+      h("td", { class: "text" }, c.path), h("td", {}, parseTime(c.created_at)?.toLocaleString() ?? "")))
+      : [h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No checkpoints yet."))]));
+  };
+  reload();
+  return { el: section("Checkpoints", "checkpoints",
+    h("table", {}, h("thead", {}, h("tr", {}, ["step", "format", "size", "path", "saved"].map((c) => h("th", {}, c)))), tbody)), reload };
+}

@@ -1,0 +1,67 @@
+// Paste or upload a YAML/JSON spec; errors appear under the lines of the fields they name.
+import { api } from "../api.js";
+import { h } from "../dom.js";
+
+const EXAMPLE = `kind: grpo
+name: my-first-job
+model:
+  name: tiny-random-llama
+  lora: {r: 8, alpha: 16}
+dataset:
+  name: arith
+rewards:
+  - name: numeric_match
+grpo:
+  steps: 20
+  prompts_per_step: 4
+  num_generations: 4
+  max_new_tokens: 16
+  learning_rate: 1.0e-3
+`;
+
+export async function submitPage({ app }) {
+  const text = h("textarea", { id: "spec-text", spellcheck: false }, EXAMPLE);
+  const file = h("input", { type: "file", id: "spec-file", accept: ".yaml,.yml,.json,application/json,text/yaml" });
+  const status = h("div", { id: "submit-status" });
+  const annotated = h("div", { class: "annotated", id: "spec-annotated" });
+  const render = (errors = []) => {
+    const byLine = new Map();
+    const unplaced = [];
+    for (const e of errors) (e.line ? (byLine.get(e.line) || byLine.set(e.line, []).get(e.line)) : unplaced).push(e);
+    const lines = text.value.split("\n");
+    annotated.replaceChildren(
+      ...unplaced.map((e) => h("div", { class: "field-error", "data-field": e.field }, `${e.field || "spec"}: ${e.message}`)),
+      ...lines.flatMap((line, i) => [
+        h("div", { class: `line${byLine.has(i + 1) ? " has-error" : ""}`, "data-line": i + 1 }, h("span", { class: "no" }, i + 1), line || " "),
+        ...(byLine.get(i + 1) || []).map((e) => h("div", { class: "field-error", "data-field": e.field }, `↑ ${e.field || "spec"}: ${e.message}`)),
+      ]));
+  };
+  const validate = async () => {
+    const check = await api("/v1/specs/validate", { method: "POST", text: text.value });
+    render(check.detail);
+    if (check.valid) {
+      status.replaceChildren(h("div", { class: "ok-box", id: "spec-ok" }, `Valid ${check.kind} spec.`));
+      return check.spec;
+    }
+    const n = check.detail.length;
+    status.replaceChildren(h("div", { class: "error-box", id: "spec-errors" }, `${n} problem${n > 1 ? "s" : ""}: ${check.message}`));
+    return null;
+  };
+  const submit = async () => {
+    const spec = await validate();
+    if (!spec) return;
+    const job = await api("/v1/jobs", { method: "POST", json: spec, headers: { "Idempotency-Key": crypto.randomUUID?.() ?? `${Date.now()}-${Math.random()}` } });
+    location.hash = `#/jobs/${job.id}`;
+  };
+  file.addEventListener("change", async () => { if (file.files[0]) { text.value = await file.files[0].text(); render(); status.replaceChildren(); } });
+  text.addEventListener("input", () => render());
+  app.append(h("h1", {}, "Submit a job"),
+    h("p", { class: "muted" }, "A job spec in YAML or JSON (see the README's job specs and examples/). ",
+      "Validation fills in every default; errors are shown under the lines that name them."),
+    h("div", { class: "toolbar" }, file,
+      h("button", { id: "validate-btn", onclick: () => validate() }, "Validate"),
+      h("button", { class: "primary", id: "submit-btn", onclick: () => submit().catch((e) => status.replaceChildren(h("div", { class: "error-box" }, e.message))) }, "Submit")),
+    status,
+    h("div", { class: "submit-layout" }, text, annotated));
+  render();
+}

@@ -1,0 +1,48 @@
+// Which metrics are charted together, in DESIGN.md's vocabulary. A panel takes fixed `keys`
+// and/or a `match` over the job's keys; keys no panel claims get a chart each under "Other".
+
+const prefix = (p) => (k) => k.startsWith(p);
+
+export const SECTIONS = [
+  { title: "Training", panels: [
+    { title: "Reward", match: (k) => k === "reward/mean" || /^reward\/.+\/mean$/.test(k), band: { key: "reward/mean", std: "reward/std" },
+      note: "band: mean ± std over the step's completions" },
+    { title: "Loss", match: prefix("loss/") },
+    { title: "KL to reference", keys: ["kl"] },
+    { title: "Clip ratio", match: prefix("clip_ratio/") },
+    { title: "Importance ratio", keys: ["ratio/mean", "ratio/max"] },
+    { title: "Entropy", keys: ["entropy"] },
+    { title: "Completion length (tokens)", keys: ["completions/mean_length"] },
+    { title: "Truncated completions", keys: ["completions/clipped_ratio", "frac_reward_zero_std"] },
+    { title: "Advantage |A|", keys: ["advantage/abs_mean"] },
+    { title: "Gradient norm", keys: ["grad_norm"] },
+    { title: "Learning rate", keys: ["lr"] },
+    { title: "Evaluation (greedy, validation split)", match: prefix("eval/") },
+    { title: "Step time (s): rollout vs training", keys: ["time/rollout_s", "time/train_s", "time/step_s"] },
+    { title: "Throughput (tokens/s)", keys: ["throughput/tokens_per_s"] },
+  ] },
+  { title: "TracIn selection", panels: [
+    { title: "Selection ratio", keys: ["tracin/selection_ratio"] },
+    { title: "Mean influence <grad L_i, grad L_val>", keys: ["tracin/mean_ip"] },
+    { title: "Selected samples", keys: ["tracin/num_selected"] },
+    { title: "Scoring time (s)", keys: ["tracin/time_s"] },
+  ] },
+  { title: "Retriever", panels: [
+    { title: "Retriever reward", keys: ["retriever/reward_mean"] },
+    { title: "Retriever KL", keys: ["retriever/kl"] },
+    { title: "Retriever entropy", keys: ["retriever/entropy"] },
+    { title: "Gold-document recall", keys: ["retriever/gold_recall"] },
+    { title: "Retriever loss and ratio", match: (k) => k.startsWith("retriever/") && !["retriever/reward_mean", "retriever/kl", "retriever/entropy", "retriever/gold_recall"].includes(k) },
+  ] },
+  { title: "Sparsity over time", panels: [
+    { title: "Unchanged parameters (primary threshold)", keys: ["sparsity/ratio", "sparsity/cumulative_ratio"],
+      note: "window: since the previous measurement; cumulative: since the start" },
+    { title: "Sign flips", keys: ["sparsity/sign_flip_ratio"] },
+    { title: "Measurement time (s)", match: (k) => k.startsWith("sparsity/") && !["sparsity/ratio", "sparsity/cumulative_ratio", "sparsity/sign_flip_ratio"].includes(k) },
+  ] },
+];
+
+/** The keys of `all` that `panel` charts. */
+export const keysOf = (panel, all) => all.filter((k) => panel.keys?.includes(k) || panel.match?.(k));
+
+export const claimed = (k) => SECTIONS.some((s) => s.panels.some((p) => p.keys?.includes(k) || p.match?.(k)));

@@ -1,0 +1,174 @@
+"""The dashboard in a real headless chromium against a running `grpo-jobs dev` with real jobs.
+
+Screenshots land in test-artifacts/dashboard/."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.dashboard.conftest import SPARSE_JOB, sign_in
+from tests.e2e.conftest import wait_job
+
+pytestmark = pytest.mark.slow
+
+
+def chart(page, title: str):
+    return page.locator(f'.chart[data-title="{title}"]')
+
+
+def test_nothing_is_visible_without_a_key(page, service):
+    page.goto(service.base + "/#/jobs")
+    page.wait_for_selector("#api-key")
+    assert page.locator("#jobs-table").count() == 0
+    page.expected_errors.append("status of 401")  # the server's answer to a wrong key, shown to the user
+    page.fill("#api-key", "not-a-key")
+    page.click("button[type=submit]")
+    page.wait_for_selector("#login-error:not([hidden])")
+    assert "not valid" in page.inner_text("#login-error")
+    page.shot("bad-key")
+    page.fill("#api-key", service.key)
+    page.click("button[type=submit]")
+    page.wait_for_selector("#jobs-table tbody tr")
+    page.click("#signout")
+    page.wait_for_selector("#api-key")
+
+
+def test_jobs_list_shows_every_job_and_filters(page, service):
+    sign_in(page, service)
+    api_ids = {j["id"] for j in service.client.get("/v1/jobs", params={"limit": 200}).json()["items"]}
+    rows = page.locator("#jobs-table tbody tr")
+    assert {int(x) for x in rows.evaluate_all("rs => rs.map(r => r.dataset.jobId)")} == api_ids
+    sparse = service.jobs["sparse"]
+    row = page.locator(f'tr[data-job-id="{sparse["id"]}"]')
+    assert row.locator(".badge").inner_text() == "succeeded"
+    assert f"{sparse['total_steps']} / {sparse['total_steps']}" in row.inner_text()
+    latest = service.client.get(f"/v1/jobs/{sparse['id']}/metrics/latest").json()["reward/mean"]["value"]
+    assert float(row.locator('[data-metric="reward/mean"]').inner_text()) == pytest.approx(latest, abs=1e-3)
+    page.select_option("#filter-kind", "tracin")
+    page.wait_for_function("() => [...document.querySelectorAll('#jobs-table tbody tr')].length === 1")
+    assert int(rows.first.get_attribute("data-job-id")) == service.jobs["tracin"]["id"]
+    assert "kind=tracin" in page.url
+    page.shot("filtered")
+
+
+def test_job_page_draws_every_series_with_its_points(page, service):
+    job = service.jobs["sparse"]
+    sign_in(page, service)
+    page.goto(f"{service.base}/#/jobs/{job['id']}")
+    steps = job["total_steps"]
+    page.wait_for_selector('.chart[data-title="Reward"] canvas')
+    assert chart(page, "Reward").get_attribute("data-points") == str(service.points(job["id"], "reward/mean")) == str(steps)
+    for title in ("Loss", "Evaluation (greedy, validation split)", "Step time (s): rollout vs training", "Gradient norm",
+                  "Unchanged parameters (primary threshold)"):
+        assert chart(page, title).locator("canvas").count() == 1, title
+        assert int(chart(page, title).get_attribute("data-points")) >= 1, title
+    evals = service.points(job["id"], "eval/accuracy")
+    assert chart(page, "Evaluation (greedy, validation split)").get_attribute("data-points") == str(evals)
+    # sparsity reports: threshold curve, magnitude vs random, layer x component heatmap
+    page.wait_for_selector("#sparsity-summary")
+    assert page.locator('#sparsity .chart[data-title="Unchanged fraction against threshold"] canvas').count() == 1
+    assert page.locator('#sparsity .chart[data-title="Partial update: KL to the full update"] canvas').count() == 1
+    assert page.locator("#sparsity table.heatmap tbody tr").count() >= 2
+    # samples of the last step, events, checkpoints
+    page.wait_for_selector("#samples-body tr")
+    n_samples = len(service.client.get(f"/v1/jobs/{job['id']}/samples", params={"step": steps}).json())
+    assert page.locator("#samples-body tr").count() == n_samples > 0
+    page.fill("#samples-step", "1")
+    page.dispatch_event("#samples-step", "change")
+    page.wait_for_function("() => [...document.querySelectorAll('#samples-body tr td:first-child')].every(td => td.textContent === '1')")
+    assert page.locator('#events [data-type="succeeded"]').count() == 1
+    ckpts = service.client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
+    page.wait_for_function(f"() => document.querySelectorAll('#checkpoints-body tr').length === {len(ckpts)}")
+    assert page.locator("#cancel-btn").count() == 0  # finished jobs cannot be cancelled
+    page.shot("job")
+
+
+def test_tracin_and_joint_panels(page, service):
+    sign_in(page, service)
+    t = service.jobs["tracin"]
+    page.goto(f"{service.base}/#/jobs/{t['id']}")
+    page.wait_for_selector('.chart[data-title="Selection ratio"] canvas')
+    assert chart(page, "Selection ratio").get_attribute("data-points") == str(t["total_steps"])
+    page.wait_for_selector("#selection-summary")
+    sels = service.client.get(f"/v1/jobs/{t['id']}/selections", params={"scores": False}).json()
+    bins = len(sels[-1]["histogram"]["counts"])
+    assert page.locator("#selections .chart canvas").count() == 1
+    assert page.locator("#selections .chart").get_attribute("data-points") == str(bins)
+    page.select_option("#selection-step", "0")
+    page.wait_for_function(f"() => document.querySelector('#selection-summary').textContent.startsWith('step {sels[0]['step']} ')")
+    page.wait_for_selector("#samples-body tr")
+    assert page.locator("#samples-body tr td:nth-child(6)").first.inner_text() != "–"  # influence recorded
+    page.shot("tracin")
+    j = service.jobs["joint"]
+    page.goto(f"{service.base}/#/jobs/{j['id']}")
+    page.wait_for_selector('section[data-section="Retriever"] .chart canvas')
+    for title in ("Retriever reward", "Retriever KL", "Retriever entropy", "Gold-document recall"):
+        assert chart(page, title).get_attribute("data-points") == str(j["total_steps"]), title
+    page.shot("joint")
+
+
+def test_compare_overlays_a_metric_of_several_jobs(page, service):
+    sign_in(page, service)
+    ids = [service.jobs["sparse"]["id"], service.jobs["tracin"]["id"]]
+    for i in ids:
+        page.check(f'tr[data-job-id="{i}"] input[type=checkbox]')
+    page.click("#compare-btn")
+    page.wait_for_selector("#compare-chart canvas")
+    assert page.locator("#compare-chart .chart").get_attribute("data-series").count("#") == 2
+    page.select_option("#compare-metric", "loss/total")
+    page.wait_for_function("() => document.querySelector('#compare-chart .chart')?.dataset.title === 'loss/total'")
+    page.wait_for_selector("#compare-chart canvas")
+    page.shot("compare")
+
+
+def test_watch_a_running_job_then_cancel_it(page, service):
+    long = {**SPARSE_JOB, "name": "long-running", "sparsity": None,
+            "grpo": {**SPARSE_JOB["grpo"], "steps": 400, "checkpoint_every": 0}}
+    long.pop("sparsity")
+    job = service.submit(long)
+    sign_in(page, service)
+    page.goto(f"{service.base}/#/jobs/{job['id']}")
+    page.wait_for_selector('.chart[data-title="Reward"] canvas', timeout=120_000)
+    first = int(chart(page, "Reward").get_attribute("data-points"))
+    # new steps arrive over the event stream without a reload
+    page.wait_for_function(f"() => Number(document.querySelector('.chart[data-title=\"Reward\"]').dataset.points) >= {first + 2}",
+                           timeout=120_000)
+    assert page.locator("#job-header .badge").inner_text() == "running"
+    page.shot("running")
+    page.click("#cancel-btn")
+    page.wait_for_selector('#job-header .badge[data-status="cancelled"]', timeout=120_000)
+    done = wait_job(service.client, job["id"], service.procs)
+    assert done["status"] == "cancelled" and done["step"] < 400
+    # the charts hold every recorded step
+    page.wait_for_function(f"() => document.querySelector('.chart[data-title=\"Reward\"]').dataset.points === '{service.points(job['id'], 'reward/mean')}'")
+    assert page.locator('#events [data-type="cancelled"]').count() == 1
+
+
+def test_submit_shows_errors_next_to_fields_then_submits(page, service):
+    sign_in(page, service)
+    page.click('a[data-nav="submit"]')
+    page.wait_for_selector("#spec-text")
+    bad = "kind: grpo\nmodel:\n  name: tiny-random-llama\ngrpo:\n  steps: 2\n  num_generations: 1\n  learnin_rate: 0.1\n"
+    page.fill("#spec-text", bad)
+    page.click("#validate-btn")
+    page.wait_for_selector("#spec-errors")
+    err = page.locator('.field-error[data-field="grpo.num_generations"]')
+    assert "greater than or equal to 2" in err.inner_text()
+    # the error sits right under line 6, the line that names the field
+    assert err.evaluate("e => e.previousElementSibling.dataset.line") == "6"
+    assert page.locator('.field-error[data-field="grpo.learnin_rate"]').evaluate("e => e.previousElementSibling.dataset.line") == "7"
+    before = len(service.client.get("/v1/jobs", params={"limit": 200}).json()["items"])
+    page.click("#submit-btn")  # invalid: nothing is submitted
+    page.wait_for_selector("#spec-errors")
+    page.shot("errors")
+    assert len(service.client.get("/v1/jobs", params={"limit": 200}).json()["items"]) == before
+    good = "kind: grpo\nname: from-the-browser\nmodel: {name: tiny-random-llama, lora: {r: 4}}\ngrpo: {steps: 2, max_new_tokens: 4, eval_prompts: 2}\n"
+    page.fill("#spec-text", good)
+    page.click("#submit-btn")
+    page.wait_for_url("**/#/jobs/*")
+    job_id = int(page.url.rsplit("/", 1)[1])
+    assert service.client.get(f"/v1/jobs/{job_id}").json()["name"] == "from-the-browser"
+    page.wait_for_selector("#job-header")
+    wait_job(service.client, job_id, service.procs)

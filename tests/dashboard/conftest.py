@@ -56,8 +56,8 @@ def browser():
 
 
 class Service:
-    def __init__(self, base: str, key: str, procs: Procs) -> None:
-        self.base, self.key, self.procs = base, key, procs
+    def __init__(self, base: str, key: str, procs: Procs, store_url: str) -> None:
+        self.base, self.key, self.procs, self.store_url = base, key, procs, store_url
         self.client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         self.jobs: dict[str, dict] = {}
 
@@ -91,7 +91,10 @@ def service(tmp_path_factory, models_root):
             if key_file.exists():
                 break
             time.sleep(0.1)
-        svc = Service(base, key_file.read_text().strip(), procs)
+        from service.settings import Settings
+
+        store_url = Settings(GRPO_DATA_DIR=tmp / "data").store_url
+        svc = Service(base, key_file.read_text().strip(), procs, store_url)
         for name, spec in (("sparse", SPARSE_JOB), ("tracin", TRACIN_JOB), ("joint", JOINT_JOB)):
             svc.jobs[name] = svc.submit(spec)
         for name, job in svc.jobs.items():

@@ -172,3 +172,43 @@ def test_submit_shows_errors_next_to_fields_then_submits(page, service):
     assert service.client.get(f"/v1/jobs/{job_id}").json()["name"] == "from-the-browser"
     page.wait_for_selector("#job-header")
     wait_job(service.client, job_id, service.procs)
+
+
+def test_a_100k_step_job_is_drawn_from_server_buckets(page, service):
+    """A long job's charts get at most 1000 bucketed points (with a min..max band), and a drag-zoom
+    refetches the selected range at full resolution."""
+    from service.store import jobs as jobs_q
+    from service.store import metrics as metrics_q
+    from service.store.db import session_scope
+
+    n = 100_000
+    with session_scope(service.store_url) as s:
+        job, _ = jobs_q.create_job(s, owner="local", kind="grpo", spec={"kind": "grpo"}, name="imported-100k",
+                                   total_steps=n)
+        job.status, job.step = "succeeded", n  # recorded elsewhere: never queued here
+        s.flush()
+        jid = job.id
+        rows = [(jid, k, step, (step % 997) / 997 + (5.0 if step == 54_321 else 0.0))
+                for k in ("reward/mean", "loss/total") for step in range(1, n + 1)]
+        metrics_q.upsert_points(s, rows=rows)
+    sign_in(page, service)
+    page.goto(f"{service.base}/#/jobs/{jid}")
+    page.wait_for_selector('.chart[data-title="Reward"] canvas')
+    api_points = service.points(jid, "reward/mean")
+    assert api_points <= 1000 and chart(page, "Reward").get_attribute("data-points") == str(api_points)
+    # the spike survives bucketing as the band's top
+    top = page.evaluate("() => Math.max(...document.querySelector('.chart[data-title=\"Loss\"]').__chart.u.data.at(-2).filter(v => v !== null))")
+    assert top == pytest.approx(5.0 + (54_321 % 997) / 997)
+    # drag-zoom into under 1000 steps: the chart refetches them one point per step
+    box = chart(page, "Reward").locator(".u-over").bounding_box()
+    x0 = box["x"] + box["width"] * 0.500
+    x1 = x0 + min(0.009 * box["width"], 5)
+    page.mouse.move(x0, box["y"] + 20)
+    page.mouse.down()
+    page.mouse.move(x1, box["y"] + 20, steps=4)
+    page.mouse.up()
+    page.wait_for_function("() => { const x = document.querySelector('.chart[data-title=\"Reward\"]').__chart.u.data[0];"
+                           " return x.length >= 100 && x.length <= 1000 && x[1] - x[0] === 1; }")
+    page.shot("zoomed")
+    page.locator('.chart[data-title="Reward"] .u-over').dblclick()
+    page.wait_for_function(f"() => document.querySelector('.chart[data-title=\"Reward\"]').dataset.points === '{api_points}'")

@@ -5,6 +5,7 @@ import { fmt, h } from "./dom.js";
 
 export const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#db2777"];
 const HEIGHT = 220;
+const REFETCH_AFTER = 3000; // points per series; the server buckets whole jobs to 1000
 
 function frame(title, note) {
   const plot = h("div", { class: "plot" });
@@ -28,6 +29,7 @@ export class StepChart {
     Object.assign(this, { title, keys, band, onZoom });
     this.data = new Map(); // key -> {x:[], y:[], lo:[], hi:[], ranged}
     ({ el: this.el, plot: this.plot } = frame(title, note));
+    this.el.__chart = this; // for tests and the browser console
     this.el.addEventListener("dblclick", () => this.onZoom?.(null, null));
   }
 
@@ -53,7 +55,10 @@ export class StepChart {
       this.data.set(key, d);
       changed = true;
     }
-    if (changed) this.render(true);
+    if (!changed) return;
+    // A long live session would grow past what the server sends for a whole job: refetch it bucketed.
+    if (this.onZoom && Math.max(...[...this.data.values()].map((d) => d.x.length)) > REFETCH_AFTER) this.onZoom(null, null);
+    else this.render(true);
   }
 
   get present() { return this.keys.filter((k) => this.data.get(k)?.x.length); }

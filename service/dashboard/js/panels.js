@@ -45,4 +45,5 @@ export const SECTIONS = [
 /** The keys of `all` that `panel` charts. */
 export const keysOf = (panel, all) => all.filter((k) => panel.keys?.includes(k) || panel.match?.(k));
 
-export const claimed = (k) => SECTIONS.some((s) => s.panels.some((p) => p.keys?.includes(k) || p.match?.(k)));
+/** Whether some panel charts `k` (a band's std counts: it is drawn around its mean). */
+export const claimed = (k) => SECTIONS.some((s) => s.panels.some((p) => p.keys?.includes(k) || p.match?.(k) || p.band?.std === k));

@@ -8,6 +8,8 @@
 
     python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 4] [--generations 8]
 
+Both scoring methods run after one untimed warm-up pass. `--scoring-only` skips part 2.
+
 Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=...
 """
 
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,13 +54,38 @@ def job(args, kind: str, steps: int) -> dict:
     return spec
 
 
-class Capture(Reporter):
+class PeakRSS(threading.Thread):
+    """Samples this process's resident memory every 20 ms; `arm()` restarts the peak, so loading and
+    converting the model (whose peak is the same for both loops) does not hide the steps' own peak."""
+
     def __init__(self):
+        super().__init__(daemon=True)
+        self.peak = 0
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def arm(self):
+        self.peak = self.rss()
+
+    def run(self):
+        while True:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.02)
+
+
+class Capture(Reporter):
+    def __init__(self, rss: PeakRSS):
         self.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-tracin-"))
         self.steps = {}
+        self.rss = rss
 
     def metrics(self, step, values):
         self.steps[step] = values
+        if step == 1:  # from here on: training steps only
+            self.rss.arm()
 
 
 def child(args) -> None:
@@ -67,11 +96,15 @@ def child(args) -> None:
     from worker.runner import loop_for
 
     spec = TypeAdapter(JobSpec).validate_python(job(args, args.child, args.loop_steps))
-    rep = Capture()
+    rss = PeakRSS()
+    rss.start()
+    rep = Capture(rss)
     loop_for(spec.kind)(spec, rep, settings=get_settings())
-    times = [rep.steps[s]["time/step_s"] for s in range(2, args.loop_steps)]  # 1: warm-up; last: eval
-    print(json.dumps({"step_s": sum(times) / len(times),
-                      "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    measured = range(2, args.loop_steps)  # 1: warm-up; last: eval
+    mean = {k: sum(rep.steps[s].get(k, 0.0) for s in measured) / len(measured)
+            for k in ("time/step_s", "time/rollout_s", "time/train_s", "tracin/time_s")}
+    print(json.dumps({"step_s": mean["time/step_s"], "breakdown": mean, "peak_mb": rss.peak / 2**20,
+                      "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def losses_fn(s, ro):
@@ -104,16 +137,20 @@ def scoring(args) -> tuple[float, float, float, int]:
     train_f, val_f = losses_fn(s, ro), losses_fn(s, val)
     params = [p for _, a, b in lora_layers(s.model) for p in (a.weight, b.weight)]
 
+    def ghost_pass() -> torch.Tensor:
+        with GhostHooks(s.model) as hooks:
+            val_f().sum().backward()
+            hooks.capture_validation_gradient()
+            losses = train_f()
+            hooks.start_scoring(losses.shape[0], "cpu")
+            losses.sum().backward()
+        s.model.zero_grad(set_to_none=True)
+        return hooks.scores
+
+    ghost_pass()  # warm-up: first-call allocations and kernel choices for these shapes, untimed
     t0 = time.perf_counter()
-    with GhostHooks(s.model) as hooks:
-        val_f().sum().backward()
-        hooks.capture_validation_gradient()
-        losses = train_f()
-        hooks.start_scoring(losses.shape[0], "cpu")
-        losses.sum().backward()
+    ghost = ghost_pass()
     ghost_s = time.perf_counter() - t0
-    ghost = hooks.scores
-    s.model.zero_grad(set_to_none=True)
 
     t0 = time.perf_counter()
     g_val = torch.autograd.grad(val_f().sum(), params)
@@ -142,6 +179,7 @@ def main() -> None:
     ap.add_argument("--val-generations", type=int, default=4)
     ap.add_argument("--val-regenerate-every", type=int, default=4)
     ap.add_argument("--loop-steps", type=int, default=6)
+    ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")
     ap.add_argument("--child", choices=["grpo", "tracin"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -150,12 +188,18 @@ def main() -> None:
     ghost_s, naive_s, rel, n = scoring(args)
     print(f"scoring {n} samples: hooks {ghost_s:.2f} s, naive per-sample autograd {naive_s:.2f} s, "
           f"max relative error {rel:.2e}")
+    if args.scoring_only:
+        print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e}")
+        return
     runs = {}
     for kind in ("grpo", "tracin"):
         out = subprocess.run([sys.executable, __file__, "--child", kind, *sys.argv[1:]], check=True,
                              capture_output=True, text=True).stdout
         runs[kind] = json.loads(out.strip().splitlines()[-1])
-        print(f"{kind} loop: {runs[kind]['step_s']:.2f} s/step, peak RSS {runs[kind]['peak_mb']:.0f} MB")
+        r = runs[kind]
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown"].items() if v)
+        print(f"{kind} loop: {r['step_s']:.2f} s/step ({parts}); peak RSS during steps {r['peak_mb']:.0f} MB "
+              f"(whole process, model loading included: {r['process_peak_mb']:.0f} MB)")
     print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations}, "
           f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
     print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e} "

@@ -21,11 +21,12 @@ ARTIFACTS = Path(__file__).parents[2] / "test-artifacts" / "dashboard"
 # so advantages, influence scores and parameter updates are all non-trivial.
 DIGITS = [{"prompt": f"Say the digit after {d}.", "answer": str((d + 1) % 10)} for d in range(10)] * 4
 DIGIT_DATA = {"name": "jsonl", "path": "digits.jsonl", "num_val": 8}
-SPARSE_JOB = {**TINY_JOB, "name": "grpo-sparsity", "dataset": DIGIT_DATA,
+DIGIT_REWARD = [{"name": "numeric_match"}]  # the completion's last number; jsonl's default is exact_match
+SPARSE_JOB = {**TINY_JOB, "name": "grpo-sparsity", "dataset": DIGIT_DATA, "rewards": DIGIT_REWARD,
               "grpo": {**TINY_JOB["grpo"], "steps": 4, "learning_rate": 1e-2},
               "sparsity": {"measure_interval": 2, "quality": {"enabled": True, "probe_size": 2}}}
 TRACIN_JOB = {"kind": "tracin", "name": "tracin-tiny", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
-              "dataset": DIGIT_DATA,
+              "dataset": DIGIT_DATA, "rewards": DIGIT_REWARD,
               "grpo": {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
                        "learning_rate": 1e-2},
               "tracin": {"val_prompts": 4, "val_generations": 4}}

@@ -116,10 +116,12 @@ class GhostHooks:
         for i, rows, which, g, inp in self.factors:
             w = weights.to(g.device, g.dtype)[rows.to(g.device)].view(-1, 1, 1)
             _, a, b = self.layers[i]
-            if which == "A":
-                grad, p = torch.einsum("nlr,nld->rd", g * w, inp), a.weight  # [r, d_in]
-            else:
-                grad, p = torch.einsum("nlo,nlr->or", g * w, inp), b.weight  # [d_out, r]
+            # The per-sample weight goes on the rank-r factor (the small one), then one [*, NL] @ [NL, *]
+            # matmul; einsum's broadcasting path over the wide factor was 3-5x slower on CPU.
+            if which == "A":  # g = g_h [N, L, r], inp = x' [N, L, d_in]
+                grad, p = (g * w).flatten(0, 1).T @ inp.flatten(0, 1), a.weight  # [r, d_in]
+            else:  # g = g_o [N, L, d_out], inp = h [N, L, r]
+                grad, p = g.flatten(0, 1).T @ (inp * w).flatten(0, 1), b.weight  # [d_out, r]
             out[p] = out[p] + grad if p in out else grad
         return out
 

@@ -12,8 +12,12 @@ so for fixed validation gradients G_A [r, d_in] and G_B [d_out, r] of the same l
 Both are computed per sample from rank-r projections inside one batched backward (a sample's
 gradient at its own positions comes from its own loss only), at O(T * r * d) per layer.
 
-`GhostHooks` can also keep the factors (g_h, x') and (g_o, h) of the batch, so that the gradient
-of any subset of the samples is recovered afterwards without a second backward.
+`GhostHooks(keep_factors=True)` also contracts each layer's factors over tokens inside the same
+backward, keeping every sample's rank-r LoRA gradients (g_h^T x' [r, d_in], g_o^T h [d_out, r]),
+so that the gradient of any weighted subset is recovered afterwards without a second backward.
+They take N * r * (d_in + d_out) floats per layer, less than the layer's activations N * L * d
+whenever sequences are longer than the rank; the activations themselves are freed by autograd
+as usual.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class GhostHooks:
         self.val_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scores: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
-        self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor, torch.Tensor]] = []  # (layer, rows, "A"/"B", g, a)
+        self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
         self._handles: list = []
 
     def __enter__(self) -> "GhostHooks":
@@ -97,8 +101,8 @@ class GhostHooks:
                 else:
                     contrib = ((g @ g_b.to(g.dtype)) * proj).sum(dim=(1, 2))  # sum_t <g_o G_B, h>
                 self.scores.index_add_(0, rows.to(self.scores.device), contrib.to(self.scores.dtype))
-                if self.keep_factors:
-                    self.factors.append((i, rows, which, g, inp))
+                if self.keep_factors:  # A: g_h^T x' [N, r, d_in];  B: g_o^T h [N, d_out, r]
+                    self.factors.append((i, rows, which, g.transpose(1, 2) @ inp))
 
             output.register_hook(backward_hook)
 
@@ -113,34 +117,27 @@ class GhostHooks:
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed to recover subset gradients")
         out: dict[torch.nn.Parameter, torch.Tensor] = {}
-        for i, rows, which, g, inp in self.factors:
-            w = weights.to(g.device, g.dtype)[rows.to(g.device)].view(-1, 1, 1)
+        for i, rows, which, per in self.factors:
+            w = weights.to(per.device, per.dtype)[rows.to(per.device)]
             _, a, b = self.layers[i]
-            # The per-sample weight goes on the rank-r factor (the small one), then one [*, NL] @ [NL, *]
-            # matmul; einsum's broadcasting path over the wide factor was 3-5x slower on CPU.
-            if which == "A":  # g = g_h [N, L, r], inp = x' [N, L, d_in]
-                grad, p = (g * w).flatten(0, 1).T @ inp.flatten(0, 1), a.weight  # [r, d_in]
-            else:  # g = g_o [N, L, d_out], inp = h [N, L, r]
-                grad, p = g.flatten(0, 1).T @ (inp * w).flatten(0, 1), b.weight  # [d_out, r]
+            grad, p = torch.tensordot(w, per, dims=1), (a.weight if which == "A" else b.weight)
             out[p] = out[p] + grad if p in out else grad
         return out
 
-
     def gram(self) -> torch.Tensor:
         """[N, N] inner products <grad_i, grad_j> of the training samples over the LoRA weights, from
-        the kept factors, one layer at a time (per-sample gradients of one layer exist transiently)."""
+        the kept per-sample rank-r gradients, one layer at a time."""
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed for the Gram matrix")
         n = self.scores.numel()
         per_layer: dict[tuple[int, str], list] = {}
-        for i, rows, which, g, inp in self.factors:
-            per_layer.setdefault((i, which), []).append((rows, g, inp))
+        for i, rows, which, per in self.factors:
+            per_layer.setdefault((i, which), []).append((rows, per))
         gram = torch.zeros(n, n, dtype=torch.float64)
         for parts in per_layer.values():
-            d_g, d_a = parts[0][1].shape[-1], parts[0][2].shape[-1]
-            grads = torch.zeros(n, d_g * d_a, dtype=parts[0][1].dtype, device=parts[0][1].device)
-            for rows, g, inp in parts:
-                grads[rows.to(grads.device)] = torch.einsum("nlg,nla->nga", g, inp).reshape(len(rows), -1)
+            grads = torch.zeros(n, parts[0][1][0].numel(), dtype=parts[0][1].dtype, device=parts[0][1].device)
+            for rows, per in parts:
+                grads[rows.to(grads.device)] = per.reshape(len(rows), -1)
             gram += (grads @ grads.T).double().cpu()
         return gram
 

@@ -130,6 +130,16 @@ class Api:
     def post(self, path, key=None, **kw):
         return self.client.post(path, headers={**self.auth(key), **kw.pop("headers", {})}, **kw)
 
+    def run_job(self, spec: dict) -> int:
+        """Submit `spec` over HTTP, run it in this process as a worker would, expect success; the job id."""
+        from worker import runner
+
+        r = self.post("/v1/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        jid = r.json()["id"]
+        assert runner.run_job(jid, settings=self.settings) == "succeeded"
+        return jid
+
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def api(request, settings_factory):

@@ -5,7 +5,6 @@ import torch
 from safetensors.torch import load_file
 
 from service.specs import JointJob, RetrieverSpec
-from worker import runner
 from worker.loops import joint
 from worker.reporting import FileReporter
 from worker.retriever import load_retriever
@@ -57,10 +56,7 @@ def test_generator_only_keeps_the_retriever(tmp_path, settings_factory, digit_re
 
 def test_joint_job_through_the_api(sqlite_api, digit_reward):
     api = sqlite_api
-    r = api.post("/v1/jobs", json=_spec())
-    assert r.status_code == 201, r.text
-    jid = r.json()["id"]
-    assert runner.run_job(jid, settings=api.settings) == "succeeded"
+    jid = api.run_job(_spec())
     latest = api.get(f"/v1/jobs/{jid}/metrics/latest").json()
     assert "retriever/gold_recall" in latest and "eval/retriever_recall_at_1" in latest
     assert api.get(f"/v1/jobs/{jid}/samples").json()[0]["extra"]["doc_id"].startswith(("person-", "profile-"))

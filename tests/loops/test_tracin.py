@@ -4,7 +4,6 @@ import pytest
 
 from service.specs import TracInJob
 from service.store.db import session_scope
-from worker import runner
 from worker.loops import tracin
 from worker.reporting import FileReporter
 
@@ -51,10 +50,7 @@ def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward,
 
 def test_tracin_job_through_the_api(sqlite_api, digit_reward):
     api = sqlite_api
-    r = api.post("/v1/jobs", json=_spec())
-    assert r.status_code == 201, r.text
-    jid = r.json()["id"]
-    assert runner.run_job(jid, settings=api.settings) == "succeeded"
+    jid = api.run_job(_spec())
     sels = api.get(f"/v1/jobs/{jid}/selections").json()
     assert [s["step"] for s in sels] == [1, 2, 3] and all(len(s["scores"]) == 8 for s in sels)
     samples = api.get(f"/v1/jobs/{jid}/samples", params={"step": 2}).json()

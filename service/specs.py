@@ -331,3 +331,4 @@ JobSpec = Annotated[Union[GRPOJob, TracInJob, JointJob], Field(discriminator="ki
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 STATUSES = ("queued", "running", *TERMINAL)
+KINDS = ("grpo", "tracin", "joint")  # the `kind` tags of JobSpec

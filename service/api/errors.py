@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-KINDS = ("grpo", "tracin", "joint")
+from service.specs import KINDS
 
 
 def field_path(loc: tuple) -> str:

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from service import queue
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint
-from service.specs import STATUSES, TERMINAL, JobSpec
+from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
@@ -53,7 +53,7 @@ def submit_job(
 def list_jobs(
     owner: OwnerDep, session: SessionDep,
     status: Annotated[Literal[STATUSES] | None, Query(description="Only jobs in this status.")] = None,  # type: ignore[valid-type]
-    kind: Annotated[Literal["grpo", "tracin", "joint"] | None, Query(description="Only jobs of this kind.")] = None,
+    kind: Annotated[Literal[KINDS] | None, Query(description="Only jobs of this kind.")] = None,  # type: ignore[valid-type]
     after: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Cursor: the `next_after` of the previous page.")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     latest: Annotated[str | None, Query(max_length=1000, description="Comma-separated metric names: each job "

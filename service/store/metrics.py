@@ -123,26 +123,23 @@ def series(
 
 def latest(session: Session, *, job_id: int) -> dict[str, dict]:
     """The newest point of every series of a job."""
-    newest = (select(Metric.key_id, func.max(Metric.step).label("step"))
-              .where(Metric.job_id == job_id).group_by(Metric.key_id).subquery())
-    rows = session.execute(
-        select(MetricKey.name, Metric.step, Metric.value)
-        .join(newest, (Metric.key_id == newest.c.key_id) & (Metric.step == newest.c.step))
-        .join(MetricKey, MetricKey.id == Metric.key_id)
-        .where(Metric.job_id == job_id)
-    ).all()
-    return {k: {"step": s, "value": v} for k, s, v in rows}
+    return latest_of(session, job_ids=[job_id]).get(job_id, {})
 
 
-def latest_of(session: Session, *, job_ids: Iterable[int], keys: Iterable[str]) -> dict[int, dict[str, dict]]:
-    """The newest point of each of `keys` for each job: {job_id: {key: {step, value}}} (for job lists)."""
+def latest_of(session: Session, *, job_ids: Iterable[int], keys: Iterable[str] | None = None) -> dict[int, dict[str, dict]]:
+    """The newest point of each of `keys` (default: every series) for each job:
+    {job_id: {key: {step, value}}}."""
     job_ids = list(job_ids)
-    ids = key_ids(session, names=keys, create=False)
-    if not job_ids or not ids:
+    if not job_ids:
         return {}
+    where = [Metric.job_id.in_(job_ids)]
+    if keys is not None:
+        ids = key_ids(session, names=keys, create=False)
+        if not ids:
+            return {}
+        where.append(Metric.key_id.in_(list(ids.values())))
     newest = (select(Metric.job_id, Metric.key_id, func.max(Metric.step).label("step"))
-              .where(Metric.job_id.in_(job_ids), Metric.key_id.in_(list(ids.values())))
-              .group_by(Metric.job_id, Metric.key_id).subquery())
+              .where(*where).group_by(Metric.job_id, Metric.key_id).subquery())
     rows = session.execute(
         select(Metric.job_id, MetricKey.name, Metric.step, Metric.value)
         .join(newest, (Metric.job_id == newest.c.job_id) & (Metric.key_id == newest.c.key_id)

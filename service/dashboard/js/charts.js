@@ -14,10 +14,15 @@ function frame(title, note) {
   return { el, plot };
 }
 
-function sized(el, make) {
+const Y_AXIS = { size: 60, values: (u, vs) => vs.map((v) => fmt(v, 3)) };
+
+/** A uPlot over steps (not time) in `plot`, as wide as the chart element and following its resizes. */
+function draw(el, plot, opts, data) {
+  const height = opts.height || HEIGHT;
   const width = () => Math.max(280, el.clientWidth - 16);
-  const u = make(width());
-  new ResizeObserver(() => u.setSize({ width: width(), height: HEIGHT })).observe(el);
+  const u = new uPlot({ scales: { x: { time: false } }, ...opts, width: width(), height }, data, plot);
+  u.observer = new ResizeObserver(() => u.setSize({ width: width(), height }));
+  u.observer.observe(el);
   return u;
 }
 
@@ -104,19 +109,19 @@ export class StepChart {
       this.u.setData(data, !keepScale);
       return;
     }
+    this.u?.observer.disconnect(); // the chart is rebuilt when its set of series changes
     this.u?.destroy();
     this.plot.replaceChildren();
     this.sig = sig;
-    this.u = sized(this.el, (width) => new uPlot({
-      width, height: HEIGHT, series, bands, legend: { live: true },
-      scales: { x: { time: false } }, axes: [{}, { size: 60, values: (u, vs) => vs.map((v) => fmt(v, 3)) }],
+    this.u = draw(this.el, this.plot, {
+      series, bands, legend: { live: true }, axes: [{}, Y_AXIS],
       cursor: { drag: { x: true, y: false, setScale: true } },
       hooks: { setSelect: [(u) => {
         if (u.select.width > 2 && this.onZoom) {
           this.onZoom(Math.floor(u.posToVal(u.select.left, "x")), Math.ceil(u.posToVal(u.select.left + u.select.width, "x")));
         }
       }] },
-    }, data, this.plot));
+    }, data);
   }
 }
 
@@ -128,11 +133,11 @@ export function overlayChart(title, tables) {
   const data = present.length > 1 ? uPlot.join(present.map((t) => [t.x, t.y])) : [present[0].x, present[0].y];
   el.dataset.points = String(data[0].length);
   el.dataset.series = present.map((t) => t.label).join(",");
-  queueMicrotask(() => sized(el, (width) => new uPlot({
-    width, height: HEIGHT + 120, scales: { x: { time: false } },
+  queueMicrotask(() => draw(el, plot, {
+    height: HEIGHT + 120,
     series: [{ label: "step" }, ...present.map((t, i) => ({ label: t.label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true }))],
-    axes: [{}, { size: 60, values: (u, vs) => vs.map((v) => fmt(v, 3)) }],
-  }, data, plot)));
+    axes: [{}, Y_AXIS],
+  }, data));
   return el;
 }
 
@@ -141,12 +146,11 @@ export function histogramChart(title, edges, counts, note) {
   const { el, plot } = frame(title, note);
   const centers = counts.map((_, i) => (edges[i] + edges[i + 1]) / 2);
   el.dataset.points = String(counts.length);
-  queueMicrotask(() => sized(el, (width) => new uPlot({
-    width, height: HEIGHT, scales: { x: { time: false } },
+  queueMicrotask(() => draw(el, plot, {
     series: [{ label: "score", value: (u, v) => fmt(v, 4) },
              { label: "samples", stroke: COLORS[0], fill: COLORS[0] + "66", paths: uPlot.paths.bars({ size: [0.9] }), points: { show: false } }],
     axes: [{ values: (u, vs) => vs.map((v) => fmt(v, 2)) }, { size: 40 }],
-  }, [centers, counts], plot)));
+  }, [centers, counts]));
   return el;
 }
 
@@ -155,12 +159,11 @@ export function categoryChart(title, labels, lines, note) {
   const { el, plot } = frame(title, note);
   const x = labels.map((_, i) => i);
   el.dataset.points = String(labels.length);
-  queueMicrotask(() => sized(el, (width) => new uPlot({
-    width, height: HEIGHT, scales: { x: { time: false } },
+  queueMicrotask(() => draw(el, plot, {
     series: [{ label: "threshold", value: (u, v) => labels[v] ?? "" },
              ...lines.map((l, i) => ({ label: l.label, stroke: COLORS[i % COLORS.length], width: 1.5, value: (u, v) => fmt(v, 4) }))],
-    axes: [{ splits: () => x, values: (u, vs) => vs.map((v) => labels[v] ?? "") }, { size: 60, values: (u, vs) => vs.map((v) => fmt(v, 3)) }],
-  }, [x, ...lines.map((l) => l.y)], plot)));
+    axes: [{ splits: () => x, values: (u, vs) => vs.map((v) => labels[v] ?? "") }, Y_AXIS],
+  }, [x, ...lines.map((l) => l.y)]));
   return el;
 }
 

@@ -79,10 +79,52 @@ def test_recovered_subset_gradient_equals_fresh_backward(tmp_path):
             hooks.rows = rows
             _per_sample_losses(model, *(t[rows] for t in train), w[rows]).sum().backward()
     subset = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
-    recovered = hooks.subset_gradients(subset * 2.5)
+    hooks.fold(subset * 2.5)
+    recovered = hooks.subset
+    assert not hooks.factors  # folded factors are freed
     model.zero_grad(set_to_none=True)
     keep = subset.bool()
     (2.5 * _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum()).backward()
     for _, a, b in lora_layers(model):
         for p in (a.weight, b.weight):
             torch.testing.assert_close(recovered[p], p.grad, rtol=1e-4, atol=1e-7)
+
+
+def _hooked_train_pass(model, tok, *, fold_each_micro_batch: bool):
+    """Validation gradient, then two training micro-batches with kept factors; with
+    fold_each_micro_batch, positive-score samples are folded as soon as their micro-batch is done."""
+    train = _batch(tok, ["Question: 1+1?", "Hi", "A longer one", "7 8 9", "zz", "Answer: 4"])
+    w = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.0, 0.8])
+    val = _batch(tok, ["Question: 2+2?", "ok"])
+    with GhostHooks(model, keep_factors=True) as hooks:
+        _per_sample_losses(model, *val, torch.tensor([1.0, -0.6])).sum().backward()
+        hooks.capture_validation_gradient()
+        hooks.start_scoring(6, "cpu")
+        for rows in (torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])):
+            hooks.rows = rows
+            _per_sample_losses(model, *(t[rows] for t in train), w[rows]).sum().backward()
+            if fold_each_micro_batch:
+                hooks.fold((hooks.scores > 0).double())  # rows not yet scored are 0: not folded
+                assert not hooks.factors
+    if not fold_each_micro_batch:
+        hooks.fold((hooks.scores > 0).double())
+    model.zero_grad(set_to_none=True)
+    return hooks.scores, hooks.subset, (train, w)
+
+
+def test_factor_scores_equal_naive_and_streamed_fold_equals_batch_fold(tmp_path):
+    model, tok = _model(tmp_path)
+    streamed_scores, streamed, (train, w) = _hooked_train_pass(model, tok, fold_each_micro_batch=True)
+    scores, whole, _ = _hooked_train_pass(model, tok, fold_each_micro_batch=False)
+    val = _batch(tok, ["Question: 2+2?", "ok"])
+    naive = _naive(model, lambda: _per_sample_losses(model, *train, w),
+                   lambda: _per_sample_losses(model, *val, torch.tensor([1.0, -0.6])).sum())
+    torch.testing.assert_close(scores, naive, rtol=1e-4, atol=1e-10)  # scores from the kept factors
+    torch.testing.assert_close(streamed_scores, scores)
+    keep = scores > 0
+    assert 0 < int(keep.sum()) < 6, "the batch should have helpful and harmful samples"
+    _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum().backward()
+    for _, a, b in lora_layers(model):
+        for p in (a.weight, b.weight):
+            torch.testing.assert_close(streamed[p], whole[p], rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(streamed[p], p.grad, rtol=1e-4, atol=1e-7)

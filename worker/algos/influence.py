@@ -12,12 +12,13 @@ so for fixed validation gradients G_A [r, d_in] and G_B [d_out, r] of the same l
 Both are computed per sample from rank-r projections inside one batched backward (a sample's
 gradient at its own positions comes from its own loss only), at O(T * r * d) per layer.
 
-`GhostHooks(keep_factors=True)` also contracts each layer's factors over tokens inside the same
-backward, keeping every sample's rank-r LoRA gradients (g_h^T x' [r, d_in], g_o^T h [d_out, r]),
-so that the gradient of any weighted subset is recovered afterwards without a second backward.
-They take N * r * (d_in + d_out) floats per layer, less than the layer's activations N * L * d
-whenever sequences are longer than the rank; the activations themselves are freed by autograd
-as usual.
+`GhostHooks(keep_factors=True)` instead contracts each layer's factors over tokens inside the
+same backward, into every sample's rank-r LoRA gradients (g_h^T x' [r, d_in], g_o^T h [d_out, r]),
+and takes the score from them (<g_h^T x', G_A>, O(r * d) per sample once contracted). They let the
+gradient of any weighted subset be recovered without a second backward, and `fold` adds a
+micro-batch's selected samples into that gradient and frees their factors at once, so with a
+per-sample rule (`positive`) they never outlive their micro-batch. Kept for a whole batch they
+take N * r * (d_in + d_out) floats per layer (the size of N LoRA gradients).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class GhostHooks:
         self.scores: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
         self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
+        self.subset: dict[torch.nn.Parameter, torch.Tensor] = {}  # folded subset gradient per LoRA weight
         self._handles: list = []
 
     def __enter__(self) -> "GhostHooks":
@@ -88,21 +90,25 @@ class GhostHooks:
         def forward_hook(_module, inputs, output):
             if i not in self.val_grads or not output.requires_grad:
                 return  # validation pass (or no grad): nothing to score yet
-            inp = _flat(inputs[0].detach())
-            rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])  # A: x' [N, L, d_in];  B: h [N, L, r]
+            inp = _flat(inputs[0].detach())  # A: x' [N, L, d_in];  B: h [N, L, r]
+            rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])
             g_a, g_b = self.val_grads[i]
-            # A: project the input now ([N, L, r]); B: keep h ([N, L, r]) and project the gradient later
-            proj = inp @ g_a.T.to(inp.dtype) if which == "A" else inp
+            if self.keep_factors:
+                val_grad = (g_a if which == "A" else g_b).to(inp.dtype)  # A: [r, d_in];  B: [d_out, r]
+            else:  # A: project the input now ([N, L, r]); B: keep h ([N, L, r]) and project the gradient later
+                proj = inp @ g_a.T.to(inp.dtype) if which == "A" else inp
 
             def backward_hook(grad):
                 g = _flat(grad.detach())  # A: g_h [N, L, r];  B: g_o [N, L, d_out]
-                if which == "A":
+                if self.keep_factors:
+                    per = g.transpose(1, 2) @ inp  # A: g_h^T x' [N, r, d_in];  B: g_o^T h [N, d_out, r]
+                    contrib = (per * val_grad).sum(dim=(1, 2))  # <grad_i, G> for this layer's factor
+                    self.factors.append((i, rows, which, per))
+                elif which == "A":
                     contrib = (g * proj).sum(dim=(1, 2))  # sum_t <g_h, x' G_A^T>
                 else:
                     contrib = ((g @ g_b.to(g.dtype)) * proj).sum(dim=(1, 2))  # sum_t <g_o G_B, h>
                 self.scores.index_add_(0, rows.to(self.scores.device), contrib.to(self.scores.dtype))
-                if self.keep_factors:  # A: g_h^T x' [N, r, d_in];  B: g_o^T h [N, d_out, r]
-                    self.factors.append((i, rows, which, g.transpose(1, 2) @ inp))
 
             output.register_hook(backward_hook)
 
@@ -111,22 +117,23 @@ class GhostHooks:
     def start_scoring(self, n: int, device: torch.device | str) -> None:
         self.scores = torch.zeros(n, dtype=torch.float64, device=device)
         self.factors.clear()
+        self.subset.clear()
 
-    def subset_gradients(self, weights: torch.Tensor) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """sum_i weights[i] * grad_i for every LoRA weight, from the kept factors. weights: [N]."""
+    def fold(self, weights: torch.Tensor) -> None:
+        """Add sum_i weights[i] * grad_i over the samples whose factors are kept to `subset` (one
+        tensor per LoRA weight), then free those factors. weights: [N] over all training rows."""
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed to recover subset gradients")
-        out: dict[torch.nn.Parameter, torch.Tensor] = {}
         for i, rows, which, per in self.factors:
-            w = weights.to(per.device, per.dtype)[rows.to(per.device)]
+            w = weights.to(per.device, per.dtype)[rows.to(per.device)]  # [n]
             _, a, b = self.layers[i]
             grad, p = torch.tensordot(w, per, dims=1), (a.weight if which == "A" else b.weight)
-            out[p] = out[p] + grad if p in out else grad
-        return out
+            self.subset[p] = self.subset[p] + grad if p in self.subset else grad
+        self.factors.clear()
 
     def gram(self) -> torch.Tensor:
         """[N, N] inner products <grad_i, grad_j> of the training samples over the LoRA weights, from
-        the kept per-sample rank-r gradients, one layer at a time."""
+        the kept per-sample rank-r gradients (all of them: call before `fold`), one layer at a time."""
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed for the Gram matrix")
         n = self.scores.numel()

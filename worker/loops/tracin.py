@@ -10,7 +10,8 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
   4. a selection policy (positive / top_fraction / greedy / random) keeps samples;
   5. the update uses only the selected samples, each with the weight it has in the whole batch's
      loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no
-     second backward); with more epochs, the epochs run on them.
+     second backward; with `positive`, folded in micro-batch by micro-batch); with more epochs,
+     the epochs run on them.
 With no sample selected the step makes no update, and an event says so.
 
 Run it:  grpo-jobs run examples/tracin-minimal.yaml --out runs/tracin
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,7 +37,9 @@ from worker.sparsity_hook import SparsityTracker
 from worker.training import grad_norm, seed_everything, step_seed
 
 
-def _backward_per_sample(s: S.Setup, ro: S.Rollouts, ref_logp, hooks: GhostHooks | None) -> dict[str, float]:
+def _backward_per_sample(s: S.Setup, ro: S.Rollouts, ref_logp, hooks: GhostHooks | None, *,
+                         with_entropy: bool = True, after_micro_batch: Callable[[], None] | None = None,
+                         ) -> dict[str, float]:
     """Forward/backward of every sample's loss share, in micro-batches (the hooks see each one)."""
     g = s.spec.grpo
     n = len(ro.batch)
@@ -47,14 +51,16 @@ def _backward_per_sample(s: S.Setup, ro: S.Rollouts, ref_logp, hooks: GhostHooks
         mask = ro.loss_mask[idx].to(s.device)
         if hooks is not None:
             hooks.rows = idx  # the forward hooks place this micro-batch's samples by these rows
-        logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=True)
+        logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy)
         losses = per_sample_loss(  # one epoch: old_logp is the rollout weights' = logp.detach()
             logp, logp.detach(), ro.advantages[idx].to(s.device), mask, batch_tokens=tokens, batch_size=n,
             ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
             clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef, agg=g.loss_agg)
         losses.sum().backward()
+        if after_micro_batch is not None:
+            after_micro_batch()
         total += float(losses.detach().sum())
-        ent += float((e * mask).sum())
+        ent += float((e * mask).sum()) if with_entropy else 0.0
         ntok += float(mask.sum())
     return {"loss/total": total, "entropy": ent / max(ntok, 1.0)}
 
@@ -78,8 +84,11 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
     tracker = SparsityTracker.maybe(spec, s, reporter)
     one_epoch = g.epochs_per_rollout_batch == 1
 
+    # One epoch and a per-sample rule: a micro-batch's selected samples are folded into the update
+    # as soon as its backward ends, so no per-sample factors outlive their micro-batch.
+    stream_positive = one_epoch and t.selection == "positive"
     last_eval = S.initial_eval(s, reporter)
-    val_ro = None
+    val_ro = val_ref = None
     for step in range(s.start_step + 1, g.steps + 1):
         if stopped := S.stop_requested(s, reporter, step):
             return stopped
@@ -93,6 +102,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
             # tied validation groups have zero advantages and add nothing to G_val: replace them
             val_ro = S.collect_rollouts(s, step, reporter, examples_pool=s.task.val, prompts_per_step=t.val_prompts,
                                         group_size=t.val_generations, tag="val", drop_zero_std=True)
+            val_ref = None if val_ro is None else S.reference_logprobs(s, val_ro.batch)  # frozen: once per batch
         t_rollout = time.perf_counter() - t0
         if ro is None or val_ro is None:
             which = "training" if ro is None else "validation"
@@ -120,16 +130,17 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
         s.model.train()
         s.optimizer.zero_grad(set_to_none=True)
         with GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy") as hooks:
-            _backward_per_sample(s, val_ro, S.reference_logprobs(s, val_ro.batch), None)
+            _backward_per_sample(s, val_ro, val_ref, None, with_entropy=False)
             hooks.capture_validation_gradient()
             t_val = time.perf_counter() - t1
             hooks.start_scoring(len(ro.batch), "cpu")
-            stats = _backward_per_sample(s, ro, ref_logp, hooks)
-        scores = hooks.scores.float()  # [N]
+            fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
+            stats = _backward_per_sample(s, ro, ref_logp, hooks, after_micro_batch=fold_positive)
 
-        # 4. selection
+        # 4. selection (on the float64 scores, the ones the streamed fold used)
         t2 = time.perf_counter()
-        chosen = _select(spec, scores, hooks, step)  # bool [N]
+        chosen = _select(spec, hooks.scores, hooks, step)  # bool [N]
+        scores = hooks.scores.float()  # [N]
         rows = chosen.nonzero().flatten().tolist()
         t_select = time.perf_counter() - t2
         reporter.selection({
@@ -148,7 +159,9 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
         elif one_epoch:
             # Selected samples keep the weight they have in the whole batch's loss; the rest get 0.
             # (AdamW is invariant to a constant loss scale, so this is a definition, not a step size.)
-            recovered = hooks.subset_gradients(chosen.double())
+            if not stream_positive:
+                hooks.fold(chosen.double())
+            recovered = hooks.subset
             for p in (p for group in s.optimizer.param_groups for p in group["params"]):
                 p.grad = recovered.get(p, torch.zeros_like(p)).to(p.dtype)
             params = [p for group in s.optimizer.param_groups for p in group["params"]]
@@ -165,6 +178,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
             metrics.update(S.train_epochs(s, ro, old_logp, ref_logp, step, rows=rows, whole_batch_weights=True,
                                           on_opt_step=tracker.on_optimizer_step if tracker else None))
         hooks.factors.clear()
+        hooks.subset.clear()
         t_train = time.perf_counter() - t1
 
         if tracker:

@@ -9,11 +9,12 @@
 2. A step of the real TracIn loop against a step of the real GRPO loop on the same settings and
    seed, each loop in its own process so that each one's peak memory is its own.
 
-    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 8] [--generations 8]
+    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 4] [--generations 8]
 
-The default batch is N = 8 x 8 = 64 completions in micro-batches of 8 (the spec's default): one
-naive per-sample backward through the batched graph costs a whole batch's backward, so the
-speedup over it grows with N (about 0.45 N on a 2-core CPU) and N = 32 stays below 20x.
+The default batch is the demo's, N = 4 x 8 = 32 completions; the loops run it in micro-batches of
+8 (the spec's default). One naive per-sample backward through the batched graph costs a whole
+batch's backward, so the speedup over it grows with N (about 0.45 N on a 2-core CPU): 20x needs
+N >= 45, and part 1 holds the whole batch's graph at once (N = 64 takes ~23 GB of memory).
 
 Both scoring methods run after one untimed warm-up pass. `--scoring-only` skips part 2.
 
@@ -205,7 +206,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--micro-batch", type=int, default=8, help="The loops' micro_batch_size.")

@@ -60,7 +60,8 @@ class GhostHooks:
         self.layers = lora_layers(model)
         self.keep_factors = keep_factors
         self.val_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.scores: torch.Tensor | None = None
+        self._scores: torch.Tensor | None = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, one layer's [n] contribution)
         self.rows: torch.Tensor | None = None
         self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
         self.subset: dict[torch.nn.Parameter, torch.Tensor] = {}  # folded subset gradient per LoRA weight
@@ -94,28 +95,49 @@ class GhostHooks:
             rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])
             g_a, g_b = self.val_grads[i]
             if self.keep_factors:
-                val_grad = (g_a if which == "A" else g_b).to(inp.dtype)  # A: [r, d_in];  B: [d_out, r]
+                val_grad = (g_a if which == "A" else g_b).to(inp.dtype).reshape(-1)  # A: [r*d_in];  B: [d_out*r]
+                held = [inp]
             else:  # A: project the input now ([N, L, r]); B: keep h ([N, L, r]) and project the gradient later
-                proj = inp @ g_a.T.to(inp.dtype) if which == "A" else inp
+                held = [inp @ g_a.T.to(inp.dtype) if which == "A" else inp]
 
+            # Few, fused ops per call: with hundreds of LoRA layers and small micro-batches the
+            # hooks' cost is their number of kernel launches, not their arithmetic.
             def backward_hook(grad):
                 g = _flat(grad.detach())  # A: g_h [N, L, r];  B: g_o [N, L, d_out]
+                n = g.shape[0]
+                # Let go of the activation now: autograd frees its own copy as backward passes the
+                # layer, and one held to the end of the micro-batch keeps the allocator from reusing it.
+                x = held.pop()
                 if self.keep_factors:
-                    per = g.transpose(1, 2) @ inp  # A: g_h^T x' [N, r, d_in];  B: g_o^T h [N, d_out, r]
-                    contrib = (per * val_grad).sum(dim=(1, 2))  # <grad_i, G> for this layer's factor
+                    per = torch.bmm(g.transpose(1, 2), x)  # A: g_h^T x' [N, r, d_in];  B: g_o^T h [N, d_out, r]
+                    contrib = per.reshape(n, -1) @ val_grad  # [N]: <grad_i, G> for this layer's factor
                     self.factors.append((i, rows, which, per))
                 elif which == "A":
-                    contrib = (g * proj).sum(dim=(1, 2))  # sum_t <g_h, x' G_A^T>
+                    contrib = torch.linalg.vecdot(g.reshape(n, -1), x.reshape(n, -1))  # sum_t <g_h, x' G_A^T>
                 else:
-                    contrib = ((g @ g_b.to(g.dtype)) * proj).sum(dim=(1, 2))  # sum_t <g_o G_B, h>
-                self.scores.index_add_(0, rows.to(self.scores.device), contrib.to(self.scores.dtype))
+                    contrib = torch.linalg.vecdot((g @ g_b.to(g.dtype)).reshape(n, -1), x.reshape(n, -1))  # sum_t <g_o G_B, h>
+                self._pending.append((rows, contrib))
 
             output.register_hook(backward_hook)
 
         return forward_hook
 
+    @property
+    def scores(self) -> torch.Tensor | None:
+        """[N] float64 influence of every training row scored so far."""
+        if self._pending:  # one sum per micro-batch instead of one scatter per layer
+            by_rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+            for rows, c in self._pending:
+                by_rows.setdefault(id(rows), (rows, []))[1].append(c)
+            for rows, parts in by_rows.values():
+                total = torch.stack(parts).to(self._scores.device, torch.float64).sum(0)  # [n]
+                self._scores.index_add_(0, rows.to(self._scores.device), total)
+            self._pending.clear()
+        return self._scores
+
     def start_scoring(self, n: int, device: torch.device | str) -> None:
-        self.scores = torch.zeros(n, dtype=torch.float64, device=device)
+        self._scores = torch.zeros(n, dtype=torch.float64, device=device)
+        self._pending.clear()
         self.factors.clear()
         self.subset.clear()
 
@@ -124,11 +146,19 @@ class GhostHooks:
         tensor per LoRA weight), then free those factors. weights: [N] over all training rows."""
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed to recover subset gradients")
+        row_weights: dict[int, torch.Tensor | None] = {}  # per micro-batch: its rows' weights, None if all 0
         for i, rows, which, per in self.factors:
-            w = weights.to(per.device, per.dtype)[rows.to(per.device)]  # [n]
+            if id(rows) not in row_weights:
+                w = weights[rows.to(weights.device)]
+                row_weights[id(rows)] = w.to(per.device, per.dtype) if bool(w.any()) else None
+            w = row_weights[id(rows)]  # [n]
+            if w is None:
+                continue  # nothing selected in this micro-batch
             _, a, b = self.layers[i]
-            grad, p = torch.tensordot(w, per, dims=1), (a.weight if which == "A" else b.weight)
-            self.subset[p] = self.subset[p] + grad if p in self.subset else grad
+            p = a.weight if which == "A" else b.weight
+            if p not in self.subset:
+                self.subset[p] = torch.zeros(per.shape[1:], dtype=per.dtype, device=per.device)
+            self.subset[p].view(-1).addmv_(per.reshape(per.shape[0], -1).T, w)  # += sum_i w_i grad_i
         self.factors.clear()
 
     def gram(self) -> torch.Tensor:

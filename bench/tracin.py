@@ -38,7 +38,7 @@ import torch
 
 from service.settings import get_settings
 from service.specs import TracInJob
-from worker.algos.influence import GhostHooks, lora_layers
+from worker.algos.influence import influence_scores, lora_layers
 from worker.algos.losses import per_sample_loss
 from worker.loops import steps as S
 from worker.reporting import Reporter
@@ -126,6 +126,11 @@ def losses_fn(s, ro):
     return f
 
 
+def dot(grads, others) -> torch.Tensor:
+    """<grads, others> over every LoRA weight, in float64."""
+    return sum((a.double() * b.double()).sum() for a, b in zip(grads, others))
+
+
 def trimmed(batch, i: int):
     """Row i alone, without the columns that are padding for it."""
     one = batch.select([i])
@@ -155,14 +160,7 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
     params = [p for _, a, b in lora_layers(s.model) for p in (a.weight, b.weight)]
 
     def ghost_pass() -> torch.Tensor:
-        with GhostHooks(s.model) as hooks:
-            val_f().sum().backward()
-            hooks.capture_validation_gradient()
-            losses = train_f()
-            hooks.start_scoring(losses.shape[0], "cpu")
-            losses.sum().backward()
-        s.model.zero_grad(set_to_none=True)
-        return hooks.scores
+        return influence_scores(s.model, train_f, lambda: val_f().sum())
 
     ghost_pass()  # warm-up: first-call allocations and kernel choices for these shapes, untimed
     times = []
@@ -178,7 +176,7 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
     naive = []
     for i in range(losses.shape[0]):
         g_i = torch.autograd.grad(losses[i], params, retain_graph=i < losses.shape[0] - 1)
-        naive.append(sum((a.double() * b.double()).sum() for a, b in zip(g_i, g_val)))
+        naive.append(dot(g_i, g_val))
     naive_s = time.perf_counter() - t0
     naive = torch.stack(naive)
 
@@ -194,7 +192,7 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
         loss = per_sample_loss(logp, logp.detach(), ro.advantages[i:i + 1], ro.loss_mask[i:i + 1, :logp.shape[1]],
                                batch_tokens=tokens, batch_size=n)
         g_i = torch.autograd.grad(loss.sum(), params)
-        single.append(sum((a.double() * b.double()).sum() for a, b in zip(g_i, g_val)))
+        single.append(dot(g_i, g_val))
     single_s = time.perf_counter() - t0
     single = torch.stack(single)
     if not (naive != 0).any():

@@ -58,6 +58,11 @@ class Settings(BaseSettings):
         default=3, validation_alias="GRPO_MAX_ATTEMPTS",
         description="Deliveries of one job before it is failed for good.",
     )
+    keep_freed_memory: bool = Field(
+        default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
+        description="Training on a CPU: keep freed memory in the worker for the next step instead of "
+        "faulting it in again (worker/allocator.py); handed back when the job ends.",
+    )
 
     @property
     def store_url(self) -> str:

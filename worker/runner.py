@@ -22,6 +22,7 @@ from service.specs import TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store.db import session_scope
+from worker import allocator
 from worker.sql_reporter import SqlReporter
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def run_job(job_id: int, *, settings: Settings, holder: str | None = None) -> Ou
         return "failed"
     finally:
         reporter.stop()
+        allocator.release_freed_memory()  # where the process outlives the job (tests, embedded runs)
     if reporter.lease_lost:
         log.warning("job %s: lease lost to another worker; not recording an outcome", job_id)
         return "skipped"

@@ -12,6 +12,7 @@ import torch
 
 from service.settings import Settings
 from service.specs import GRPOSpec, _JobBase
+from worker import allocator
 from worker import rewards as R
 from worker.algos.advantages import group_advantages, zero_std_groups
 from worker.algos.losses import policy_loss
@@ -46,6 +47,9 @@ def build(spec: _JobBase, settings: Settings, reporter: Reporter, *, task: TaskD
     g = spec.grpo
     device = torch.device(spec.devices.policy)
     model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed)
+    if device.type == "cpu" and settings.keep_freed_memory:
+        allocator.release_freed_memory()  # what loading and converting the weights used
+        allocator.keep_freed_memory()  # from here on, each step reuses the pages of the last one
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",

@@ -1,0 +1,54 @@
+"""glibc malloc settings for training on a CPU.
+
+By default glibc serves each allocation above a dynamic threshold (at most 32 MB: logits,
+activations) with a fresh mmap and unmaps it when freed, and trims freed memory from the top of
+the heap. A training step then faults every page of its activations in again, zeroed by the
+kernel: on a 2-core VM, 1.6M page faults and 16 s of system time in a 12 s TracIn scoring pass,
+whose time swung 12-23 s with the allocator's state. Serving them from the heap and keeping freed
+memory lets the next step reuse the same pages (no faults, 11-13 s every time). The peak is
+unchanged; the process keeps it until `release_freed_memory` (called when a job ends).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+_MMAP_ABOVE = 2**31 - 1  # mallopt takes an int: allocations over 2 GiB still get their own mapping
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc only (not musl, not macOS)
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def keep_freed_memory() -> bool:
+    """Serve allocations up to 2 GiB from the heap and never trim it; False where not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    # -1 disables trimming (documented in mallopt(3)); a fixed mmap threshold also stops glibc's
+    # dynamic one from moving.
+    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, _MMAP_ABOVE)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+    if not ok:
+        log.warning("glibc refused the malloc settings; freed memory is returned as usual")
+    return ok
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed so far back to the OS (a long-lived worker between jobs)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -42,6 +42,8 @@ test: install browser
 bench: install
 	$(PY) bench/step.py
 	$(PY) bench/store.py
+	$(PY) bench/sparsity.py
+	$(PY) bench/tracin.py
 
 clean:
 	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

@@ -9,14 +9,18 @@
 2. A step of the real TracIn loop against a step of the real GRPO loop on the same settings and
    seed, each loop in its own process so that each one's peak memory is its own.
 
-    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 4] [--generations 8]
+    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 8] [--generations 8]
 
-The default batch is the demo's, N = 4 x 8 = 32 completions; the loops run it in micro-batches of
-8 (the spec's default). One naive per-sample backward through the batched graph costs a whole
-batch's backward, so the speedup over it grows with N (about 0.45 N on a 2-core CPU): 20x needs
-N >= 45, and part 1 holds the whole batch's graph at once (N = 64 takes ~23 GB of memory).
+The default batch is N = 8 x 8 = 64 completions (the demo's is 4 x 8); the loops run it in
+micro-batches of 8 (the spec's default). One naive per-sample backward through the batched graph
+costs a whole batch's backward, so the speedup over it grows with N: about 0.4 N on a 2-core CPU.
+The loops' extra cost for TracIn is mostly fixed per step (the validation batch), so their ratio
+falls as N grows.
 
-Both scoring methods run after one untimed warm-up pass; the hooks' time is the median of three passes. `--scoring-only` skips part 2.
+The three scoring methods are timed interleaved in rounds after one untimed warm-up pass, and the
+two loops take turns step by step (see `scoring` and `lockstep`), so that both sides of each ratio
+see the same machine state: on this VM, timings of the same pass drifted up to 2x over minutes.
+`--scoring-only` skips part 2.
 
 Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=...
 """
@@ -24,6 +28,7 @@ Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -38,6 +43,7 @@ import torch
 
 from service.settings import get_settings
 from service.specs import TracInJob
+from worker import allocator
 from worker.algos.influence import influence_scores, lora_layers
 from worker.algos.losses import per_sample_loss
 from worker.loops import steps as S
@@ -85,19 +91,33 @@ class PeakRSS(threading.Thread):
 
 
 class Capture(Reporter):
-    def __init__(self, rss: PeakRSS):
+    """Keeps each step's metrics; after each step tells the parent and waits for its turn."""
+
+    def __init__(self, rss: PeakRSS, last_step: int):
         self.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-tracin-"))
         self.steps = {}
         self.rss = rss
+        self.last_step = last_step
 
     def metrics(self, step, values):
         self.steps[step] = values
         if step == 1:  # from here on: training steps only
             self.rss.arm()
+        say({"step": step})
+        if step < self.last_step:
+            sys.stdin.readline()  # the other loop's step runs now
+
+
+def say(obj: dict) -> None:
+    print(MARK + json.dumps(obj), flush=True)
+
+
+MARK = "@bench "  # the lines meant for the parent; libraries may print other things
 
 
 def child(args) -> None:
-    """Run the real loop of one kind; print mean step time (eval steps excluded) and peak RSS."""
+    """Run the real loop of one kind in turns with the other; report mean step time (eval steps
+    excluded) and peak RSS."""
     from pydantic import TypeAdapter
 
     from service.specs import JobSpec
@@ -106,13 +126,14 @@ def child(args) -> None:
     spec = TypeAdapter(JobSpec).validate_python(job(args, args.child, args.loop_steps))
     rss = PeakRSS()
     rss.start()
-    rep = Capture(rss)
+    rep = Capture(rss, args.loop_steps)
     loop_for(spec.kind)(spec, rep, settings=get_settings())
     measured = range(2, args.loop_steps)  # 1: warm-up; last: eval
     mean = {k: sum(rep.steps[s].get(k, 0.0) for s in measured) / len(measured)
             for k in ("time/step_s", "time/rollout_s", "time/train_s", "tracin/time_s")}
-    print(json.dumps({"step_s": mean["time/step_s"], "breakdown": mean, "peak_mb": rss.peak / 2**20,
-                      "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    say({"step_s": mean["time/step_s"], "breakdown": mean, "peak_mb": rss.peak / 2**20,
+         "per_step": [rep.steps[s]["time/step_s"] for s in measured],
+         "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
 def losses_fn(s, ro):
@@ -158,56 +179,92 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
     s.model.train()
     train_f, val_f = losses_fn(s, ro), losses_fn(s, val)
     params = [p for _, a, b in lora_layers(s.model) for p in (a.weight, b.weight)]
+    g = s.spec.grpo
+    tokens, n = float(ro.loss_mask.sum()), len(ro.batch)
 
     def ghost_pass() -> torch.Tensor:
         return influence_scores(s.model, train_f, lambda: val_f().sum())
 
-    ghost_pass()  # warm-up: first-call allocations and kernel choices for these shapes, untimed
-    times = []
-    for _ in range(3):  # the median of three: one pass is short enough for a stray stall to double it
-        t0 = time.perf_counter()
-        ghost = ghost_pass()
-        times.append(time.perf_counter() - t0)
-    ghost_s = sorted(times)[1]
-
-    t0 = time.perf_counter()
-    g_val = torch.autograd.grad(val_f().sum(), params)
-    losses = train_f()
-    naive = []
-    for i in range(losses.shape[0]):
-        g_i = torch.autograd.grad(losses[i], params, retain_graph=i < losses.shape[0] - 1)
-        naive.append(dot(g_i, g_val))
-    naive_s = time.perf_counter() - t0
-    naive = torch.stack(naive)
-
-    # a batch of one per sample, normalised as in the whole batch's loss
-    g = s.spec.grpo
-    tokens, n = float(ro.loss_mask.sum()), len(ro.batch)
-    t0 = time.perf_counter()
-    g_val = torch.autograd.grad(val_f().sum(), params)
-    single = []
-    for i in range(n):
+    def single(i: int) -> torch.Tensor:
+        """Sample i's gradient from a batch of one, normalised as in the whole batch's loss."""
         one = trimmed(ro.batch, i)
         logp, _ = sequence_logprobs(s.model, one, g.temperature)
         loss = per_sample_loss(logp, logp.detach(), ro.advantages[i:i + 1], ro.loss_mask[i:i + 1, :logp.shape[1]],
                                batch_tokens=tokens, batch_size=n)
-        g_i = torch.autograd.grad(loss.sum(), params)
-        single.append(dot(g_i, g_val))
-    single_s = time.perf_counter() - t0
-    single = torch.stack(single)
+        return torch.autograd.grad(loss.sum(), params)
+
+    ghost_pass()  # warm-up: first-call allocations and kernel choices for these shapes, untimed
+    # This VM's speed drifts by up to 2x over minutes, so the three methods are timed interleaved,
+    # round after round: a hooks pass; the naive batched forward and the next chunk of its
+    # per-sample backward passes; the same samples as batches of one. Naive's graph is dropped
+    # before the next hooks pass (held alongside, its memory slowed that pass by up to 1.5x), so
+    # naive's time counts one forward (the median of its rounds) and every backward.
+    clock = time.perf_counter
+    t0 = clock()
+    g_val = torch.autograd.grad(val_f().sum(), params)  # what both per-sample methods compare against
+    naive_s = single_s = clock() - t0
+    ghost_times, forward_times, naive, one = [], [], [], []
+    for chunk in torch.arange(n).chunk(args.rounds):
+        t0 = clock()
+        ghost = ghost_pass()
+        ghost_times.append(clock() - t0)
+        t0 = clock()
+        losses = train_f()  # [N], one batched forward whose graph every per-sample backward reuses
+        forward_times.append(clock() - t0)
+        t0 = clock()
+        for k, i in enumerate(chunk.tolist()):
+            naive.append(dot(torch.autograd.grad(losses[i], params, retain_graph=k < len(chunk) - 1), g_val))
+        naive_s += clock() - t0
+        del losses
+        t0 = clock()
+        for i in chunk.tolist():
+            one.append(dot(single(i), g_val))
+        single_s += clock() - t0
+    naive_s += sorted(forward_times)[len(forward_times) // 2]
+    ghost_s = sorted(ghost_times)[len(ghost_times) // 2]
+    naive, one = torch.stack(naive), torch.stack(one)
     if not (naive != 0).any():
         raise SystemExit("no batch with non-zero advantages in 20 tries: every score is 0")
     nz = naive.abs() > 1e-12 * naive.abs().max()
     rel = ((ghost - naive).abs()[nz] / naive.abs()[nz]).max().item() if nz.any() else 0.0
-    rel_single = ((single - naive).abs()[nz] / naive.abs()[nz]).max().item() if nz.any() else 0.0
-    return ghost_s, naive_s, rel, single_s, rel_single, losses.shape[0]
+    rel_single = ((one - naive).abs()[nz] / naive.abs()[nz]).max().item() if nz.any() else 0.0
+    print(f"  hooks passes: {', '.join(f'{t:.2f}' for t in ghost_times)} s; naive forwards: "
+          f"{', '.join(f'{t:.2f}' for t in forward_times)} s", flush=True)
+    return ghost_s, naive_s, rel, single_s, rel_single, n
+
+
+def lockstep(args) -> dict[str, dict]:
+    """Run the GRPO and TracIn loops in two processes (each one's peak memory its own) that take
+    turns step by step, so that both see the same machine speed; returns each one's report."""
+    procs = {kind: subprocess.Popen([sys.executable, __file__, "--child", kind, *sys.argv[1:]], text=True,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+             for kind in ("grpo", "tracin")}
+
+    def wait(kind: str) -> dict:
+        for line in procs[kind].stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise SystemExit(f"the {kind} loop exited with {procs[kind].wait()}")
+
+    for kind in procs:
+        wait(kind)  # both loaded and evaluated (step 0); from here on one runs at a time
+    for step in range(1, args.loop_steps + 1):
+        order = list(procs) if step % 2 else list(reversed(procs))  # alternate who goes first
+        for kind in order:
+            procs[kind].stdin.write("go\n")
+            procs[kind].stdin.flush()
+            wait(kind)
+    runs = {kind: wait(kind) for kind in procs}
+    for p in procs.values():
+        p.wait()
+    return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--micro-batch", type=int, default=8, help="The loops' micro_batch_size.")
@@ -215,12 +272,20 @@ def main() -> None:
     ap.add_argument("--val-generations", type=int, default=4)
     ap.add_argument("--val-regenerate-every", type=int, default=4)
     ap.add_argument("--loop-steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=4, help="Hooks passes interleaved with the per-sample ones.")
     ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")
+    ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the GRPO and TracIn loops).")
     ap.add_argument("--child", choices=["grpo", "tracin"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
 
+    if args.loops_only:
+        runs = lockstep(args)
+        report_loops(args, runs)
+        print(f"RESULT step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
+              f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
+        return
     ghost_s, naive_s, rel, single_s, rel_single, n = scoring(args)
     print(f"scoring {n} samples: hooks {ghost_s:.2f} s, naive per-sample autograd {naive_s:.2f} s "
           f"({naive_s / ghost_s:.1f}x), max relative error {rel:.2e}")
@@ -229,21 +294,24 @@ def main() -> None:
     if args.scoring_only:
         print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e}")
         return
-    runs = {}
-    for kind in ("grpo", "tracin"):
-        out = subprocess.run([sys.executable, __file__, "--child", kind, *sys.argv[1:]], check=True,
-                             capture_output=True, text=True).stdout
-        runs[kind] = json.loads(out.strip().splitlines()[-1])
-        r = runs[kind]
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown"].items() if v)
-        print(f"{kind} loop: {r['step_s']:.2f} s/step ({parts}); peak RSS during steps {r['peak_mb']:.0f} MB "
-              f"(whole process, model loading included: {r['process_peak_mb']:.0f} MB)")
-    print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
-          f"in micro-batches of {args.micro_batch}, "
-          f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
+    gc.collect()
+    allocator.release_freed_memory()  # part 1's memory (its retained graphs) is not kept through part 2
+    runs = lockstep(args)
+    report_loops(args, runs)
     print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e} "
           f"step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
           f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
+
+
+def report_loops(args, runs: dict[str, dict]) -> None:
+    for kind, r in runs.items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown"].items() if v)
+        print(f"{kind} loop: {r['step_s']:.2f} s/step ({parts}; steps {', '.join(f'{t:.1f}' for t in r['per_step'])}); "
+              f"peak RSS during steps {r['peak_mb']:.0f} MB (whole process, model loading included: "
+              f"{r['process_peak_mb']:.0f} MB)")
+    print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
+          f"in micro-batches of {args.micro_batch}, "
+          f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
 
 
 if __name__ == "__main__":

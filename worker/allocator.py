@@ -5,8 +5,11 @@ activations) with a fresh mmap and unmaps it when freed, and trims freed memory 
 the heap. A training step then faults every page of its activations in again, zeroed by the
 kernel: on a 2-core VM, 1.6M page faults and 16 s of system time in a 12 s TracIn scoring pass,
 whose time swung 12-23 s with the allocator's state. Serving them from the heap and keeping freed
-memory lets the next step reuse the same pages (no faults, 11-13 s every time). The peak is
-unchanged; the process keeps it until `release_freed_memory` (called when a job ends).
+memory lets the next step reuse the same pages (no faults, 11-13 s every time). bench/tracin.py's
+loops (SmolLM2, N=32), one run with and one without: GRPO 19.5 vs 21.6 s/step, TracIn 23.3 vs
+27.1, peak RSS during steps 3469 vs 3590 MB and 3606 vs 3848 MB. The heap can still fragment: a
+synthetic loop of 64 MiB buffers on two threads grew from 0.75 to 1.3 GB over 300 steps (0.5 GB
+with glibc's defaults). The process keeps its peak until `release_freed_memory` (when a job ends).
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -133,7 +132,14 @@ def child(args) -> None:
             for k in ("time/step_s", "time/rollout_s", "time/train_s", "tracin/time_s")}
     say({"step_s": mean["time/step_s"], "breakdown": mean, "peak_mb": rss.peak / 2**20,
          "per_step": [rep.steps[s]["time/step_s"] for s in measured],
-         "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+         "process_peak_mb": high_water_mb()})
+
+
+def high_water_mb() -> float:
+    """This process's peak RSS. Not ru_maxrss: Linux carries that over exec from the parent, whose
+    peak (part 1's retained graphs) it would report instead."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def losses_fn(s, ro):

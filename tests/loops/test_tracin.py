@@ -41,6 +41,9 @@ def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward,
         assert sum(s["histogram"]["counts"]) == 8
     metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
     assert {"tracin/mean_ip", "tracin/num_selected", "tracin/selection_ratio", "tracin/time_s"} <= metrics[1].keys()
+    assert all("rollout/refill_rounds" in metrics[step] for step in (1, 2, 3))
+    # the validation batch is generated on steps 1 and 3 (every 2 steps), and only then
+    assert [step for step in (1, 2, 3) if "tracin/val_refill_rounds" in metrics[step]] == [1, 3]
     samples = [x for x in _lines(tmp_path / "samples.jsonl") if x["step"] == 1]
     assert len(samples) == 8 and all(x["influence"] is not None for x in samples)
     for x in samples:  # zero-advantage samples have zero influence

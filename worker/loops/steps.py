@@ -305,6 +305,8 @@ def rollout_metrics(ro: Rollouts) -> dict[str, float]:
          "frac_reward_zero_std": ro.frac_zero_std, "advantage/abs_mean": float(ro.advantages.abs().mean()),
          "completions/mean_length": float(ro.batch.completion_mask.sum(1).float().mean()),
          "completions/clipped_ratio": float(ro.batch.truncated.float().mean())}
+    if "refill_rounds" in ro.stats:  # generate calls beyond the first, to replace groups whose rewards tied
+        m["rollout/refill_rounds"] = float(ro.stats["refill_rounds"])
     for name, vals in ro.per_fn.items():
         finite = [v for v in vals if not math.isnan(v)]
         if finite:

@@ -98,17 +98,20 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
         # 1. rollouts: the training batch, and (every val_regenerate_every steps) the validation batch
         s.engine.sync(s.model)
         ro = S.collect_rollouts(s, step, reporter)
+        val_stats = {}
         if val_ro is None or (step - 1) % t.val_regenerate_every == 0:
             # tied validation groups have zero advantages and add nothing to G_val: replace them
             val_ro = S.collect_rollouts(s, step, reporter, examples_pool=s.task.val, prompts_per_step=t.val_prompts,
                                         group_size=t.val_generations, tag="val", drop_zero_std=True)
             val_ref = None if val_ro is None else S.reference_logprobs(s, val_ro.batch)  # frozen: once per batch
+            if val_ro is not None:  # each refill round is one more generate call on this step
+                val_stats["tracin/val_refill_rounds"] = float(val_ro.stats["refill_rounds"])
         t_rollout = time.perf_counter() - t0
         if ro is None or val_ro is None:
             which = "training" if ro is None else "validation"
             reporter.event("skipped", f"step {step}: every {which} group's rewards tied (no signal); no update",
                            level="warning")
-            skipped = {"tracin/num_selected": 0.0, "tracin/selection_ratio": 0.0,
+            skipped = {**val_stats, "tracin/num_selected": 0.0, "tracin/selection_ratio": 0.0,
                        "time/step_s": time.perf_counter() - t0}
             if ro is not None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
                 n = len(ro.batch)
@@ -151,7 +154,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> dict:
             "scores": [[i, float(v), bool(c)] for i, (v, c) in enumerate(zip(scores, chosen))]})
 
         # 5. update on the selected samples only
-        metrics = {**S.rollout_metrics(ro), **stats}
+        metrics = {**S.rollout_metrics(ro), **val_stats, **stats}
         if not rows:
             s.optimizer.zero_grad(set_to_none=True)
             reporter.event("no_selection", f"step {step}: no sample had positive influence; no update",

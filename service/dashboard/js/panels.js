@@ -14,6 +14,8 @@ export const SECTIONS = [
     { title: "Entropy", keys: ["entropy"] },
     { title: "Completion length (tokens)", keys: ["completions/mean_length"] },
     { title: "Truncated completions", keys: ["completions/clipped_ratio", "frac_reward_zero_std"] },
+    { title: "Refill rounds", keys: ["rollout/refill_rounds", "tracin/val_refill_rounds"],
+      note: "generate calls beyond the first, replacing groups whose rewards tied" },
     { title: "Advantage |A|", keys: ["advantage/abs_mean"] },
     { title: "Gradient norm", keys: ["grad_norm"] },
     { title: "Learning rate", keys: ["lr"] },

@@ -287,10 +287,7 @@ def main() -> None:
         return child(args)
 
     if args.loops_only:
-        runs = lockstep(args)
-        report_loops(args, runs)
-        print(f"RESULT step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
-              f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
+        print(f"RESULT {report_loops(args, lockstep(args))}")
         return
     ghost_s, naive_s, rel, single_s, rel_single, n = scoring(args)
     print(f"scoring {n} samples: hooks {ghost_s:.2f} s, naive per-sample autograd {naive_s:.2f} s "
@@ -302,14 +299,12 @@ def main() -> None:
         return
     gc.collect()
     allocator.release_freed_memory()  # part 1's memory (its retained graphs) is not kept through part 2
-    runs = lockstep(args)
-    report_loops(args, runs)
-    print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e} "
-          f"step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
-          f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
+    ratios = report_loops(args, lockstep(args))
+    print(f"RESULT speedup_vs_naive={naive_s / ghost_s:.1f} max_rel_err={rel:.2e} {ratios}")
 
 
-def report_loops(args, runs: dict[str, dict]) -> None:
+def report_loops(args, runs: dict[str, dict]) -> str:
+    """Print each loop's timings; return the RESULT fields `step_ratio=... mem_ratio=...`."""
     for kind, r in runs.items():
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown"].items() if v)
         print(f"{kind} loop: {r['step_s']:.2f} s/step ({parts}; steps {', '.join(f'{t:.1f}' for t in r['per_step'])}); "
@@ -318,6 +313,8 @@ def report_loops(args, runs: dict[str, dict]) -> None:
     print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
           f"in micro-batches of {args.micro_batch}, "
           f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
+    return (f"step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
+            f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ def celery_config(broker_url: str) -> dict:
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,  # one job at a time per worker process
         "worker_max_tasks_per_child": 1,  # a fresh process per job: no leaked GPU memory
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # A broker blip must not kill a running job: the SQL lease, not the broker connection,
+        # decides who runs it, and its message was taken; with Redis the late ack may be lost
+        # with the connection, and a redelivery of a finished job is skipped.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_transport_options": _transport_options(broker_url),
         "broker_connection_retry_on_startup": True,
         "task_ignore_result": True,  # results live in the SQL store
@@ -49,8 +52,10 @@ def producer(broker_url: str) -> Celery:
     return app
 
 
-def enqueue(job_id: int, *, broker_url: str) -> None:
-    producer(broker_url).send_task(TASK_NAME, args=[job_id], queue=QUEUE)
+def enqueue(job_id: int, uid: str, *, broker_url: str) -> None:
+    """The message names the job by id and uid: a worker on another store with a job of the
+    same id (a shared broker, a restored database) drops it."""
+    producer(broker_url).send_task(TASK_NAME, args=[job_id, uid], queue=QUEUE)
 
 
 def broker_reachable(broker_url: str, timeout_s: float = 2.0) -> bool:

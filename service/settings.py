@@ -54,6 +54,16 @@ class Settings(BaseSettings):
         default=10.0, validation_alias="GRPO_HEARTBEAT_S",
         description="How often a worker renews its lease.",
     )
+    sweep_s: float = Field(
+        default=15.0, validation_alias="GRPO_SWEEP_S",
+        description="How often each worker looks for jobs whose lease expired (their worker died, "
+        "lost the store or the broker) and queues them again.",
+    )
+    requeue_queued_after_s: float = Field(
+        default=600.0, validation_alias="GRPO_REQUEUE_QUEUED_AFTER_S",
+        description="A job queued this long with no worker taking it is enqueued again, in case its "
+        "message was lost (a broker restarted empty); a duplicate message never runs a job twice.",
+    )
     max_attempts: int = Field(
         default=3, validation_alias="GRPO_MAX_ATTEMPTS",
         description="Deliveries of one job before it is failed for good.",

@@ -1,33 +1,38 @@
-"""The Celery application of the workers (settings only; the task is in worker.tasks)."""
+"""The Celery application of the workers (settings and process hooks; the task is in worker.tasks)."""
 
 import logging
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from service import queue
 from service.settings import get_settings
+from service.store.db import dispose_engines
 
 app = Celery("grpo_jobs", include=["worker.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
+_sweeper = None
+
+
+@worker_process_init.connect
+def _forget_parent_connections(**_kwargs) -> None:
+    """A pool child is forked from the main process, which holds pooled store connections (the
+    sweep's). Sharing one socket between processes corrupts both sessions (on PostgreSQL:
+    'prepared statement "_pg3_0" already exists'), so the child drops them unclosed."""
+    dispose_engines(close=False)
 
 
 @worker_ready.connect
-def requeue_orphans(**_kwargs) -> None:
-    """A worker killed mid-job may take its message with it (kombu's SQL transport keeps unacked
-    messages in memory); on start, re-enqueue jobs that look abandoned."""
-    from service.store import jobs as jobs_q
-    from service.store.db import session_scope
+def _start_sweeper(**_kwargs) -> None:
+    global _sweeper
+    from worker.sweeper import Sweeper
 
-    settings = get_settings()
-    try:
-        with session_scope(settings.store_url) as s:
-            ids = jobs_q.orphaned_job_ids(s, lease_timeout_s=settings.lease_timeout_s)
-    except Exception:  # the store may not be migrated yet; the API's start migrates it
-        log.warning("could not look for orphaned jobs", exc_info=True)
-        return
-    for job_id in ids:
-        queue.enqueue(job_id, broker_url=settings.broker)
-    if ids:
-        log.warning("re-enqueued %d orphaned jobs: %s", len(ids), ids)
+    _sweeper = Sweeper(get_settings())
+    _sweeper.start()
+
+
+@worker_shutdown.connect
+def _stop_sweeper(**_kwargs) -> None:
+    if _sweeper is not None:
+        _sweeper.stop()

@@ -1,9 +1,10 @@
 """A job's lifecycle: lease, status transitions, resume, and a readable error when it fails.
 
 queued -> running -> succeeded | failed | cancelled. The lease is a conditional UPDATE in SQL,
-so a redelivered message can never run one job twice; a redelivery after a crash (stale
-heartbeat) takes the job over and resumes from its last checkpoint; after `max_attempts`
-deliveries it gives up with a clear error.
+so a redelivered message can never run one job twice. A job whose worker stopped renewing its
+lease (killed, cut off from the store) is queued again by the sweep of any live worker
+(worker/sweeper.py) and resumes from its last checkpoint; after `max_attempts` attempts it
+fails with a clear error. The outcome (status and final event) is one transaction.
 """
 
 from __future__ import annotations
@@ -11,22 +12,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import traceback
 import uuid
 from typing import Literal
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from service.settings import Settings
 from service.specs import TERMINAL, JobSpec
-from service.store import events as events_q
 from service.store import jobs as jobs_q
-from service.store.db import session_scope
+from service.store.db import is_unreachable, session_scope
 from worker import allocator
-from worker.sql_reporter import SqlReporter
+from worker.sql_reporter import LeaseLost, SqlReporter
 
 log = logging.getLogger(__name__)
-Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing"]
+# lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
+Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost"]
 _SPEC = TypeAdapter(JobSpec)
 
 
@@ -35,68 +35,72 @@ def loop_for(kind: str):
     if kind == "grpo":
         from worker.loops import grpo
         return grpo.run
-    if kind == "tracin":
-        from worker.loops import tracin
-        return tracin.run
     if kind == "joint":
         from worker.loops import joint
         return joint.run
+    if kind == "tracin":
+        from worker.loops import tracin
+        return tracin.run
     raise ValueError(f"unknown job kind {kind!r}")
 
 
-def _fail(url: str, job_id: int, holder: str | None, message: str, data: dict | None = None) -> None:
-    with session_scope(url) as s:
-        events_q.add_event(s, job_id=job_id, type="failed", level="error", message=message, data=data)
-    with session_scope(url) as s:
-        jobs_q.finish_job(s, job_id=job_id, holder=holder, status="failed", error=message)
-
-
-def run_job(job_id: int, *, settings: Settings, holder: str | None = None) -> Outcome:
+def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: str | None = None) -> Outcome:
     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     url = settings.store_url
     with session_scope(url) as s:
-        job = jobs_q.get_job(s, job_id=job_id)
-        if job is None:
-            log.warning("job %s does not exist; dropping the message", job_id)
-            return "missing"
-        if job.status in TERMINAL:
-            return "skipped"
-    with session_scope(url) as s:
-        if not jobs_q.acquire_lease(s, job_id=job_id, holder=holder, lease_timeout_s=settings.lease_timeout_s):
-            return "busy"  # another worker holds a live lease
-    with session_scope(url) as s:
-        job = jobs_q.get_job(s, job_id=job_id)
-        attempt, spec_json = job.attempt, job.spec
-    if attempt > settings.max_attempts:
-        _fail(url, job_id, holder, f"gave up after {settings.max_attempts} attempts: the worker running it "
-              "stopped without finishing each time (out of memory, killed, or lost)")
-        return "failed"
-
-    reporter = SqlReporter(job_id, holder=holder, settings=settings)
-    reporter.event("started", f"attempt {attempt} on {holder}", data={"attempt": attempt, "holder": holder})
-    try:
-        spec = _SPEC.validate_python(spec_json)
-    except Exception as exc:
-        _fail(url, job_id, holder, f"stored spec is no longer valid: {exc}")
-        return "failed"
+        lease = jobs_q.acquire_lease(s, job_id=job_id, uid=uid, holder=holder,
+                                     lease_timeout_s=settings.lease_timeout_s)
+        if lease is None:
+            return _not_leased(s, job_id=job_id, uid=uid)
+    reporter = SqlReporter(job_id, uid=lease.uid, holder=holder, settings=settings)
     reporter.start()
     try:
-        result = loop_for(spec.kind)(spec, reporter, settings=settings)
-    except Exception as exc:
-        tb = traceback.format_exc(limit=8)
-        log.exception("job %s failed", job_id)
-        _fail(url, job_id, holder, f"{type(exc).__name__}: {exc}", data={"traceback": tb})
-        return "failed"
+        return _run(lease, reporter, settings)
+    except LeaseLost:
+        log.warning("job %s: lease lost; not recording an outcome (the sweep requeues it)", job_id)
+        return "lost"
     finally:
         reporter.stop()
         allocator.release_freed_memory()  # where the process outlives the job (tests, embedded runs)
-    if reporter.lease_lost:
-        log.warning("job %s: lease lost to another worker; not recording an outcome", job_id)
-        return "skipped"
+
+
+def _not_leased(session, *, job_id: int, uid: str | None) -> Outcome:
+    job = jobs_q.get_job(session, job_id=job_id)
+    if job is None or (uid is not None and job.uid != uid):
+        log.warning("job %s (uid %s) is not in this store; dropping the message", job_id, uid)
+        return "missing"
+    return "skipped" if job.status in TERMINAL else "busy"  # busy: another worker's lease is live
+
+
+def _run(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings) -> Outcome:
+    if lease.cancel_requested:
+        reporter.finish("cancelled", "cancelled before this attempt started")
+        return "cancelled"
+    if lease.attempt > settings.max_attempts:
+        message = (f"gave up after {settings.max_attempts} attempts: the worker running it stopped without "
+                   "finishing each time (out of memory, killed, or lost)")
+        reporter.finish("failed", message, error=message)
+        return "failed"
+    reporter.event("started", f"attempt {lease.attempt} on {reporter.holder}",
+                   data={"attempt": lease.attempt, "holder": reporter.holder})
+    try:
+        spec = _SPEC.validate_python(lease.spec)
+    except ValidationError as exc:
+        message = f"stored spec is no longer valid: {exc.error_count()} errors, first: {exc.errors()[0]['msg']}"
+        reporter.finish("failed", message, error=message)
+        return "failed"
+    try:
+        result = loop_for(spec.kind)(spec, reporter, settings=settings)
+    except LeaseLost:
+        raise
+    except Exception as exc:
+        if is_unreachable(exc):
+            raise LeaseLost(f"job {lease.job_id}: store unreachable") from exc
+        log.exception("job %s failed", lease.job_id)  # the full traceback stays in the worker's log
+        message = f"{type(exc).__name__}: {exc}"
+        reporter.finish("failed", message, error=message, data={"error_type": type(exc).__name__})
+        return "failed"
     status = result.get("status", "succeeded")
-    with session_scope(url) as s:
-        events_q.add_event(s, job_id=job_id, type=status, message=f"job {status} at step {result.get('step')}",
-                           data={k: v for k, v in result.items() if k != "status"})
-    with session_scope(url) as s:
-        jobs_q.finish_job(s, job_id=job_id, holder=holder, status=status)
+    reporter.finish(status, f"job {status} at step {result.get('step')}",
+                    data={k: v for k, v in result.items() if k != "status"})
     return status

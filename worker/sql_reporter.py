@@ -1,27 +1,53 @@
-"""The runner's Reporter: every call lands in the SQL store; a thread renews the lease."""
+"""The runner's Reporter: every call lands in the SQL store; a thread renews the lease.
+
+The store may go away for a while (a failover, a network blip). Every write is retried with
+backoff for as long as the lease could still be ours; the heartbeat thread declares the lease
+lost once it has gone unrenewed for nearly the lease timeout (another worker may take the job
+over then). From that moment every call raises `LeaseLost`: the loop stops at once, writes no
+checkpoint, and the runner records nothing; the sweep of a live worker requeues the job and
+it resumes from its last checkpoint.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy.orm import Session
 
 from service.settings import Settings
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 from service.store import records
-from service.store.db import session_scope
+from service.store.db import is_unreachable, session_scope
 from worker.reporting import Reporter, _clean
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LeaseLost(Exception):
+    """This worker no longer holds the job's lease: stop without recording anything."""
+
+
+def artifacts_root(settings: Settings, uid: str) -> Path:
+    """A job's artifacts live under its globally unique id, never its store-local number."""
+    return settings.artifacts_dir / uid
 
 
 class SqlReporter(Reporter):
-    def __init__(self, job_id: int, *, holder: str, settings: Settings) -> None:
+    def __init__(self, job_id: int, *, uid: str, holder: str, settings: Settings) -> None:
         self.job_id, self.holder, self.url = job_id, holder, settings.store_url
-        self.checkpoint_root = settings.artifacts_dir / f"job-{job_id}" / "checkpoints"
+        self.checkpoint_root = artifacts_root(settings, uid) / "checkpoints"
         self.heartbeat_s = settings.heartbeat_s
+        # Give up the lease a beat before it expires, so two workers never both think they hold it.
+        self.give_up_after_s = max(settings.lease_timeout_s - settings.heartbeat_s, settings.lease_timeout_s / 2)
+        self._renewed_at = time.monotonic()
         self._cancel = threading.Event()
         self._lost = threading.Event()
         self._done = threading.Event()
@@ -29,6 +55,7 @@ class SqlReporter(Reporter):
 
     # -- lease -------------------------------------------------------------------------------
     def start(self) -> None:
+        self._renewed_at = time.monotonic()
         self._thread.start()
 
     def stop(self) -> None:
@@ -43,46 +70,79 @@ class SqlReporter(Reporter):
         try:
             with session_scope(self.url) as s:
                 cancel = jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder, step=step)
-        except Exception:  # a store hiccup must not kill training; the next beat retries
-            log.exception("heartbeat failed for job %s", self.job_id)
+        except Exception as exc:  # a store hiccup must not kill training while the lease holds
+            log.warning("job %s: could not renew the lease (%s)", self.job_id, type(exc).__name__)
+            if time.monotonic() - self._renewed_at > self.give_up_after_s:
+                log.error("job %s: lease unrenewed for %.0f s; stopping and leaving the job to the sweep",
+                          self.job_id, time.monotonic() - self._renewed_at)
+                self._lost.set()
             return
         if cancel is None:
             self._lost.set()
-        elif cancel:
+            return
+        self._renewed_at = time.monotonic()
+        if cancel:
             self._cancel.set()
 
     @property
     def lease_lost(self) -> bool:
         return self._lost.is_set()
 
+    def _write(self, fn: Callable[[Session], T]) -> T:
+        """Run `fn` in one transaction, retrying while the store is unreachable and the lease holds."""
+        delay = 0.25
+        while True:
+            if self._lost.is_set():
+                raise LeaseLost(f"job {self.job_id}: lease lost")
+            try:
+                with session_scope(self.url) as s:
+                    return fn(s)
+            except Exception as exc:
+                if not is_unreachable(exc):
+                    raise
+                log.warning("job %s: store unreachable (%s); retrying in %.1f s", self.job_id,
+                            type(exc).__name__, delay)
+                if time.monotonic() - self._renewed_at > self.give_up_after_s:
+                    self._lost.set()
+                time.sleep(delay)
+                delay = min(delay * 2, max(self.heartbeat_s, 1.0))
+
     # -- Reporter ----------------------------------------------------------------------------
     def should_stop(self) -> bool:
-        return self._cancel.is_set() or self._lost.is_set()
+        if self._lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: lease lost")
+        return self._cancel.is_set()
 
     def progress(self, step: int) -> None:
-        self._renew(step)
+        cancel = self._write(lambda s: jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder, step=step))
+        if cancel is None:
+            self._lost.set()
+            raise LeaseLost(f"job {self.job_id}: lease lost")
+        self._renewed_at = time.monotonic()
+        if cancel:
+            self._cancel.set()
 
     def event(self, type, message="", *, level="info", data=None):
-        with session_scope(self.url) as s:
-            events_q.add_event(s, job_id=self.job_id, type=type, message=message, level=level, data=_clean(data))
+        self._write(lambda s: events_q.add_event(s, job_id=self.job_id, type=type, message=message, level=level,
+                                                 data=_clean(data)))
 
     def metrics(self, step, values):
-        with session_scope(self.url) as s:
-            metrics_q.upsert_step(s, job_id=self.job_id, step=step, values=values)
+        self._write(lambda s: metrics_q.upsert_step(s, job_id=self.job_id, step=step, values=values))
 
     def samples(self, step, rows):
-        with session_scope(self.url) as s:
-            records.put_samples(s, job_id=self.job_id, step=step, rows=_clean(rows))
+        self._write(lambda s: records.put_samples(s, job_id=self.job_id, step=step, rows=_clean(rows)))
 
     def selection(self, record):
-        with session_scope(self.url) as s:
-            records.put_selection(s, job_id=self.job_id, record=_clean(record))
+        self._write(lambda s: records.put_selection(s, job_id=self.job_id, record=_clean(record)))
 
     def sparsity(self, record):
-        with session_scope(self.url) as s:
-            records.put_sparsity(s, job_id=self.job_id, record=_clean(record))
+        self._write(lambda s: records.put_sparsity(s, job_id=self.job_id, record=_clean(record)))
 
     def checkpoint(self, step, path: Path, format, size_bytes):
-        with session_scope(self.url) as s:
-            records.put_checkpoint(s, job_id=self.job_id, step=step, path=str(path), format=format,
-                                   size_bytes=size_bytes)
+        self._write(lambda s: records.put_checkpoint(s, job_id=self.job_id, step=step, path=str(path),
+                                                     format=format, size_bytes=size_bytes))
+
+    def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> bool:
+        """The job's outcome and its final event, in one transaction, while the lease is ours."""
+        return self._write(lambda s: jobs_q.finish_job(s, job_id=self.job_id, holder=self.holder, status=status,
+                                                       message=message, error=error, data=_clean(data)))

@@ -6,10 +6,8 @@ from worker import runner
 from worker.celery_app import app
 
 
-@app.task(name=TASK_NAME, bind=True, max_retries=None)
-def run_job(self, job_id: int) -> str:
-    settings = get_settings()
-    outcome = runner.run_job(job_id, settings=settings)
-    if outcome == "busy":  # another worker's lease is live; look again once it could have expired
-        raise self.retry(countdown=settings.lease_timeout_s)
-    return outcome
+@app.task(name=TASK_NAME)
+def run_job(job_id: int, uid: str | None = None) -> str:
+    # A busy job (another worker's lease is live) needs no retry here: if that worker dies, the
+    # sweep queues the job again once its lease expires.
+    return runner.run_job(job_id, settings=get_settings(), uid=uid)

@@ -38,13 +38,10 @@ def submit_job(
         return job
     session.commit()  # the worker must see the row before the message
     try:
-        queue.enqueue(job.id, broker_url=settings.broker)
+        queue.enqueue(job.id, job.uid, broker_url=settings.broker)
     except Exception as exc:  # broker down: fail the job visibly rather than leave it queued forever
-        jobs_q.finish_job(session, job_id=job.id, holder=None, status="failed",
-                          error=f"could not enqueue the job: {exc}")
-        events_q.add_event(session, job_id=job.id, type="failed", level="error",
-                           message=f"could not enqueue the job: {exc}")
-        session.commit()
+        message = f"could not enqueue the job: {type(exc).__name__}"
+        jobs_q.finish_job(session, job_id=job.id, holder=None, status="failed", message=message, error=message)
         raise HTTPException(503, "the job queue is unreachable; the job was recorded as failed") from exc
     return job
 
@@ -75,10 +72,10 @@ def get_job(job: JobDep):
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
-def cancel_job(job: JobDep, session: SessionDep):
+def cancel_job(job: JobDep, session: SessionDep, settings: SettingsDep):
     if job.status in TERMINAL:
         raise HTTPException(409, f"job {job.id} already {job.status}")
-    return jobs_q.request_cancel(session, job=job)
+    return jobs_q.request_cancel(session, job=job, lease_timeout_s=settings.lease_timeout_s)
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut])

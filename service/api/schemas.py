@@ -19,6 +19,7 @@ class LatestPoint(BaseModel):
 
 class JobOut(_Out):
     id: int
+    uid: str
     owner: str
     name: str | None
     kind: str

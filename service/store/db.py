@@ -7,7 +7,11 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+# How long a connection attempt may take before the store counts as unreachable.
+CONNECT_TIMEOUT_S = 5
 
 
 def normalize_url(url: str) -> str:
@@ -18,9 +22,17 @@ def normalize_url(url: str) -> str:
     return url
 
 
-@lru_cache(maxsize=8)
+_ENGINES: dict[str, Engine] = {}
+
+
 def get_engine(url: str) -> Engine:
-    url = normalize_url(url)
+    """One engine (one pool) per URL per process."""
+    if url not in _ENGINES:
+        _ENGINES[url] = _create_engine(normalize_url(url))
+    return _ENGINES[url]
+
+
+def _create_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -33,7 +45,23 @@ def get_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                         connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+
+
+def dispose_engines(*, close: bool) -> None:
+    """Drop every pooled connection. A forked child passes close=False, so it never uses (nor
+    closes) a socket it shares with its parent; a parent about to fork passes close=True."""
+    for engine in _ENGINES.values():
+        engine.dispose(close=close)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """The store could not be reached or dropped the connection (retrying later may succeed),
+    as opposed to a statement it refused."""
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
 @lru_cache(maxsize=8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import func, or_, select, update
@@ -64,8 +65,20 @@ def count_by_status(session: Session) -> dict[str, int]:
     return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
 
 
-def request_cancel(session: Session, *, job: Job) -> Job:
-    """Queued jobs are cancelled at once; running ones stop cooperatively at the next step."""
+def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job:
+    """Queued jobs, and running ones whose worker stopped renewing its lease, are cancelled at
+    once; running ones stop cooperatively at the next step."""
+    now = datetime.now(timezone.utc)
+    if job.status == "running" and session.execute(
+        update(Job).where(Job.id == job.id, _stale(now, lease_timeout_s))
+        .values(status="cancelled", finished_at=now, lease_owner=None, cancel_requested=True)
+        .execution_options(synchronize_session=False)
+    ).rowcount == 1:
+        session.add(JobEvent(job_id=job.id, type="cancelled",
+                             message="cancelled; its worker had stopped (lease expired)"))
+        session.flush()
+        session.refresh(job)
+        return job
     if job.status == "queued":
         job.status = "cancelled"
         job.finished_at = utcnow()
@@ -78,26 +91,44 @@ def request_cancel(session: Session, *, job: Job) -> Job:
     return job
 
 
-def acquire_lease(session: Session, *, job_id: int, holder: str, lease_timeout_s: float) -> bool:
+@dataclass(frozen=True)
+class Lease:
+    """What a worker needs of a job it has just leased, read by the statement that leased it."""
+
+    job_id: int
+    uid: str
+    kind: str
+    spec: dict
+    attempt: int
+    cancel_requested: bool
+
+
+def acquire_lease(session: Session, *, job_id: int, holder: str, lease_timeout_s: float,
+                  uid: str | None = None) -> Lease | None:
     """Atomically take a queued job, or a running one whose holder stopped heartbeating.
 
-    A single conditional UPDATE, so two deliveries of the same message can never both win.
+    One conditional UPDATE ... RETURNING: two deliveries of a message can never both win, and
+    the row is read in the same statement. `uid` (from the message) must match, so a message
+    meant for another store's job with the same id never runs here.
     """
     now = datetime.now(timezone.utc)
-    stale = now - timedelta(seconds=lease_timeout_s)
-    result = session.execute(
-        update(Job)
-        .where(
-            Job.id == job_id,
-            or_(Job.status == "queued",
-                (Job.status == "running") & or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale)),
-        )
-        .values(status="running", lease_owner=holder, heartbeat_at=now, attempt=Job.attempt + 1,
-                started_at=func.coalesce(Job.started_at, now), updated_at=now)
+    q = update(Job).where(Job.id == job_id, or_(Job.status == "queued", _stale(now, lease_timeout_s)))
+    if uid is not None:
+        q = q.where(Job.uid == uid)
+    row = session.execute(
+        q.values(status="running", lease_owner=holder, heartbeat_at=now, attempt=Job.attempt + 1,
+                 started_at=func.coalesce(Job.started_at, now), updated_at=now)
+        .returning(Job.id, Job.uid, Job.kind, Job.spec, Job.attempt, Job.cancel_requested)
         .execution_options(synchronize_session=False)
-    )
+    ).first()
     session.commit()
-    return result.rowcount == 1
+    return None if row is None else Lease(*row)
+
+
+def _stale(now: datetime, lease_timeout_s: float):
+    """A running job whose holder has not renewed its lease within the timeout."""
+    return (Job.status == "running") & or_(
+        Job.heartbeat_at.is_(None), Job.heartbeat_at < now - timedelta(seconds=lease_timeout_s))
 
 
 def heartbeat(session: Session, *, job_id: int, holder: str, step: int | None = None) -> bool | None:
@@ -105,18 +136,21 @@ def heartbeat(session: Session, *, job_id: int, holder: str, step: int | None = 
     values: dict = {"heartbeat_at": utcnow()}
     if step is not None:
         values["step"] = step
-    result = session.execute(
+    row = session.execute(
         update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == "running")
-        .values(**values).execution_options(synchronize_session=False)
-    )
+        .values(**values).returning(Job.cancel_requested).execution_options(synchronize_session=False)
+    ).first()
     session.commit()
-    if result.rowcount != 1:
-        return None
-    return bool(session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+    return None if row is None else bool(row[0])
 
 
-def finish_job(session: Session, *, job_id: int, holder: str | None, status: str, error: str | None = None) -> bool:
-    assert status in TERMINAL
+def finish_job(session: Session, *, job_id: int, holder: str | None, status: str, message: str,
+               error: str | None = None, data: dict | None = None, level: str | None = None) -> bool:
+    """Record a job's outcome: its terminal status and its final event, in one transaction.
+
+    With a `holder`, only while that worker still holds the lease. False if nothing changed."""
+    if status not in TERMINAL:
+        raise ValueError(f"{status!r} is not a terminal status")
     q = update(Job).where(Job.id == job_id, Job.status.not_in(TERMINAL))
     if holder is not None:
         q = q.where(Job.lease_owner == holder)
@@ -124,26 +158,60 @@ def finish_job(session: Session, *, job_id: int, holder: str | None, status: str
         q.values(status=status, error=error, finished_at=utcnow(), lease_owner=None)
         .execution_options(synchronize_session=False)
     )
+    if result.rowcount != 1:
+        session.rollback()
+        return False
+    session.add(JobEvent(job_id=job_id, type=status, message=message, data=data,
+                         level=level or ("error" if status == "failed" else "info")))
     session.commit()
-    return result.rowcount == 1
+    return True
 
 
-def release_lease(session: Session, *, job_id: int, holder: str) -> None:
-    """Give a running job back to the queue state (e.g. worker shutting down mid-job)."""
-    session.execute(
-        update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == "running")
-        .values(heartbeat_at=None).execution_options(synchronize_session=False)
-    )
-    session.commit()
+@dataclass(frozen=True)
+class Swept:
+    """What one sweep did: jobs to enqueue again, and stranded jobs it cancelled."""
+
+    requeue: list[tuple[int, str]]
+    cancelled: list[int]
 
 
-def orphaned_job_ids(session: Session, *, lease_timeout_s: float, queued_for_s: float = 60.0) -> list[int]:
-    """Jobs that may have lost their broker message: running with a stale heartbeat, or queued
-    for a while. Re-enqueueing them is safe: the lease lets only one delivery run a job."""
+def sweep(session: Session, *, lease_timeout_s: float, requeue_queued_after_s: float) -> Swept:
+    """Take back jobs nobody is running, safely from any number of workers at once.
+
+    - running with an expired lease: back to `queued` (to be enqueued again), or `cancelled`
+      when a cancel was asked for;
+    - queued and not enqueued for `requeue_queued_after_s` (its message may be lost: a broker
+      restarted empty): enqueued again.
+    Each job is claimed by a conditional UPDATE, so of several sweepers exactly one acts on it.
+    A job enqueued twice still runs once: the lease decides.
+    """
     now = datetime.now(timezone.utc)
-    q = select(Job.id).where(or_(
-        (Job.status == "running") & or_(Job.heartbeat_at.is_(None),
-                                        Job.heartbeat_at < now - timedelta(seconds=lease_timeout_s)),
-        (Job.status == "queued") & (Job.created_at < now - timedelta(seconds=queued_for_s)),
-    ))
-    return list(session.scalars(q.order_by(Job.id)))
+    stale = session.execute(select(Job.id, Job.cancel_requested).where(_stale(now, lease_timeout_s))).all()
+    requeue, cancelled = [], []
+    for job_id, cancel in stale:
+        claim = update(Job).where(Job.id == job_id, _stale(now, lease_timeout_s))
+        if cancel:
+            if session.execute(claim.values(status="cancelled", finished_at=now, lease_owner=None, updated_at=now)
+                               .execution_options(synchronize_session=False)).rowcount == 1:
+                session.add(JobEvent(job_id=job_id, type="cancelled",
+                                     message="cancelled: its worker had stopped (lease expired)"))
+                cancelled.append(job_id)
+        else:
+            row = session.execute(claim.values(status="queued", lease_owner=None, heartbeat_at=None, updated_at=now)
+                                  .returning(Job.uid).execution_options(synchronize_session=False)).first()
+            if row is not None:
+                session.add(JobEvent(job_id=job_id, type="requeued", level="warning",
+                                     message=f"its worker stopped renewing the lease for {lease_timeout_s:g} s; "
+                                     "queued again, it resumes from its last checkpoint"))
+                requeue.append((job_id, row[0]))
+        session.commit()
+    idle = now - timedelta(seconds=requeue_queued_after_s)
+    waiting = session.execute(select(Job.id, Job.updated_at).where(Job.status == "queued", Job.updated_at < idle)).all()
+    for job_id, seen in waiting:
+        row = session.execute(update(Job).where(Job.id == job_id, Job.status == "queued", Job.updated_at == seen)
+                              .values(updated_at=now).returning(Job.uid)
+                              .execution_options(synchronize_session=False)).first()
+        session.commit()
+        if row is not None:
+            requeue.append((job_id, row[0]))
+    return Swept(requeue=requeue, cancelled=cancelled)

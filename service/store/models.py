@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime, timezone
 
 from sqlalchemy import (
@@ -15,6 +16,10 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def new_uid() -> str:
+    return uuid.uuid4().hex
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {datetime: DateTime(timezone=True), dict: JSON, list: JSON}
 
@@ -23,10 +28,13 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        UniqueConstraint("uid", name="uq_jobs_uid"),
         Index("ix_jobs_owner_id", "owner", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Globally unique: ids restart at 1 in a new store, so artifacts and broker messages use this.
+    uid: Mapped[str] = mapped_column(String(32), default=new_uid)
     owner: Mapped[str] = mapped_column(String(200))
     name: Mapped[str | None] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(20))

@@ -157,9 +157,7 @@ def test_stream_sends_status_metrics_events_and_end(api):
     with session_scope(api.settings.store_url) as s:
         metrics_q.upsert_step(s, job_id=jid, step=1, values={"reward/mean": 0.25})
         metrics_q.upsert_step(s, job_id=jid, step=2, values={"reward/mean": 0.5})
-        jobs_q.finish_job(s, job_id=jid, holder=None, status="succeeded")
-    with session_scope(api.settings.store_url) as s:
-        events_q.add_event(s, job_id=jid, type="succeeded", message="done")
+        jobs_q.finish_job(s, job_id=jid, holder=None, status="succeeded", message="done")
     with api.client.stream("GET", f"/v1/jobs/{jid}/stream", params={"access_token": api.alice}) as r:
         assert r.status_code == 200
         text = "".join(r.iter_text())

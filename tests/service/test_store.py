@@ -55,8 +55,8 @@ def test_lease_is_exclusive_and_taken_over_when_stale(url):
     with session_scope(url) as s:
         assert jobs_q.acquire_lease(s, job_id=jid, holder="w2", lease_timeout_s=60)
         assert jobs_q.heartbeat(s, job_id=jid, holder="w1") is None  # w1 learns it lost the lease
-        assert not jobs_q.finish_job(s, job_id=jid, holder="w1", status="succeeded")
-        assert jobs_q.finish_job(s, job_id=jid, holder="w2", status="succeeded")
+        assert not jobs_q.finish_job(s, job_id=jid, holder="w1", status="succeeded", message="w1 done")
+        assert jobs_q.finish_job(s, job_id=jid, holder="w2", status="succeeded", message="w2 done")
         job = jobs_q.get_job(s, job_id=jid)
         assert (job.status, job.attempt, job.step) == ("succeeded", 2, 2)
         assert not jobs_q.acquire_lease(s, job_id=jid, holder="w3", lease_timeout_s=0)  # terminal

@@ -1,0 +1,61 @@
+"""The sweep: while a worker runs, it periodically takes back jobs nobody is running.
+
+A job whose worker was killed, lost the broker or lost the store stops renewing its lease.
+Every worker's main process runs this sweep every `GRPO_SWEEP_S`: expired leases go back to
+`queued` and are enqueued again (or `cancelled`, when a cancel was asked for), and queued jobs
+whose message may have been lost are enqueued again. It is safe on every worker at once: each
+job is claimed by a conditional UPDATE (service.store.jobs.sweep), and the lease lets only one
+delivery run a job. It does not depend on the broker redelivering an unacked message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from service import queue
+from service.settings import Settings
+from service.store import jobs as jobs_q
+from service.store.db import dispose_engines, session_scope
+
+log = logging.getLogger(__name__)
+
+
+def sweep_once(settings: Settings) -> jobs_q.Swept:
+    with session_scope(settings.store_url) as s:
+        swept = jobs_q.sweep(s, lease_timeout_s=settings.lease_timeout_s,
+                             requeue_queued_after_s=settings.requeue_queued_after_s)
+    for job_id, uid in swept.requeue:
+        queue.enqueue(job_id, uid, broker_url=settings.broker)
+    if swept.requeue or swept.cancelled:
+        log.warning("sweep: requeued jobs %s, cancelled stranded jobs %s",
+                    [j for j, _ in swept.requeue], swept.cancelled)
+    return swept
+
+
+class Sweeper:
+    """A daemon thread running `sweep_once` every `settings.sweep_s` until stopped."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lease-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                sweep_once(self.settings)
+            except Exception as exc:  # store or broker away: the next sweep tries again
+                log.warning("sweep failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc,
+                            self.settings.sweep_s)
+            # hold no connection between sweeps: pool children are forked from this process
+            dispose_engines(close=True)
+            if self._stop.wait(self.settings.sweep_s):
+                return

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -11,16 +15,19 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy.exc import DBAPIError
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api import health, jobs, metrics, reports, specs
+from service.api import health, jobs, metrics, reports, specs, stream
 from service.api.errors import format_errors
 from service.settings import Settings, get_settings
 from service.specs import STATUSES
 from service.store import jobs as jobs_q
-from service.store.db import session_scope
+from service.store.db import is_unreachable, session_scope
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+log = logging.getLogger(__name__)
 
 
 class BodySizeLimit:
@@ -65,25 +72,84 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return JSONResponse(format_errors(exc.errors()), status_code=422)
 
 
+STORE_RETRY_AFTER_S = 5
+
+
+def store_unavailable(reason: str) -> JSONResponse:
+    """503 with Retry-After: the request was fine, the store is not (yet) reachable."""
+    return JSONResponse({"detail": f"the job store is unavailable ({reason}); retry shortly"}, status_code=503,
+                        headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
+async def _store_error(_: Request, exc: DBAPIError) -> JSONResponse:
+    if not is_unreachable(exc):
+        raise exc  # a statement the store refused is a bug, not an outage: let it surface as 500
+    log.warning("store unreachable: %s", type(exc.orig).__name__ if exc.orig else type(exc).__name__)
+    return store_unavailable("unreachable")
+
+
+class StoreSchema:
+    """Migrates the store in the background until it succeeds, so `serve` starts (and answers
+    /healthz, /readyz and 503s) while the store is still down."""
+
+    def __init__(self, settings: Settings, *, migrate: bool) -> None:
+        self.settings = settings
+        self.ready = threading.Event()
+        self.error: str | None = None
+        if not migrate:
+            self.ready.set()
+
+    async def run(self, retry_s: float = 2.0) -> None:
+        from service.store.migrate import upgrade
+
+        while not self.ready.is_set():
+            try:
+                await run_in_threadpool(upgrade, self.settings.store_url)
+            except Exception as exc:
+                self.error = f"{type(exc).__name__}"
+                log.warning("store not migrated yet (%s); retrying in %.0f s", self.error, retry_s)
+                await asyncio.sleep(retry_s)
+            else:
+                self.error = None
+                self.ready.set()
+
+
 class _JobCollector:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
     def collect(self):
-        g = GaugeMetricFamily("grpo_jobs", "Jobs in the store by status", labels=["status"])
+        up = GaugeMetricFamily("grpo_store_up", "1 if the job store answered this scrape, else 0")
         try:
             with session_scope(self.settings.store_url) as s:
                 counts = jobs_q.count_by_status(s)
-        except Exception:
-            counts = {}
+        except Exception:  # no job counts at all rather than zeros that look like an empty store
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        g = GaugeMetricFamily("grpo_jobs", "Jobs in the store by status", labels=["status"])
         for st in STATUSES:
             g.add_metric([st], counts.get(st, 0))
         yield g
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, migrate: bool = False) -> FastAPI:
+    """The API. With `migrate`, the store is migrated in the background (retrying until it is
+    reachable) and /v1 answers 503 until then."""
     settings = settings or get_settings()
+    schema = StoreSchema(settings, migrate=migrate)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        task = asyncio.create_task(schema.run()) if not schema.ready.is_set() else None
+        yield
+        if task is not None:
+            task.cancel()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="grpo-jobs",
         version="0.1.0",
         description="Submit GRPO, TracIn-selected GRPO and joint retriever+generator GRPO training jobs; "
@@ -91,6 +157,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         f"(`grpo-jobs keys create --owner NAME`). Request bodies are limited to {settings.max_body_bytes} bytes.",
     )
     app.state.settings = settings
+    app.state.schema = schema
+    app.state.stream_hub = stream.StreamHub(settings.store_url)
     registry = CollectorRegistry()
     registry.register(_JobCollector(settings))
     requests = Counter("grpo_http_requests", "HTTP requests", ["method", "route", "status"], registry=registry)
@@ -100,7 +168,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.middleware("http")
     async def _count(request: Request, call_next):
         t0 = time.perf_counter()
-        response = await call_next(request)
+        if not schema.ready.is_set() and request.url.path.startswith("/v1/"):
+            response = store_unavailable("not migrated yet")
+        else:
+            response = await call_next(request)
         route = getattr(request.scope.get("route"), "path", "unmatched")
         requests.labels(request.method, route, str(response.status_code)).inc()
         latency.labels(route).observe(time.perf_counter() - t0)
@@ -108,7 +179,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    for r in (health.router, jobs.router, metrics.router, reports.router, specs.router):
+    app.add_exception_handler(DBAPIError, _store_error)
+    for r in (health.router, jobs.router, stream.router, metrics.router, reports.router, specs.router):
         app.include_router(r)
     if (DASHBOARD_DIR / "index.html").exists():
         app.mount("/", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")

@@ -99,14 +99,13 @@ def keys_create(owner: str) -> None:
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=8000, type=int)
 def serve(host: str, port: int) -> None:
-    """Run the API (migrates the store first)."""
+    """Run the API. It starts even while the store is down: it migrates the store as soon as it
+    can, answers 503 on /v1 until then, and /readyz says what is missing."""
     import uvicorn
 
     from service.app import create_app
-    from service.store.migrate import upgrade
 
-    upgrade(get_settings().store_url)
-    uvicorn.run(create_app(), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(migrate=True), host=host, port=port, log_level="info")
 
 
 def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:

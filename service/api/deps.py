@@ -27,7 +27,9 @@ def get_db(settings: SettingsDep) -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_db)]
+# Closed when the route function returns, before the response is sent: a streaming response
+# never holds a connection (or an open transaction) for its whole life.
+SessionDep = Annotated[Session, Depends(get_db, scope="function")]
 
 
 def get_owner(request: Request, session: SessionDep) -> str:

@@ -20,12 +20,14 @@ def healthz():
 
 
 @router.get("/readyz")
-def readyz(settings: SettingsDep):
+def readyz(settings: SettingsDep, request: Request):
+    """Ready when the store is reachable and migrated and the broker is reachable; says what is missing."""
     checks = {}
+    schema = request.app.state.schema
     try:
         with session_scope(settings.store_url) as s:
             s.execute(text("SELECT 1"))
-        checks["store"] = "ok"
+        checks["store"] = "ok" if schema.ready.is_set() else f"not migrated yet ({schema.error or 'migrating'})"
     except Exception as exc:
         checks["store"] = f"unreachable: {type(exc).__name__}"
     checks["broker"] = "ok" if queue.broker_reachable(settings.broker) else "unreachable"

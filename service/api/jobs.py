@@ -1,14 +1,10 @@
-"""Jobs: submit, list, inspect, cancel, events, and a live server-sent-events stream."""
+"""Jobs: submit, list, inspect, cancel and events (the live stream is in stream.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response
-from sse_starlette.sse import EventSourceResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
 
 from service import queue
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
@@ -17,7 +13,6 @@ from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
-from service.store.db import session_scope
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -83,41 +78,3 @@ def job_events(job: JobDep, session: SessionDep,
                after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 500):
     return events_q.list_events(session, job_id=job.id, after_id=after_id, limit=limit)
-
-
-@router.get("/{job_id}/stream", response_class=EventSourceResponse,
-            responses={200: {"content": {"text/event-stream": {}}}})
-async def stream_job(job: JobDep, settings: SettingsDep, request: Request,
-                     from_step: Annotated[int, Query(ge=-1, le=MAX_INT, description="Send metrics of steps after this one.")] = -1):
-    """Server-sent events: `status` on every change, `metrics` per new step, `event` per job event;
-    `end` when the job reaches a terminal status."""
-    job_id, url = job.id, settings.store_url
-
-    def poll(last_step: int, last_event: int):
-        with session_scope(url) as s:
-            row = jobs_q.get_job(s, job_id=job_id)
-            new_points = metrics_q.points_between(s, job_id=job_id, after_step=last_step, to_step=2**31 - 1)
-            new_events = events_q.list_events(s, job_id=job_id, after_id=last_event, limit=200)
-            status = {"status": row.status, "step": row.step, "total_steps": row.total_steps, "error": row.error}
-            evs = [EventOut.model_validate(e).model_dump(mode="json") for e in new_events]
-            return status, new_points, evs
-
-    async def gen():
-        last_step, last_event, last_status = from_step, 0, None
-        while not await request.is_disconnected():
-            status, points, evs = await run_in_threadpool(poll, last_step, last_event)
-            if status != last_status:
-                last_status = status
-                yield {"event": "status", "data": json.dumps(status)}
-            for ev in evs:
-                last_event = ev["id"]
-                yield {"event": "event", "data": json.dumps(ev)}
-            for step in sorted(points):
-                last_step = max(last_step, step)
-                yield {"event": "metrics", "data": json.dumps({"step": step, "metrics": points[step]})}
-            if status["status"] in TERMINAL:
-                yield {"event": "end", "data": json.dumps(status)}
-                return
-            await asyncio.sleep(1.0)
-
-    return EventSourceResponse(gen(), ping=15)

@@ -1,0 +1,133 @@
+"""Live job streams (server-sent events) that hold no database connection between polls.
+
+One `StreamHub` per API process watches every job that has an open stream with a single
+statement per interval (a version of each job: status, step, newest event id, newest metric
+step). A stream reads the store only when its job's version changed, in a short session of
+its own; in between it waits on an asyncio event. So 200 open streams cost one small query a
+second, not 200 idle transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import defaultdict
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from sqlalchemy import func, select
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import MAX_INT, JobId, OwnerDep, SettingsDep
+from service.api.schemas import EventOut
+from service.specs import TERMINAL
+from service.store import events as events_q
+from service.store import jobs as jobs_q
+from service.store import metrics as metrics_q
+from service.store.db import session_scope
+from service.store.models import Job, JobEvent, Metric
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+log = logging.getLogger(__name__)
+
+
+def job_versions(url: str, job_ids: list[int]) -> dict[int, tuple]:
+    """One statement: a value per job that changes whenever its stream has something to send."""
+    newest_event = select(func.max(JobEvent.id)).where(JobEvent.job_id == Job.id).scalar_subquery()
+    newest_step = select(func.max(Metric.step)).where(Metric.job_id == Job.id).scalar_subquery()
+    with session_scope(url) as s:
+        rows = s.execute(select(Job.id, Job.status, Job.step, Job.cancel_requested, newest_event, newest_step)
+                         .where(Job.id.in_(job_ids))).all()
+    return {row[0]: tuple(row[1:]) for row in rows}
+
+
+class StreamHub:
+    def __init__(self, url: str, interval_s: float = 1.0) -> None:
+        self.url, self.interval_s = url, interval_s
+        self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
+        self._versions: dict[int, tuple] = {}
+        self._task: asyncio.Task | None = None
+
+    async def wait_change(self, job_id: int, timeout_s: float) -> None:
+        """Return once the job's version changes (or after `timeout_s`)."""
+        changed = asyncio.Event()
+        self._waiters[job_id].add(changed)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._poll())
+        try:
+            await asyncio.wait_for(changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters[job_id].discard(changed)
+            if not self._waiters[job_id]:
+                del self._waiters[job_id]
+
+    async def _poll(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(self.interval_s)
+            ids = list(self._waiters)
+            if not ids:
+                break
+            try:
+                versions = await run_in_threadpool(job_versions, self.url, ids)
+            except Exception as exc:  # store away: streams keep waiting; their timeouts re-read
+                log.warning("stream poll failed: %s", type(exc).__name__)
+                continue
+            for job_id, version in versions.items():
+                if self._versions.get(job_id) != version:
+                    self._versions[job_id] = version
+                    for ev in list(self._waiters.get(job_id, ())):
+                        ev.set()
+            for gone in set(self._versions) - set(self._waiters):
+                del self._versions[gone]
+
+
+def _read(url: str, job_id: int, last_step: int, last_event: int):
+    with session_scope(url) as s:
+        row = jobs_q.get_job(s, job_id=job_id)
+        points = metrics_q.points_between(s, job_id=job_id, after_step=last_step, to_step=MAX_INT)
+        evs = [EventOut.model_validate(e).model_dump(mode="json")
+               for e in events_q.list_events(s, job_id=job_id, after_id=last_event, limit=200)]
+        status = {"status": row.status, "step": row.step, "total_steps": row.total_steps, "error": row.error}
+    return status, points, evs
+
+
+def _owned(url: str, job_id: int, owner: str) -> bool:
+    with session_scope(url) as s:
+        return jobs_q.get_job(s, job_id=job_id, owner=owner) is not None
+
+
+@router.get("/{job_id}/stream", response_class=EventSourceResponse,
+            responses={200: {"content": {"text/event-stream": {}}}})
+async def stream_job(job_id: JobId, owner: OwnerDep, settings: SettingsDep, request: Request,
+                     from_step: Annotated[int, Query(ge=-1, le=MAX_INT, description="Send metrics of steps after this one.")] = -1):
+    """Server-sent events: `status` on every change, `metrics` per new step, `event` per job event;
+    `end` when the job reaches a terminal status."""
+    url = settings.store_url
+    if not await run_in_threadpool(_owned, url, job_id, owner):
+        raise HTTPException(404, f"job {job_id} not found")
+    hub: StreamHub = request.app.state.stream_hub
+
+    async def gen():
+        last_step, last_event, last_status = from_step, 0, None
+        while not await request.is_disconnected():
+            status, points, evs = await run_in_threadpool(_read, url, job_id, last_step, last_event)
+            if status != last_status:
+                last_status = status
+                yield {"event": "status", "data": json.dumps(status)}
+            for ev in evs:
+                last_event = ev["id"]
+                yield {"event": "event", "data": json.dumps(ev)}
+            for step in sorted(points):
+                last_step = max(last_step, step)
+                yield {"event": "metrics", "data": json.dumps({"step": step, "metrics": points[step]})}
+            if status["status"] in TERMINAL:
+                yield {"event": "end", "data": json.dumps(status)}
+                return
+            if len(evs) < 200:  # a full page means more events are waiting: read again at once
+                await hub.wait_change(job_id, timeout_s=15.0)
+
+    return EventSourceResponse(gen(), ping=15)

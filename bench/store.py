@@ -93,7 +93,7 @@ def run(url: str, args) -> None:
             out = metrics_q.series(s, job_id=job.id, key=keys[q % args.series], max_points=1000)
         if q >= 3:  # the first few warm the cache
             lat.append((time.perf_counter() - t) * 1000)
-        assert out["downsampled"] and len(out["points"]) <= 1000 and out["total_points"] == args.steps
+        assert out.downsampled and len(out.points) <= 1000 and out.total_points == args.steps
     p95 = statistics.quantiles(lat, n=20)[-1]
     print(f"ingested {measured:,} points in {ingest_s:.1f} s; {args.queries} queries, "
           f"median {statistics.median(lat):.1f} ms")

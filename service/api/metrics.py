@@ -24,11 +24,11 @@ def job_metrics(
 ):
     if from_step is not None and to_step is not None and from_step > to_step:
         raise HTTPException(422, "from_step must be <= to_step")
-    all_keys = metrics_q.list_keys(session, job_id=job.id)
-    wanted = [k.strip() for k in keys.split(",") if k.strip()] if keys else all_keys
-    series = [Series(**metrics_q.series(session, job_id=job.id, key=k, from_step=from_step, to_step=to_step,
-                                        max_points=max_points)) for k in wanted]
-    return MetricsOut(job_id=job.id, keys=all_keys, series=series)
+    wanted = list(dict.fromkeys(k.strip() for k in keys.split(",") if k.strip())) if keys else None
+    found = metrics_q.job_series(session, job_id=job.id, keys=wanted, from_step=from_step, to_step=to_step,
+                                 max_points=max_points)
+    return MetricsOut(job_id=job.id, keys=found.keys,
+                      series=[Series.model_validate(s, from_attributes=True) for s in found.series])
 
 
 @router.get("/{job_id}/metrics/latest", response_model=dict[str, LatestPoint])

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from sqlalchemy import func, select, text
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -85,40 +86,87 @@ def list_keys(session: Session, *, job_id: int) -> list[str]:
                                 .order_by(MetricKey.name)))
 
 
+@dataclass
+class SeriesData:
+    """One series between two steps, at most `max_points` points ({step, value, min, max})."""
+
+    key: str
+    points: list[dict] = field(default_factory=list)
+    downsampled: bool = False
+    total_points: int = 0
+    bucket_steps: int | None = None
+
+
+@dataclass
+class JobSeries:
+    keys: list[str]  # every metric name the job has, sorted
+    series: list[SeriesData]  # in the order asked for
+
+
+# Every series of a job (or the named ones) bucketed per key, plus the job's key names, in one
+# statement. A series spanning n steps gets width ceil(n / :m) (1 when it fits, so one point per
+# step); integer division buckets it, and each bucket keeps its mean, min and max.
+_SERIES_SQL = """
+WITH pts AS (
+  SELECT m.key_id, m.step, m.value FROM metrics m
+  WHERE m.job_id = :job AND m.step >= :lo AND m.step <= :hi {key_filter}
+), bounds AS (
+  SELECT key_id, MIN(step) AS first, (MAX(step) - MIN(step) + :m) / :m AS width FROM pts GROUP BY key_id
+), bucketed AS (
+  SELECT p.key_id, b.width, (p.step - b.first) / b.width AS bucket, p.step, p.value
+  FROM pts p JOIN bounds b ON b.key_id = p.key_id
+)
+SELECT mk.name, x.width, MIN(x.step), AVG(x.value), MIN(x.value), MAX(x.value), COUNT(*)
+FROM bucketed x JOIN metric_keys mk ON mk.id = x.key_id
+GROUP BY mk.name, x.width, x.bucket
+UNION ALL
+SELECT mk.name, NULL, NULL, NULL, NULL, NULL, NULL FROM metric_keys mk
+WHERE mk.id IN (SELECT DISTINCT key_id FROM metrics WHERE job_id = :job)
+"""
+_SERIES_ALL = text(_SERIES_SQL.format(key_filter=""))
+_SERIES_NAMED = text(_SERIES_SQL.format(
+    key_filter="AND m.key_id IN (SELECT id FROM metric_keys WHERE name IN :names)"
+)).bindparams(bindparam("names", expanding=True))
+_MIN_STEP, _MAX_STEP = -(2**31), 2**31 - 1
+
+
+def job_series(
+    session: Session, *, job_id: int, keys: list[str] | None = None, from_step: int | None = None,
+    to_step: int | None = None, max_points: int = 1000,
+) -> JobSeries:
+    """The series of `keys` (default: all) between from_step and to_step (inclusive), each at most
+    `max_points` points, and the names of all the job's series: one SQL statement."""
+    params = {"job": job_id, "lo": _MIN_STEP if from_step is None else from_step,
+              "hi": _MAX_STEP if to_step is None else to_step, "m": max_points}
+    if keys is not None:
+        rows = session.execute(_SERIES_NAMED, {**params, "names": list(keys) or [""]}).all()
+    else:
+        rows = session.execute(_SERIES_ALL, params).all()
+    all_keys: list[str] = []
+    found: dict[str, SeriesData] = {}
+    for name, width, step, avg, vmin, vmax, count in rows:
+        if width is None:
+            all_keys.append(name)
+            continue
+        sd = found.setdefault(name, SeriesData(key=name))
+        sd.points.append({"step": step, "value": float(avg), "min": vmin, "max": vmax})
+        sd.total_points += count
+        if width > 1:
+            sd.downsampled, sd.bucket_steps = True, width
+    for sd in found.values():
+        sd.points.sort(key=lambda p: p["step"])
+    all_keys.sort()
+    wanted = all_keys if keys is None else keys
+    return JobSeries(keys=all_keys, series=[found.get(k) or SeriesData(key=k) for k in wanted])
+
+
 def series(
     session: Session, *, job_id: int, key: str, from_step: int | None = None, to_step: int | None = None,
     max_points: int = 1000,
-) -> dict:
-    """One series between from_step and to_step (inclusive), at most max_points points."""
-    empty = {"key": key, "points": [], "downsampled": False, "total_points": 0}
-    key_id = key_ids(session, names=[key], create=False).get(key)
-    if key_id is None:
-        return empty
-    base = [Metric.job_id == job_id, Metric.key_id == key_id]
-    if from_step is not None:
-        base.append(Metric.step >= from_step)
-    if to_step is not None:
-        base.append(Metric.step <= to_step)
-    # min and max come straight from the index; a count(*) would scan the whole series
-    lo = session.scalar(select(Metric.step).where(*base).order_by(Metric.step).limit(1))
-    if lo is None:
-        return empty
-    hi = session.scalar(select(Metric.step).where(*base).order_by(Metric.step.desc()).limit(1))
-    if hi - lo + 1 <= max_points:  # steps are unique, so this many points at most
-        rows = session.execute(select(Metric.step, Metric.value).where(*base).order_by(Metric.step)).all()
-        points = [{"step": s, "value": v, "min": v, "max": v} for s, v in rows]
-        return {"key": key, "points": points, "downsampled": False, "total_points": len(points)}
-    width = math.ceil((hi - lo + 1) / max_points)
-    bucket = ((Metric.step - lo) // width).label("bucket")  # integer division on every backend
-    # no ORDER BY: PostgreSQL hash-aggregates the ~1,000 buckets instead of sorting every point
-    rows = session.execute(
-        select(bucket, func.min(Metric.step), func.avg(Metric.value), func.min(Metric.value),
-               func.max(Metric.value), func.count()).where(*base).group_by(bucket)
-    ).all()
-    rows.sort(key=lambda r: r[0])
-    points = [{"step": s, "value": float(avg), "min": mn, "max": mx} for _, s, avg, mn, mx, _ in rows]
-    return {"key": key, "points": points, "downsampled": True, "total_points": sum(r[5] for r in rows),
-            "bucket_steps": width}
+) -> SeriesData:
+    """One series (see job_series)."""
+    return job_series(session, job_id=job_id, keys=[key], from_step=from_step, to_step=to_step,
+                      max_points=max_points).series[0]
 
 
 def latest(session: Session, *, job_id: int) -> dict[str, dict]:

@@ -187,3 +187,35 @@ def test_readyz_reports_unreachable_broker(settings_factory):
     assert r.status_code == 503
     job = api.get("/v1/jobs").json()["items"][0]
     assert job["status"] == "failed" and "enqueue" in job["error"]
+
+
+def test_a_metrics_request_is_one_statement_whatever_the_number_of_keys(api):
+    from sqlalchemy import event
+
+    from service.store.db import get_engine
+
+    job = _submit(api)
+    with session_scope(api.settings.store_url) as s:
+        metrics_q.upsert_points(s, rows=[(job["id"], f"k/{i}", step, float(step)) for i in range(23)
+                                         for step in range(1, 31)])
+    seen: list[str] = []
+
+    def count(_conn, _cursor, statement, *_args):
+        seen.append(statement)
+
+    engine = get_engine(api.settings.store_url)
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        for keys in (None, "k/3", ",".join(f"k/{i}" for i in range(2000))):
+            seen.clear()
+            r = api.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": keys} if keys else {})
+            assert r.status_code == 200
+            assert len([q for q in seen if "FROM metrics" in q]) == 1, seen
+            body = r.json()
+            assert len(body["keys"]) == 23
+            wanted = body["series"] if keys != "k/3" else body["series"][:1]
+            assert all(len(s["points"]) == 30 for s in wanted if s["key"].startswith("k/") and
+                       int(s["key"][2:]) < 23)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert len(body["series"]) == 2000 and body["series"][1999]["points"] == []

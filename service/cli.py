@@ -147,10 +147,17 @@ def dev(host: str, port: int) -> None:
     click.echo(f"dashboard: http://{host}:{port}/   API docs: http://{host}:{port}/docs", err=False)
     sys.stdout.flush()
     proc = subprocess.Popen(_worker_cmd(1, "WARNING"))
+    # uvicorn re-raises SIGTERM once it has shut down; unhandled, that would end this process
+    # before `finally` stops the worker, leaving it orphaned on the broker.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
         _stop_worker(proc)
+
+
+def _exit_on_sigterm(_signum, _frame) -> None:
+    raise SystemExit(0)
 
 
 def _stop_worker(proc: subprocess.Popen) -> None:

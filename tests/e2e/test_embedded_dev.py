@@ -35,3 +35,40 @@ def test_dev_runs_a_job_end_to_end(procs):
         assert job["status"] == "cancelled" and 2 <= job["step"] < 500
         assert c.get(f"/v1/jobs/{jid}/checkpoints").json()[-1]["step"] == job["step"]
         assert c.get(f"/v1/jobs/{jid}/metrics/latest").json()["reward/mean"]["step"] == job["step"]
+    # SIGTERM (a supervisor, `docker stop`) stops the worker too, as Ctrl-C does
+    dev = procs.procs[0][1]
+    worker_pids = children(dev.pid)
+    assert worker_pids, "dev runs its worker as a child process"
+    dev.terminate()
+    dev.wait(timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline and any(alive(p) for p in worker_pids):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in worker_pids), "dev left its worker running"
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

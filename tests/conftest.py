@@ -39,22 +39,35 @@ def pg_admin_url() -> str:
 
 
 @pytest.fixture
-def pg_url(pg_admin_url):
-    """A fresh PostgreSQL database for one test, dropped afterwards."""
+def pg_url_factory(pg_admin_url):
+    """Fresh PostgreSQL databases for one test, dropped afterwards."""
     from sqlalchemy import create_engine, text
 
-    name = f"grpo_test_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
-    yield url
     from service.store.db import get_engine
 
-    get_engine(url).dispose()
-    with admin.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    made: list[tuple[str, str]] = []
+
+    def make() -> str:
+        name = f"grpo_test_{uuid.uuid4().hex[:10]}"
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        url = pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+        made.append((name, url))
+        return url
+
+    yield make
+    for name, url in made:
+        get_engine(url).dispose()
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_url_factory):
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    return pg_url_factory()
 
 
 @pytest.fixture

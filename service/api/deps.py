@@ -15,15 +15,15 @@ from service.store.db import session_scope
 from service.store.models import Job
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:  # async: no thread hop for a lookup
     return request.app.state.settings
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 
 
-def get_db(settings: SettingsDep) -> Iterator[Session]:
-    with session_scope(settings.store_url) as session:
+def get_db(settings: SettingsDep, request: Request) -> Iterator[Session]:
+    with session_scope(settings.store_url, read_only=request.method in ("GET", "HEAD")) as session:
         yield session
 
 

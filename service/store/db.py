@@ -64,15 +64,19 @@ def is_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
-@lru_cache(maxsize=8)
-def get_sessionmaker(url: str) -> sessionmaker[Session]:
-    return sessionmaker(get_engine(url), expire_on_commit=False)
+@lru_cache(maxsize=16)
+def get_sessionmaker(url: str, read_only: bool = False) -> sessionmaker[Session]:
+    engine = get_engine(url)
+    if read_only:  # each statement on its own: no BEGIN and COMMIT round trips around a read
+        engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+    return sessionmaker(engine, expire_on_commit=False)
 
 
 @contextmanager
-def session_scope(url: str) -> Iterator[Session]:
-    """A session that commits on success and rolls back on error."""
-    session = get_sessionmaker(url)()
+def session_scope(url: str, *, read_only: bool = False) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error. A `read_only` one runs each
+    statement in its own implicit transaction (for requests that only read)."""
+    session = get_sessionmaker(url, read_only)()
     try:
         yield session
         session.commit()

@@ -105,27 +105,29 @@ class JobSeries:
 
 # Every series of a job (or the named ones) bucketed per key, plus the job's key names, in one
 # statement. A series spanning n steps gets width ceil(n / :m) (1 when it fits, so one point per
-# step); integer division buckets it, and each bucket keeps its mean, min and max.
+# step); integer division buckets it, and each bucket keeps its mean, min and max. The window
+# runs in primary-key order (job_id, key_id, step), so PostgreSQL reads it from the index alone;
+# names are joined once per bucket, after aggregating on the integer key.
 _SERIES_SQL = """
 WITH pts AS (
-  SELECT m.key_id, m.step, m.value FROM metrics m
-  WHERE m.job_id = :job AND m.step >= :lo AND m.step <= :hi {key_filter}
-), bounds AS (
-  SELECT key_id, MIN(step) AS first, (MAX(step) - MIN(step) + :m) / :m AS width FROM pts GROUP BY key_id
-), bucketed AS (
-  SELECT p.key_id, b.width, (p.step - b.first) / b.width AS bucket, p.step, p.value
-  FROM pts p JOIN bounds b ON b.key_id = p.key_id
+  SELECT key_id, step, value, MIN(step) OVER w AS first,
+         (MAX(step) OVER w - MIN(step) OVER w + :m) / :m AS width
+  FROM metrics WHERE job_id = :job AND step >= :lo AND step <= :hi {key_filter}
+  WINDOW w AS (PARTITION BY key_id)
+), agg AS (
+  SELECT key_id, width, MIN(step) AS step, AVG(value) AS value, MIN(value) AS vmin, MAX(value) AS vmax,
+         COUNT(*) AS n
+  FROM pts GROUP BY key_id, width, (step - first) / width
 )
-SELECT mk.name, x.width, MIN(x.step), AVG(x.value), MIN(x.value), MAX(x.value), COUNT(*)
-FROM bucketed x JOIN metric_keys mk ON mk.id = x.key_id
-GROUP BY mk.name, x.width, x.bucket
+SELECT mk.name, agg.width, agg.step, agg.value, agg.vmin, agg.vmax, agg.n
+FROM agg JOIN metric_keys mk ON mk.id = agg.key_id
 UNION ALL
 SELECT mk.name, NULL, NULL, NULL, NULL, NULL, NULL FROM metric_keys mk
 WHERE mk.id IN (SELECT DISTINCT key_id FROM metrics WHERE job_id = :job)
 """
 _SERIES_ALL = text(_SERIES_SQL.format(key_filter=""))
 _SERIES_NAMED = text(_SERIES_SQL.format(
-    key_filter="AND m.key_id IN (SELECT id FROM metric_keys WHERE name IN :names)"
+    key_filter="AND key_id IN (SELECT id FROM metric_keys WHERE name IN :names)"
 )).bindparams(bindparam("names", expanding=True))
 _MIN_STEP, _MAX_STEP = -(2**31), 2**31 - 1
 

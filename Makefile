@@ -42,6 +42,7 @@ test: install browser
 bench: install
 	$(PY) bench/step.py
 	$(PY) bench/store.py
+	$(PY) bench/api_load.py
 	$(PY) bench/sparsity.py
 	$(PY) bench/tracin.py
 

@@ -10,14 +10,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import health, jobs, metrics, reports, specs, stream
 from service.api.errors import format_errors
@@ -31,45 +33,61 @@ log = logging.getLogger(__name__)
 
 
 class BodySizeLimit:
-    """413 for bodies over the limit, whether or not the client sent Content-Length."""
+    """413 for bodies over the limit, whether or not the client sent Content-Length.
+
+    The body is read (up to the limit) before the app sees it, so an oversize chunked body is a
+    413 on every route, never a parse error half-way through."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._reject(send)
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
             if seen > self.max_bytes:
-                raise _TooLarge
-            return message
+                return await self._reject(send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: wait for the disconnect as the app expects
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Send) -> None:
         body = f'{{"detail":"request body larger than {self.max_bytes} bytes"}}'.encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(format_errors(exc.errors()), status_code=422)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    # FastAPI answers a body that json.loads refused for other reasons than syntax (nested too
+    # deep, a number too long) with a bare 400; it gets the shape of every other malformed body.
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+        return JSONResponse(format_errors([{"loc": ("body",), "type": "json_invalid",
+                                            "msg": "not valid JSON: nested too deeply or a number too long"}]), 422)
+    return await http_exception_handler(request, exc)
 
 
 STORE_RETRY_AFTER_S = 5
@@ -179,6 +197,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DBAPIError, _store_error)
     for r in (health.router, jobs.router, stream.router, metrics.router, reports.router, specs.router):
         app.include_router(r)

@@ -27,9 +27,38 @@ DEFAULT_REWARDS = {"arith": ["numeric_match"], "jsonl": ["exact_match"], "person
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
+INT64 = 2**63 - 1
+
+
+def storable(value):
+    """Reject what the store or a worker cannot hold: NUL or unpaired surrogates in strings, and
+    integers beyond 64 bits. (Floats are kept finite by `allow_inf_nan=False`.)"""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode (it contains an unpaired surrogate)") from None
+    elif isinstance(value, bool):
+        pass
+    elif isinstance(value, int) and not -INT64 - 1 <= value <= INT64:
+        raise ValueError("must fit in 64 bits")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            storable(item)
+    return value
+
+
 class _Section(BaseModel):
     # Unknown fields are an error, so a typo ("num_generation") is a 422, not silently ignored.
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are refused: JSON cannot carry them and no knob means them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, v):
+        return storable(v)
 
 
 def _check_model_name(name: str, presets: tuple[str, ...], what: str) -> str:
@@ -80,7 +109,7 @@ class DatasetSpec(_Section):
     corpus_path: str | None = Field(
         None, description="jsonl joint jobs only: corpus file {id, text} relative to the datasets root."
     )
-    seed: int = Field(0, description="Seed of generated tasks and of the train/validation split.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of generated tasks and of the train/validation split.")
     num_train: int = Field(2000, ge=1, le=1_000_000, description="Generated tasks: training examples.")
     num_val: int = Field(200, ge=1, le=100_000, description="Generated tasks / jsonl: validation examples.")
     corpus_size: int = Field(
@@ -167,7 +196,7 @@ class GRPOSpec(_Section):
     eval_prompts: int = Field(32, ge=1, le=10_000, description="Validation prompts per evaluation.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     samples_per_step: int = Field(8, ge=0, le=1024, description="Completions per step recorded with reward and advantage.")
-    seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds prompt order, sampling and initialisation.")
 
     @model_validator(mode="after")
     def _schedule(self) -> "GRPOSpec":

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import yaml
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from service.api.deps import OwnerDep
 from service.api.errors import format_errors
+from service.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
 from service.specs import JobSpec
 
 router = APIRouter(prefix="/v1/specs", tags=["specs"])
@@ -61,19 +64,19 @@ async def validate_spec(request: Request, owner: OwnerDep):
     Valid: the spec with every default filled in. Invalid: each error with the field it names
     and its line in the text, in the same shape as a 422 from POST /v1/jobs."""
     text = (await request.body()).decode("utf-8", errors="replace")
-    try:
-        data = yaml.safe_load(text)  # JSON is YAML
-        root = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        msg = f"not valid YAML or JSON: {getattr(exc, 'problem', None) or exc}"
-        return _error([{"field": "", "message": msg, "type": "yaml", "loc": [], "line": line}], msg)
+    try:  # off the event loop: a large text must not stall other requests
+        parsed = await run_in_threadpool(parse_spec_text, text)  # JSON is YAML
+    except SpecTextBeyondLimits as exc:  # not a spec a linter can help with: refuse the body
+        return JSONResponse(format_errors([{"loc": ("body",), "msg": exc.message, "type": "limit"}]), 422)
+    except SpecTextError as exc:
+        msg = exc.message
+        return _error([{"field": "", "message": msg, "type": "yaml", "loc": [], "line": exc.line}], msg)
+    data, root = parsed.data, parsed.root
     if not isinstance(data, dict):
         msg = "a spec is a mapping of fields (kind, model, dataset, ...)"
         return _error([{"field": "", "message": msg, "type": "type", "loc": [], "line": 1}], msg)
     try:
-        spec = _ADAPTER.validate_python(data)
+        spec = await run_in_threadpool(_ADAPTER.validate_python, data)
     except ValidationError as exc:
         out = format_errors(exc.errors())
         for d in out["detail"]:

@@ -32,7 +32,16 @@ class Settings(BaseSettings):
     )
     datasets_root: Path | None = Field(
         default=None, validation_alias="GRPO_DATASETS_ROOT",
-        description="Directory that `jsonl` dataset paths are resolved under; default data_dir/datasets.",
+        description="Directory of the owners' dataset folders: a job of owner O reads `jsonl` paths "
+        "under <root>/O/; default data_dir/datasets.",
+    )
+    shared_datasets_root: Path | None = Field(
+        default=None, validation_alias="GRPO_SHARED_DATASETS",
+        description="A folder of datasets every owner may read, as `shared/...` in a spec; default none.",
+    )
+    model_roots_env: str = Field(
+        default="", validation_alias="GRPO_MODEL_ROOTS",
+        description="Colon-separated folders whose model folders a spec may name, relative to a root.",
     )
     models_root: Path | None = Field(
         default=None, validation_alias="GRPO_MODELS_ROOT",
@@ -85,6 +94,10 @@ class Settings(BaseSettings):
     @property
     def datasets_dir(self) -> Path:
         return self.datasets_root or self.data_dir / "datasets"
+
+    @property
+    def model_roots(self) -> list[Path]:
+        return [Path(p) for p in self.model_roots_env.split(":") if p.strip()]
 
     @property
     def models_dir(self) -> Path:

@@ -61,13 +61,20 @@ class _Section(BaseModel):
         return storable(v)
 
 
+def unavailable_model(what: str, name: str, presets: tuple[str, ...]) -> str:
+    """The one message for a model that is missing or not allowed (so neither can be told apart)."""
+    return (f"{what} {name!r} is not available: use a bundled preset ({', '.join(presets)}), a folder "
+            "under the admin's model roots (GRPO_MODEL_ROOTS), or a Hugging Face id in the local cache")
+
+
 def _check_model_name(name: str, presets: tuple[str, ...], what: str) -> str:
-    if name in presets or _HF_ID.match(name) or name.startswith(("/", "./", "~")):
+    """Presets, or a relative name: whether it exists is checked against the admin's settings at
+    submit time (service.sources); a server path is never a name."""
+    p = PurePosixPath(name)
+    if name in presets or (name.strip() and not p.is_absolute() and ".." not in p.parts
+                           and not name.startswith(("~", "./")) and "\\" not in name):
         return name
-    raise ValueError(
-        f"unknown {what} {name!r}: use one of {', '.join(presets)}, "
-        "a Hugging Face id like 'org/name', or an absolute local path"
-    )
+    raise ValueError(unavailable_model(what, name, presets))
 
 
 class LoraSpec(_Section):
@@ -82,8 +89,9 @@ class LoraSpec(_Section):
 class ModelSpec(_Section):
     name: str = Field(
         "tiny-random-llama",
-        description="Bundled preset (smollm2-135m-instruct, tiny-random-llama, tiny-random-qwen), "
-        "a Hugging Face id, or an absolute local path.",
+        description="Bundled preset (smollm2-135m-instruct, tiny-random-llama, tiny-random-qwen), a folder "
+        "under the admin's model roots (GRPO_MODEL_ROOTS), e.g. 'team/llama-1b', or a Hugging Face id "
+        "already in the workers' local cache.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the trained policy."
@@ -104,10 +112,11 @@ class DatasetSpec(_Section):
         "questions (joint jobs); jsonl: rows {prompt, answer} (or {query, answers, gold_doc_id}) from `path`.",
     )
     path: str | None = Field(
-        None, description="jsonl only: file path relative to the datasets root (GRPO_DATASETS_ROOT)."
+        None, description="jsonl only: a file in your folder of the datasets root (GRPO_DATASETS_ROOT/<owner>/), "
+        "or 'shared/...' for the admin's shared datasets."
     )
     corpus_path: str | None = Field(
-        None, description="jsonl joint jobs only: corpus file {id, text} relative to the datasets root."
+        None, description="jsonl joint jobs only: corpus file {id, text}, found like `path`."
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of generated tasks and of the train/validation split.")
     num_train: int = Field(2000, ge=1, le=1_000_000, description="Generated tasks: training examples.")
@@ -258,7 +267,8 @@ class TracInSpec(_Section):
 
 
 class RetrieverSpec(_Section):
-    name: str = Field("tiny-random-bert", description="Encoder: minilm-l6, tiny-random-bert, a Hugging Face id or a local path.")
+    name: str = Field("tiny-random-bert", description="Encoder: minilm-l6, tiny-random-bert, a folder under the "
+                      "admin's model roots, or a Hugging Face id in the workers' local cache.")
     k: int = Field(3, ge=1, le=64, description="Documents sampled per query without replacement. Cost: k * G generations per query.")
     temperature: float = Field(1.0, gt=0.0, description="Softmax temperature over retrieval scores.")
     candidates: int = Field(16, ge=1, le=10_000, description="Top-scoring documents forming the sampling pool.")

@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.settings import Settings
+from service.sources import dataset_file, unavailable_file
 from service.specs import DatasetSpec
 
 ARITH_INSTRUCTION = "Solve the math word problem. End your reply with the final answer as a single number."
@@ -95,14 +97,20 @@ def read_jsonl(path: Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+                raise ValueError(f"{path.name}:{n}: not valid JSON ({exc.msg})") from exc
     return rows
 
 
-def jsonl(spec: DatasetSpec, root: Path) -> tuple[list[Example], list[Example]]:
-    path = root / spec.path  # type: ignore[operator]
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset.path {spec.path!r} not found under the datasets root {root}")
+def _file(field: str, rel: str, settings: Settings) -> Path:
+    """A data file of the job's owner (or the shared folder), contained after resolving links."""
+    path = dataset_file(rel, settings)
+    if path is None:
+        raise FileNotFoundError(unavailable_file(f"dataset.{field}", rel))
+    return path
+
+
+def jsonl(spec: DatasetSpec, settings: Settings) -> tuple[list[Example], list[Example]]:
+    path = _file("path", spec.path, settings)  # type: ignore[arg-type]
     examples = []
     for n, row in enumerate(read_jsonl(path), 1):
         prompt = row.get("prompt", row.get("query"))
@@ -118,11 +126,11 @@ def jsonl(spec: DatasetSpec, root: Path) -> tuple[list[Example], list[Example]]:
     return examples[n_val:], examples[:n_val]
 
 
-def load_task(spec: DatasetSpec, *, datasets_root: Path, reward_names: list[str]) -> TaskData:
+def load_task(spec: DatasetSpec, *, settings: Settings, reward_names: list[str]) -> TaskData:
     if spec.name == "arith":
         train, val = arith(spec)
     elif spec.name == "jsonl":
-        train, val = jsonl(spec, datasets_root)
+        train, val = jsonl(spec, settings)
     else:
         raise ValueError(f"dataset {spec.name!r} is loaded by the joint loop")
     r1 = any(n.startswith("r1_") or n == "answer_tag_match" for n in reward_names)
@@ -190,10 +198,8 @@ def persona_facts(spec: DatasetSpec) -> tuple[list[Example], list[Example], list
     return train[: spec.num_train], val[: spec.num_val], corpus
 
 
-def jsonl_corpus(spec: DatasetSpec, root: Path) -> list[tuple[str, str]]:
-    path = root / spec.corpus_path  # type: ignore[operator]
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset.corpus_path {spec.corpus_path!r} not found under the datasets root {root}")
+def jsonl_corpus(spec: DatasetSpec, settings: Settings) -> list[tuple[str, str]]:
+    path = _file("corpus_path", spec.corpus_path, settings)  # type: ignore[arg-type]
     out = []
     for n, row in enumerate(read_jsonl(path), 1):
         if not isinstance(row.get("text"), str) or "id" not in row:
@@ -205,13 +211,13 @@ def jsonl_corpus(spec: DatasetSpec, root: Path) -> list[tuple[str, str]]:
 RAG_INSTRUCTION = "Answer the question using the context. Reply with the answer only."
 
 
-def load_retrieval_task(spec: DatasetSpec, *, datasets_root: Path) -> tuple[TaskData, list[tuple[str, str]]]:
+def load_retrieval_task(spec: DatasetSpec, *, settings: Settings) -> tuple[TaskData, list[tuple[str, str]]]:
     """Questions with gold documents (where known) and the corpus, for joint jobs."""
     if spec.name == "persona-facts":
         train, val, corpus = persona_facts(spec)
     else:
-        train, val = jsonl(spec, datasets_root)
-        corpus = jsonl_corpus(spec, datasets_root)
+        train, val = jsonl(spec, settings)
+        corpus = jsonl_corpus(spec, settings)
     return TaskData(train=train, val=val, instruction=spec.system_prompt or RAG_INSTRUCTION), corpus
 
 

@@ -21,7 +21,8 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from service.specs import LoraSpec, ModelSpec
+from service.sources import model_path
+from service.specs import MODEL_PRESETS, LoraSpec, ModelSpec, unavailable_model
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
 # transformers' own deprecated internals (peft calls them) on every model load.
@@ -105,23 +106,35 @@ def smollm2_dir(models_root: Path) -> Path:
     return target
 
 
-def load_tokenizer(spec: ModelSpec, *, models_root: Path):
+def model_source(name: str, *, models_root: Path, model_roots: list[Path] = (),
+                 presets: tuple[str, ...] = MODEL_PRESETS, what: str = "model") -> Path:
+    """The local folder a (non-tiny) model name loads from: the converted bundled model, a folder
+    under the admin's model roots, or a snapshot in the local Hugging Face cache. Never the hub."""
+    if name == "smollm2-135m-instruct":
+        return smollm2_dir(models_root)
+    found = model_path(name, list(model_roots))
+    if found is None:
+        raise ValueError(unavailable_model(what, name, presets))
+    return found
+
+
+def load_tokenizer(spec: ModelSpec, *, models_root: Path, model_roots: list[Path] = ()):
     if spec.name in TINY_PRESETS:
         return char_tokenizer()
-    path = smollm2_dir(models_root) if spec.name == "smollm2-135m-instruct" else spec.name
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(model_source(spec.name, models_root=models_root, model_roots=model_roots))
     tok.padding_side = "left"  # generation appends on the right
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_base_model(spec: ModelSpec, *, tokenizer, models_root: Path, seed: int = 0) -> torch.nn.Module:
+def load_base_model(spec: ModelSpec, *, tokenizer, models_root: Path, model_roots: list[Path] = (),
+                    seed: int = 0) -> torch.nn.Module:
     dtype = DTYPES[spec.dtype]
     if spec.name in TINY_PRESETS:
         model = tiny_model(spec.name, len(tokenizer), seed=seed).to(dtype)
     else:
-        path = smollm2_dir(models_root) if spec.name == "smollm2-135m-instruct" else spec.name
+        path = model_source(spec.name, models_root=models_root, model_roots=model_roots)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if spec.gradient_checkpointing:
@@ -137,10 +150,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
     return get_peft_model(model, cfg)
 
 
-def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 0):
+def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 0, model_roots: list[Path] = ()):
     """(model, tokenizer): the trainable policy on `device`, with a LoRA adapter when asked."""
-    tokenizer = load_tokenizer(spec, models_root=models_root)
-    model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, seed=seed)
+    tokenizer = load_tokenizer(spec, models_root=models_root, model_roots=model_roots)
+    model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, model_roots=model_roots, seed=seed)
     if spec.lora is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # LoRA A is randomly initialised: seed it for reproducibility

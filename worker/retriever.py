@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
-from service.specs import RetrieverSpec
+from service.sources import model_path
+from service.specs import RETRIEVER_PRESETS, RetrieverSpec, unavailable_model
 from worker.models import char_tokenizer
 
 
@@ -26,7 +27,7 @@ def _minilm_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-def load_encoder(name: str, seed: int = 0):
+def load_encoder(name: str, seed: int = 0, model_roots: list[Path] = ()):
     if name == "tiny-random-bert":
         tok = char_tokenizer()
         tok.padding_side = "right"
@@ -36,7 +37,10 @@ def load_encoder(name: str, seed: int = 0):
                                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
                                          pad_token_id=tok.pad_token_id), add_pooling_layer=False)
         return model, tok
-    path = _minilm_dir() if name == "minilm-l6" else name
+    if name == "minilm-l6":
+        path = _minilm_dir()
+    elif (path := model_path(name, list(model_roots))) is None:
+        raise ValueError(unavailable_model("retriever", name, RETRIEVER_PRESETS))
     return AutoModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
@@ -69,7 +73,7 @@ class DualEncoder(torch.nn.Module):
         return self.scale * (q @ d.T)
 
 
-def load_retriever(spec: RetrieverSpec, *, device: str, seed: int = 0) -> DualEncoder:
-    encoder, tok = load_encoder(spec.name, seed)
+def load_retriever(spec: RetrieverSpec, *, device: str, seed: int = 0, model_roots: list[Path] = ()) -> DualEncoder:
+    encoder, tok = load_encoder(spec.name, seed, model_roots)
     doc_encoder = encoder if spec.shared_towers else copy.deepcopy(encoder)
     return DualEncoder(encoder, doc_encoder, tok, spec.score_scale).to(device)

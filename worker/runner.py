@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import TypeAdapter, ValidationError
 
 from service.settings import Settings
+from service.sources import for_owner
 from service.specs import TERMINAL, JobSpec
 from service.store import jobs as jobs_q
 from service.store.db import is_unreachable, session_scope
@@ -64,6 +65,17 @@ def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: 
         allocator.release_freed_memory()  # where the process outlives the job (tests, embedded runs)
 
 
+def without_server_paths(message: str, settings: Settings) -> str:
+    """A message for the API: the admin's folders named by their setting, not their path."""
+    roots = [(settings.artifacts_dir, "$GRPO_ARTIFACTS_ROOT"), (settings.datasets_dir, "$GRPO_DATASETS_ROOT"),
+             (settings.models_dir, "$GRPO_MODELS_ROOT"), (settings.shared_datasets_root, "$GRPO_SHARED_DATASETS"),
+             *((root, "$GRPO_MODEL_ROOTS") for root in settings.model_roots), (settings.data_dir, "$GRPO_DATA_DIR")]
+    for root, name in roots:  # the data dir last: it usually holds the others
+        if root is not None:
+            message = message.replace(str(root.resolve()), name).replace(str(root), name)
+    return message
+
+
 def _not_leased(session, *, job_id: int, uid: str | None) -> Outcome:
     job = jobs_q.get_job(session, job_id=job_id)
     if job is None or (uid is not None and job.uid != uid):
@@ -89,15 +101,15 @@ def _run(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         message = f"stored spec is no longer valid: {exc.error_count()} errors, first: {exc.errors()[0]['msg']}"
         reporter.finish("failed", message, error=message)
         return "failed"
-    try:
-        result = loop_for(spec.kind)(spec, reporter, settings=settings)
+    try:  # the job sees its owner's data folder, nobody else's
+        result = loop_for(spec.kind)(spec, reporter, settings=for_owner(settings, lease.owner))
     except LeaseLost:
         raise
     except Exception as exc:
         if is_unreachable(exc):
             raise LeaseLost(f"job {lease.job_id}: store unreachable") from exc
         log.exception("job %s failed", lease.job_id)  # the full traceback stays in the worker's log
-        message = f"{type(exc).__name__}: {exc}"
+        message = without_server_paths(f"{type(exc).__name__}: {exc}", settings)
         reporter.finish("failed", message, error=message, data={"error_type": type(exc).__name__})
         return "failed"
     status = result.get("status", "succeeded")

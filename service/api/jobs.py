@@ -6,7 +6,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
 
+from fastapi.responses import JSONResponse
+
 from service import queue
+from service.api.errors import format_errors
+from service.sources import check_sources, for_owner
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint
 from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
@@ -24,6 +28,8 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(max_length=200,
                                description="Retrying with the same key returns the same job.")] = None,
 ):
+    if errors := check_sources(spec, for_owner(settings, owner)):  # nothing is stored for a refused spec
+        return JSONResponse(format_errors(errors), status_code=422)
     job, created = jobs_q.create_job(
         session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"), name=spec.name,
         total_steps=spec.grpo.steps, idempotency_key=idempotency_key,

@@ -109,9 +109,10 @@ class SampleOut(_Out):
 
 
 class CheckpointOut(_Out):
+    """A checkpoint, by job and step (where it is stored is the server's business)."""
+
     id: int
     step: int
-    path: str
     format: str
     size_bytes: int
     created_at: datetime

@@ -8,8 +8,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from service.api.deps import OwnerDep
+from service.api.deps import OwnerDep, SettingsDep
 from service.api.errors import format_errors
+from service.sources import check_sources, for_owner
 from service.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
 from service.specs import JobSpec
 
@@ -59,7 +60,7 @@ def _error(detail: list[dict], message: str) -> SpecCheck:
 
 
 @router.post("/validate", response_model=SpecCheck, openapi_extra=_TEXT_BODY)
-async def validate_spec(request: Request, owner: OwnerDep):
+async def validate_spec(request: Request, owner: OwnerDep, settings: SettingsDep):
     """Check a YAML or JSON job spec without submitting it (a linter: the answer is 200 either way).
     Valid: the spec with every default filled in. Invalid: each error with the field it names
     and its line in the text, in the same shape as a 422 from POST /v1/jobs."""
@@ -77,8 +78,11 @@ async def validate_spec(request: Request, owner: OwnerDep):
         return _error([{"field": "", "message": msg, "type": "type", "loc": [], "line": 1}], msg)
     try:
         spec = await run_in_threadpool(_ADAPTER.validate_python, data)
+        errors = await run_in_threadpool(check_sources, spec, for_owner(settings, owner))
     except ValidationError as exc:
-        out = format_errors(exc.errors())
+        errors = exc.errors()
+    if errors:
+        out = format_errors(errors)
         for d in out["detail"]:
             d["line"] = line_of(root, d["field"])
         return SpecCheck(valid=False, kind=data.get("kind") if isinstance(data.get("kind"), str) else None, **out)

@@ -97,6 +97,7 @@ class Lease:
 
     job_id: int
     uid: str
+    owner: str
     kind: str
     spec: dict
     attempt: int
@@ -118,7 +119,7 @@ def acquire_lease(session: Session, *, job_id: int, holder: str, lease_timeout_s
     row = session.execute(
         q.values(status="running", lease_owner=holder, heartbeat_at=now, attempt=Job.attempt + 1,
                  started_at=func.coalesce(Job.started_at, now), updated_at=now)
-        .returning(Job.id, Job.uid, Job.kind, Job.spec, Job.attempt, Job.cancel_requested)
+        .returning(Job.id, Job.uid, Job.owner, Job.kind, Job.spec, Job.attempt, Job.cancel_requested)
         .execution_options(synchronize_session=False)
     ).first()
     session.commit()

@@ -80,8 +80,8 @@ def service(tmp_path_factory, models_root):
     env.pop("DATABASE_URL", None)
     env.pop("BROKER_URL", None)
     procs = Procs(env, tmp)
-    (tmp / "data" / "datasets").mkdir(parents=True)
-    (tmp / "data" / "datasets" / "digits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DIGITS))
+    (tmp / "data" / "datasets" / "local").mkdir(parents=True)  # the folder of `dev`'s owner, 'local'
+    (tmp / "data" / "datasets" / "local" / "digits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DIGITS))
     port = free_port()
     procs.start("dev", "dev", "--port", str(port))
     base = f"http://127.0.0.1:{port}"

@@ -23,19 +23,20 @@ def test_arith_answers_are_correct(difficulty):
     assert all(int(e.answers[0]) >= 0 for e in train)
 
 
-def test_jsonl_rows_and_errors(tmp_path):
+def test_jsonl_rows_and_errors(tmp_path, settings_factory):
+    settings = settings_factory(GRPO_DATASETS_ROOT=tmp_path)
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": i}) for i in range(10)))
-    train, val = jsonl(DatasetSpec(name="jsonl", path="d.jsonl", num_val=3), tmp_path)
+    train, val = jsonl(DatasetSpec(name="jsonl", path="d.jsonl", num_val=3), settings)
     assert len(train) == 7 and len(val) == 3
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y", "answer": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
-        jsonl(DatasetSpec(name="jsonl", path="bad.jsonl"), tmp_path)
+        jsonl(DatasetSpec(name="jsonl", path="bad.jsonl"), settings)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        jsonl(DatasetSpec(name="jsonl", path="missing.jsonl"), tmp_path)
+        jsonl(DatasetSpec(name="jsonl", path="missing.jsonl"), settings)
 
 
 def test_instruction_follows_rewards_and_template():
-    task = load_task(DatasetSpec(num_train=5, num_val=2), datasets_root=None, reward_names=["r1_math"])
+    task = load_task(DatasetSpec(num_train=5, num_val=2), settings=None, reward_names=["r1_math"])
     assert "<answer>" in task.instruction
     text = render_prompt(char_tokenizer(), "What is 2+2?", "Be brief.")
     assert text == "Be brief.\n\nQuestion: What is 2+2?\nAnswer:"

@@ -59,7 +59,7 @@ def test_runs_a_job_and_records_everything(settings_factory):
 
 
 def test_failure_is_readable_and_keeps_records(settings_factory, tmp_path):
-    spec = {**SPEC, "model": {"name": str(tmp_path / "no-such-model")}}
+    spec = {**SPEC, "model": {"name": "no-such-model"}}  # passes the spec; gone by the time it runs
     settings, jid = _setup(settings_factory, spec)
     with session_scope(settings.store_url) as s:
         metrics_q.upsert_step(s, job_id=jid, step=0, values={"eval/accuracy": 0.5})
@@ -128,3 +128,10 @@ def test_redelivery_after_a_crash_resumes_from_the_checkpoint(settings_factory):
     resumed = [e for e in evs if e.type == "resumed"]
     assert resumed and "step 2" in resumed[0].message
     assert rows_twice == rows_once  # step 3 was re-reported as upserts, not duplicated
+
+
+def test_failure_messages_name_settings_not_server_paths(settings_factory):
+    settings = settings_factory()
+    message = f"OSError: cannot read {settings.datasets_dir}/alice/x.jsonl or {settings.data_dir}/other"
+    clean = runner.without_server_paths(message, settings)
+    assert clean == "OSError: cannot read $GRPO_DATASETS_ROOT/alice/x.jsonl or $GRPO_DATA_DIR/other"

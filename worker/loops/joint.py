@@ -125,9 +125,9 @@ def evaluate(s: S.Setup, spec: JointJob, retriever: DualEncoder, index: Index, r
 def run(spec: JointJob, reporter: Reporter, *, settings: Settings) -> dict:
     g, r = spec.grpo, spec.retriever
     seed_everything(g.seed)
-    task, corpus = load_retrieval_task(spec.dataset, datasets_root=settings.datasets_dir)
+    task, corpus = load_retrieval_task(spec.dataset, settings=settings)
     s = S.build(spec, settings, reporter, task=task)
-    retriever = load_retriever(r, device=spec.devices.policy, seed=g.seed)
+    retriever = load_retriever(r, device=spec.devices.policy, seed=g.seed, model_roots=settings.model_roots)
     ref = copy.deepcopy(retriever).eval().requires_grad_(False)  # frozen reference retriever
     train_retriever = not r.generator_only
     if not train_retriever:

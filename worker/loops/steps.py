@@ -46,7 +46,8 @@ class Setup:
 def build(spec: _JobBase, settings: Settings, reporter: Reporter, *, task: TaskData | None = None) -> Setup:
     g = spec.grpo
     device = torch.device(spec.devices.policy)
-    model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed)
+    model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed,
+                             model_roots=settings.model_roots)
     if device.type == "cpu" and settings.keep_freed_memory:
         allocator.release_freed_memory()  # what loading and converting the weights used
         allocator.keep_freed_memory()  # from here on, each step reuses the pages of the last one
@@ -66,7 +67,7 @@ def build(spec: _JobBase, settings: Settings, reporter: Reporter, *, task: TaskD
                            total=total_opt)
     weights = {r.name: r.weight for r in spec.reward_specs()}
     if task is None:
-        task = load_task(spec.dataset, datasets_root=settings.datasets_dir, reward_names=list(weights))
+        task = load_task(spec.dataset, settings=settings, reward_names=list(weights))
     return Setup(spec, model, tok, engine, ref, opt, sched, task, weights, device)
 
 
@@ -77,7 +78,7 @@ def resume_if_possible(s: Setup, reporter: Reporter) -> None:
     state = load_checkpoint(ckpt, model=s.model, optimizers={"policy": s.optimizer}, schedulers={"policy": s.scheduler})
     s.start_step = int(state["step"])
     s.opt_steps = int(state["extra"].get("opt_steps", s.start_step * s.spec.grpo.epochs_per_rollout_batch))
-    reporter.event("resumed", f"resumed from checkpoint at step {s.start_step}", data={"path": str(ckpt)})
+    reporter.event("resumed", f"resumed from checkpoint at step {s.start_step}", data={"step": s.start_step})
 
 
 def initial_eval(s: Setup, reporter: Reporter) -> dict[str, float]:
@@ -106,7 +107,8 @@ def checkpoint(s: Setup, reporter: Reporter, step: int, *, extra_optimizers: dic
                                 schedulers={"policy": s.scheduler, **(extra_schedulers or {})},
                                 step=step, extra={"opt_steps": s.opt_steps})
     reporter.checkpoint(step, path, fmt, size)
-    reporter.event("checkpoint", f"checkpoint at step {step} ({size / 1e6:.1f} MB)", data={"step": step, "path": str(path)})
+    reporter.event("checkpoint", f"checkpoint at step {step} ({size / 1e6:.1f} MB)",
+                   data={"step": step, "format": fmt, "size_bytes": size})
     return path
 
 

@@ -112,10 +112,10 @@ export function checkpointsSection(jobId) {
     const rows = await api(`/v1/jobs/${jobId}/checkpoints`);
     tbody.replaceChildren(...(rows.length ? rows.map((c) => h("tr", {},
       h("td", { class: "num" }, c.step), h("td", {}, c.format), h("td", { class: "num" }, `${fmt(c.size_bytes / 1e6, 1)} MB`),
-      h("td", { class: "text" }, c.path), h("td", {}, parseTime(c.created_at)?.toLocaleString() ?? "")))
-      : [h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No checkpoints yet."))]));
+      h("td", {}, parseTime(c.created_at)?.toLocaleString() ?? "")))
+      : [h("tr", {}, h("td", { colspan: 4, class: "muted" }, "No checkpoints yet."))]));
   };
   reload();
   return { el: section("Checkpoints", "checkpoints",
-    h("table", {}, h("thead", {}, h("tr", {}, ["step", "format", "size", "path", "saved"].map((c) => h("th", {}, c)))), tbody)), reload };
+    h("table", {}, h("thead", {}, h("tr", {}, ["step", "format", "size", "saved"].map((c) => h("th", {}, c)))), tbody)), reload };
 }

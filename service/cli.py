@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,22 +78,69 @@ def keys() -> None:
     """API keys."""
 
 
-def _create_key(owner: str) -> str:
-    from service.store import keys as keys_q
+def _store_session():
     from service.store.db import session_scope
     from service.store.migrate import upgrade
 
     settings = get_settings()
     upgrade(settings.store_url)
-    with session_scope(settings.store_url) as s:
-        return keys_q.create_key(s, owner=owner)
+    return session_scope(settings.store_url)
+
+
+def _create_key(owner: str, expires_in_days: float | None = None) -> str:
+    from datetime import timedelta
+
+    from service.store import keys as keys_q
+
+    with _store_session() as s:
+        return keys_q.create_key(s, owner=owner,
+                                 expires_in=timedelta(days=expires_in_days) if expires_in_days else None)
+
+
+OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @keys.command("create")
-@click.option("--owner", required=True, help="Who the key belongs to; a key sees only its owner's jobs.")
-def keys_create(owner: str) -> None:
+@click.option("--owner", required=True, help="Who the key belongs to; a key sees only its owner's jobs and data "
+              "(letters, digits, '_', '.', '-'; it names the owner's datasets folder).")
+@click.option("--expires-in-days", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="The key stops working after this many days (default: never).")
+def keys_create(owner: str, expires_in_days: float | None) -> None:
     """Print a new API key (shown once; only its hash is stored)."""
-    click.echo(_create_key(owner))
+    if not OWNER.match(owner):
+        raise click.BadParameter("use letters, digits, '_', '.' and '-' (at most 64)", param_hint="--owner")
+    click.echo(_create_key(owner, expires_in_days))
+
+
+@keys.command("list")
+@click.option("--owner", default=None, help="Only this owner's keys.")
+def keys_list(owner: str | None) -> None:
+    """Every key's id, owner, prefix, creation, expiry, last use and state (never the key)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from service.store import keys as keys_q
+
+    with _store_session() as s:
+        rows = keys_q.list_keys(s, owner=owner)
+    table = Table("id", "owner", "prefix", "created", "expires", "last used", "state")
+    when = lambda t: t.strftime("%Y-%m-%d %H:%M") if t else "-"  # noqa: E731
+    for k in rows:
+        table.add_row(str(k.id), k.owner, k.prefix + "…", when(k.created_at), when(k.expires_at),
+                      when(k.last_used_at), "revoked" if k.revoked else "active")
+    Console(width=120).print(table)
+
+
+@keys.command("revoke")
+@click.argument("key_id", type=int)
+def keys_revoke(key_id: int) -> None:
+    """Revoke a key by its id (from `keys list`): it, and the stream tokens made with it, stop working."""
+    from service.store import keys as keys_q
+
+    with _store_session() as s:
+        if not keys_q.revoke_key(s, key_id=key_id):
+            raise click.ClickException(f"no active key with id {key_id}")
+    click.echo(f"key {key_id} revoked")
 
 
 @main.command()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         default=1_048_576, validation_alias="GRPO_MAX_BODY_BYTES",
         description="Largest accepted request body; bigger ones get 413.",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None, validation_alias="GRPO_METRICS_TOKEN",
+        description="When set, /metrics answers only `Authorization: Bearer <this token>`.",
     )
     lease_timeout_s: float = Field(
         default=120.0, validation_alias="GRPO_LEASE_TIMEOUT_S",

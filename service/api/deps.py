@@ -32,21 +32,24 @@ def get_db(settings: SettingsDep, request: Request) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_db, scope="function")]
 
 
-def get_owner(request: Request, session: SessionDep) -> str:
-    """The owner of the presented API key: `Authorization: Bearer KEY`.
-
-    Browsers' EventSource cannot set headers, so GET requests may pass `?access_token=KEY`.
-    """
+def bearer_key(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-    if key is None and request.method == "GET":
-        key = request.query_params.get("access_token")
+    return auth[7:].strip() or None if auth.lower().startswith("bearer ") else None
+
+
+def unauthorized(message: str) -> HTTPException:
+    return HTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def get_owner(request: Request, session: SessionDep) -> str:
+    """The owner of the presented API key: `Authorization: Bearer KEY`, never in a URL (a URL
+    ends up in logs; a browser's EventSource uses a stream token instead, see stream.py)."""
+    key = bearer_key(request)
     if not key:
-        raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     owner = keys_q.owner_for_key(session, key=key)
     if owner is None:
-        raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        raise unauthorized("invalid, revoked or expired API key")
     return owner
 
 

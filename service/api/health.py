@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,5 +38,11 @@ def readyz(settings: SettingsDep, request: Request):
 
 
 @router.get("/metrics", include_in_schema=False)
-def prometheus(request: Request):
+def prometheus(request: Request, settings: SettingsDep):
+    """Prometheus exposition; with GRPO_METRICS_TOKEN set, only for `Authorization: Bearer <that token>`."""
+    if settings.metrics_token is not None:
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {settings.metrics_token.get_secret_value()}".encode()):
+            return JSONResponse({"detail": "send 'Authorization: Bearer <GRPO_METRICS_TOKEN>'"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -13,18 +13,22 @@ import asyncio
 import json
 import logging
 from collections import defaultdict
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import BaseModel
+from pydantic import Field as PydanticField
 from sqlalchemy import func, select
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import MAX_INT, JobId, OwnerDep, SettingsDep
+from service.api.deps import MAX_INT, JobDep, JobId, SessionDep, SettingsDep, bearer_key, unauthorized
 from service.api.schemas import EventOut
 from service.specs import TERMINAL
 from service.store import events as events_q
 from service.store import jobs as jobs_q
+from service.store import keys as keys_q
 from service.store import metrics as metrics_q
 from service.store.db import session_scope
 from service.store.models import Job, JobEvent, Metric
@@ -95,19 +99,46 @@ def _read(url: str, job_id: int, last_step: int, last_event: int):
     return status, points, evs
 
 
-def _owned(url: str, job_id: int, owner: str) -> bool:
+STREAM_TOKEN_TTL_S = 3600
+
+
+class StreamToken(BaseModel):
+    token: str = PydanticField(description="Pass as `?access_token=` to this job's stream; nothing else accepts it.")
+    expires_at: datetime
+
+
+@router.post("/{job_id}/stream-token", response_model=StreamToken)
+def stream_token(job: JobDep, session: SessionDep, request: Request):
+    """A short-lived token that opens this job's live stream, for clients that cannot send headers
+    (a browser's EventSource). It is valid for an hour, for this job only, while the key that
+    asked for it is live: the key itself never goes into a URL."""
+    token, expires = keys_q.stream_token(session, key=bearer_key(request), job_id=job.id, ttl_s=STREAM_TOKEN_TTL_S)
+    return StreamToken(token=token, expires_at=expires)
+
+
+def _stream_owner(url: str, job_id: int, key: str | None, token: str | None) -> str | None:
+    """Owner of the job's stream by API key (header) or stream token (query), if they own the job."""
     with session_scope(url) as s:
-        return jobs_q.get_job(s, job_id=job_id, owner=owner) is not None
+        owner = (keys_q.owner_for_key(s, key=key) if key else
+                 keys_q.owner_for_stream_token(s, token=token, job_id=job_id) if token else None)
+        if owner is None:
+            raise unauthorized("send 'Authorization: Bearer <key>', or `access_token` from POST "
+                               f"/v1/jobs/{job_id}/stream-token")
+        return owner if jobs_q.get_job(s, job_id=job_id, owner=owner) is not None else None
 
 
 @router.get("/{job_id}/stream", response_class=EventSourceResponse,
             responses={200: {"content": {"text/event-stream": {}}}})
-async def stream_job(job_id: JobId, owner: OwnerDep, settings: SettingsDep, request: Request,
-                     from_step: Annotated[int, Query(ge=-1, le=MAX_INT, description="Send metrics of steps after this one.")] = -1):
+async def stream_job(
+    job_id: JobId, settings: SettingsDep, request: Request,
+    from_step: Annotated[int, Query(ge=-1, le=MAX_INT, description="Send metrics of steps after this one.")] = -1,
+    access_token: Annotated[str | None, Query(max_length=200, description="A token from POST "
+                                              "/v1/jobs/{job_id}/stream-token, where no header can be sent.")] = None,
+):
     """Server-sent events: `status` on every change, `metrics` per new step, `event` per job event;
     `end` when the job reaches a terminal status."""
     url = settings.store_url
-    if not await run_in_threadpool(_owned, url, job_id, owner):
+    if await run_in_threadpool(_stream_owner, url, job_id, bearer_key(request), access_token) is None:
         raise HTTPException(404, f"job {job_id} not found")
     hub: StreamHub = request.app.state.stream_hub
 

@@ -20,7 +20,7 @@ def _submit(api, spec=GRPO, key=None, **kw):
 def test_auth_required(api):
     assert api.client.get("/v1/jobs").status_code == 401
     r = api.client.get("/v1/jobs", headers={"Authorization": "Bearer gj_nope"})
-    assert r.status_code == 401 and r.json()["detail"] == "invalid API key"
+    assert r.status_code == 401 and r.json()["detail"] == "invalid, revoked or expired API key"
     assert api.get("/v1/jobs").status_code == 200
 
 
@@ -158,12 +158,24 @@ def test_stream_sends_status_metrics_events_and_end(api):
         metrics_q.upsert_step(s, job_id=jid, step=1, values={"reward/mean": 0.25})
         metrics_q.upsert_step(s, job_id=jid, step=2, values={"reward/mean": 0.5})
         jobs_q.finish_job(s, job_id=jid, holder=None, status="succeeded", message="done")
-    with api.client.stream("GET", f"/v1/jobs/{jid}/stream", params={"access_token": api.alice}) as r:
+    # a browser's EventSource: a stream token for this job, never the key, in the URL
+    token = api.post(f"/v1/jobs/{jid}/stream-token").json()["token"]
+    assert api.alice not in token
+    with api.client.stream("GET", f"/v1/jobs/{jid}/stream", params={"access_token": token}) as r:
         assert r.status_code == 200
         text = "".join(r.iter_text())
     kinds = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("event:")]
     assert kinds[0] == "status" and kinds[-1] == "end"
     assert kinds.count("metrics") == 2 and "event" in kinds
+    with api.client.stream("GET", f"/v1/jobs/{jid}/stream", headers=api.auth()) as r:  # or the header
+        assert r.status_code == 200
+    # the key itself is not accepted in a URL, nor the token anywhere else or for another job
+    other = _submit(api)["id"]
+    assert api.client.get(f"/v1/jobs/{jid}/stream", params={"access_token": api.alice}).status_code == 401
+    assert api.client.get(f"/v1/jobs/{other}/stream", params={"access_token": token}).status_code == 401
+    assert api.client.get(f"/v1/jobs/{jid}", params={"access_token": token}).status_code == 401
+    assert api.client.get(f"/v1/jobs/{jid}", params={"access_token": api.alice}).status_code == 401
+    assert api.post(f"/v1/jobs/{jid}/stream-token", key=api.bob).status_code == 404  # not bob's job
 
 
 def test_health_ready_and_prometheus(api):
@@ -219,3 +231,30 @@ def test_a_metrics_request_is_one_statement_whatever_the_number_of_keys(api):
     finally:
         event.remove(engine, "before_cursor_execute", count)
     assert len(body["series"]) == 2000 and body["series"][1999]["points"] == []
+
+
+def test_security_headers_and_a_metrics_token(settings_factory):
+    from tests.conftest import Api
+
+    api = Api(settings_factory(GRPO_METRICS_TOKEN="s3cret"))
+    page = api.client.get("/")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp.split("script-src")[1].split(";")[0]
+    assert "frame-ancestors 'none'" in csp
+    assert page.headers["x-content-type-options"] == "nosniff" and page.headers["referrer-policy"]
+    assert "frame-ancestors 'none'" in api.get("/v1/jobs").headers["content-security-policy"]
+    assert api.client.get("/metrics").status_code == 401
+    assert api.client.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert "grpo_store_up" in api.client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).text
+
+
+def test_stream_tokens_are_redacted_from_access_logs():
+    import logging
+
+    from service.app import RedactTokens
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("1.2.3.4", "GET", "/v1/jobs/1/stream?from_step=2&access_token=gjs_abc.def", "1.1", 200),
+                               None)
+    RedactTokens().filter(record)
+    assert "gjs_abc" not in record.getMessage() and "from_step=2" in record.getMessage()

@@ -1,7 +1,7 @@
 // One job: header with progress and ETA, live charts of every metric, reports, samples, events, checkpoints.
 // Running jobs update from the server-sent-events stream; long series come bucketed from the server,
 // and a drag-zoom refetches the selected range at full resolution.
-import { api, metrics, stream } from "../api.js";
+import { api, metrics, streamJob } from "../api.js";
 import { StepChart } from "../charts.js";
 import { TERMINAL, badge, duration, h, progress, runTime } from "../dom.js";
 import { SECTIONS, claimed, keysOf } from "../panels.js";
@@ -67,7 +67,7 @@ export async function jobPage({ app, onLeave }, id) {
   if (!first.keys.length) chartsRoot.append(h("p", { class: "muted", id: "no-metrics" }, "No metrics yet: charts appear with the first step."));
 
   if (TERMINAL.has(job.status)) return;
-  const es = stream(`/v1/jobs/${id}/stream`, { from_step: lastStep });
+  const es = await streamJob(id, { from_step: lastStep });
   es.addEventListener("status", (e) => {
     const s = JSON.parse(e.data);
     const changed = s.status !== job.status;

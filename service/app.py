@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import health, jobs, metrics, reports, specs, stream
 from service.api.errors import format_errors
+from service.api.strict import StrictRouting
 from service.settings import Settings, get_settings
 from service.specs import STATUSES
 from service.store import jobs as jobs_q
@@ -229,11 +230,13 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
         latency.labels(route).observe(time.perf_counter() - t0)
         return response
 
+    routers = (health.router, jobs.router, stream.router, metrics.router, reports.router, specs.router)
+    app.add_middleware(StrictRouting, routes=[route for r in routers for route in r.routes])
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DBAPIError, _store_error)
-    for r in (health.router, jobs.router, stream.router, metrics.router, reports.router, specs.router):
+    for r in routers:
         app.include_router(r)
     if (DASHBOARD_DIR / "index.html").exists():
         app.mount("/", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")

@@ -300,7 +300,7 @@ class _JobBase(_Section):
     model: ModelSpec = Field(default_factory=ModelSpec)
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     rewards: list[RewardSpec] | None = Field(
-        None, description="Reward functions, summed with weights; default depends on the dataset."
+        None, min_length=1, description="Reward functions, summed with weights; default depends on the dataset."
     )
     grpo: GRPOSpec = Field(default_factory=GRPOSpec)
     devices: DevicesSpec = Field(default_factory=DevicesSpec)
@@ -313,8 +313,6 @@ class _JobBase(_Section):
 
     @model_validator(mode="after")
     def _common(self) -> "_JobBase":
-        if self.rewards is not None and not self.rewards:
-            raise ValueError("rewards: give at least one reward, or omit the field for the dataset default")
         if self.rewards is not None and all(r.weight == 0 for r in self.rewards):
             raise ValueError("rewards: at least one reward needs a non-zero weight")
         return self

@@ -6,6 +6,7 @@ import hmac
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
@@ -21,7 +22,13 @@ def healthz():
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, str]  # store, broker: "ok" or what is wrong
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready: "
+                                                                  "`checks` says what is missing."}})
 def readyz(settings: SettingsDep, request: Request):
     """Ready when the store is reachable and migrated and the broker is reachable; says what is missing."""
     checks = {}

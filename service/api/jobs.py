@@ -5,23 +5,22 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
-
 from fastapi.responses import JSONResponse
 
 from service import queue
-from service.api.errors import format_errors
-from service.sources import check_sources, for_owner
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
-from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint
+from service.api.errors import format_errors
+from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_responses
+from service.sources import check_sources, for_owner
 from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
 
-@router.post("", status_code=201, response_model=JobOut)
+@router.post("", status_code=201, response_model=JobOut, responses=error_responses(413))
 def submit_job(
     spec: Annotated[JobSpec, Body(description="A job spec, discriminated on `kind`.")],
     owner: OwnerDep, session: SessionDep, settings: SettingsDep, response: Response,
@@ -67,19 +66,19 @@ def list_jobs(
     return JobPage(items=items, has_more=has_more, next_after=items[-1].id if has_more and items else None)
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404))
 def get_job(job: JobDep):
     return job
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut)
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(404, 409, 413))
 def cancel_job(job: JobDep, session: SessionDep, settings: SettingsDep):
     if job.status in TERMINAL:
         raise HTTPException(409, f"job {job.id} already {job.status}")
     return jobs_q.request_cancel(session, job=job, lease_timeout_s=settings.lease_timeout_s)
 
 
-@router.get("/{job_id}/events", response_model=list[EventOut])
+@router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404))
 def job_events(job: JobDep, session: SessionDep,
                after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 500):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, Query, Response
 
 from service.api.deps import MAX_INT, JobDep, SessionDep
-from service.api.schemas import LatestPoint, MetricsOut
+from service.api.schemas import LatestPoint, MetricsOut, error_responses
 from service.store import metrics as metrics_q
 
-router = APIRouter(prefix="/v1/jobs", tags=["metrics"])
+router = APIRouter(prefix="/v1/jobs", tags=["metrics"], responses=error_responses(401, 404, 422, 503))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut)
@@ -22,8 +22,6 @@ def job_metrics(
     max_points: Annotated[int, Query(ge=2, le=100_000, description="Longer series are bucketed: "
                                      "mean per bucket with its min and max, so spikes stay visible.")] = 1000,
 ):
-    if from_step is not None and to_step is not None and from_step > to_step:
-        raise HTTPException(422, "from_step must be <= to_step")
     wanted = list(dict.fromkeys(k.strip() for k in keys.split(",") if k.strip())) if keys else None
     found = metrics_q.job_series(session, job_id=job.id, keys=wanted, from_step=from_step, to_step=to_step,
                                  max_points=max_points)

@@ -7,10 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query
 
 from service.api.deps import MAX_INT, JobDep, SessionDep
-from service.api.schemas import CheckpointOut, SampleOut, SelectionOut, SparsityOut
+from service.api.schemas import (
+    CheckpointOut,
+    SampleOut,
+    SelectionOut,
+    SparsityOut,
+    error_responses,
+)
 from service.store import records
 
-router = APIRouter(prefix="/v1/jobs", tags=["reports"])
+router = APIRouter(prefix="/v1/jobs", tags=["reports"], responses=error_responses(401, 404, 422, 503))
 
 
 @router.get("/{job_id}/selections", response_model=list[SelectionOut])

@@ -12,6 +12,35 @@ class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+class FieldError(BaseModel):
+    field: str  # dotted path in the spec or query, e.g. `grpo.num_generations`; "" for the whole body
+    message: str
+    type: str | None = None
+    loc: list[str | int]  # pydantic's location, e.g. ["body", "grpo", "grpo", "num_generations"]
+
+
+class ValidationErrorOut(BaseModel):
+    """Every 422: each problem with the field it names, and a one-line summary."""
+
+    detail: list[FieldError]
+    message: str
+
+
+class ErrorOut(BaseModel):
+    """Every other error (401, 404, 409, 413, 503): what is wrong, in a sentence."""
+
+    detail: str
+
+
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for the error statuses a route can send, in the shapes sent."""
+    what = {401: "Missing, invalid, revoked or expired API key.", 404: "No such job for this key's owner.",
+            409: "The job is already in a terminal status.", 413: "The request body is over the limit.",
+            422: "The request names a field wrongly; nothing was stored.",
+            503: "The store (or the job queue) is unreachable; retry after `Retry-After` seconds."}
+    return {c: {"model": ValidationErrorOut if c == 422 else ErrorOut, "description": what[c]} for c in codes}
+
+
 class LatestPoint(BaseModel):
     step: int
     value: float

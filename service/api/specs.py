@@ -5,20 +5,23 @@ from __future__ import annotations
 import yaml
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import OwnerDep, SettingsDep
 from service.api.errors import format_errors
+from service.api.schemas import error_responses
 from service.sources import check_sources, for_owner
 from service.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
 from service.specs import JobSpec
 
-router = APIRouter(prefix="/v1/specs", tags=["specs"])
+router = APIRouter(prefix="/v1/specs", tags=["specs"], responses=error_responses(401, 413, 422, 503))
 _ADAPTER: TypeAdapter = TypeAdapter(JobSpec)
+# YAML is read as text, whatever it holds (the answer says what is wrong with it), so its schema
+# sets no type; a JSON body must be an object.
+_YAML_TEXT = {"schema": {"description": "The spec as YAML text."}}
 _TEXT_BODY = {"requestBody": {"required": True, "content": {
-    "application/yaml": {"schema": {"type": "string"}}, "text/plain": {"schema": {"type": "string"}},
-    "application/json": {"schema": {"type": "object"}}}}}
+    "application/yaml": _YAML_TEXT, "text/plain": _YAML_TEXT, "application/json": {"schema": {"type": "object"}}}}}
 
 
 class SpecError(BaseModel):
@@ -55,26 +58,38 @@ def line_of(root: yaml.Node | None, field: str) -> int | None:
     return line
 
 
+def _refuse(message: str, type_: str) -> JSONResponse:
+    return JSONResponse(format_errors([{"loc": ("body",), "msg": message, "type": type_}]), 422)
+
+
 def _error(detail: list[dict], message: str) -> SpecCheck:
     return SpecCheck(valid=False, detail=detail, message=message)
 
 
 @router.post("/validate", response_model=SpecCheck, openapi_extra=_TEXT_BODY)
 async def validate_spec(request: Request, owner: OwnerDep, settings: SettingsDep):
-    """Check a YAML or JSON job spec without submitting it (a linter: the answer is 200 either way).
-    Valid: the spec with every default filled in. Invalid: each error with the field it names
-    and its line in the text, in the same shape as a 422 from POST /v1/jobs."""
-    text = (await request.body()).decode("utf-8", errors="replace")
+    """Check a YAML or JSON job spec without submitting it (a linter: the answer is 200 for any
+    YAML text). Valid: the spec with every default filled in. Invalid: each error with the field
+    it names and its line in the text, in the same shape as a 422 from POST /v1/jobs. A body
+    that is no spec at all is a 422: none, beyond the parsing limits, or JSON that is not an object."""
+    body = await request.body()
+    if not body.strip():
+        return _refuse("send the spec as the request body", "missing")
+    as_json = "json" in request.headers.get("content-type", "")
     try:  # off the event loop: a large text must not stall other requests
-        parsed = await run_in_threadpool(parse_spec_text, text)  # JSON is YAML
-    except SpecTextBeyondLimits as exc:  # not a spec a linter can help with: refuse the body
-        return JSONResponse(format_errors([{"loc": ("body",), "msg": exc.message, "type": "limit"}]), 422)
+        parsed = await run_in_threadpool(parse_spec_text, body.decode("utf-8", errors="replace"))  # JSON is YAML
+    except SpecTextBeyondLimits as exc:
+        return _refuse(exc.message, "limit")
     except SpecTextError as exc:
-        msg = exc.message
-        return _error([{"field": "", "message": msg, "type": "yaml", "loc": [], "line": exc.line}], msg)
+        if as_json:
+            return _refuse(exc.message, "json_invalid")
+        return _error([{"field": "", "message": exc.message, "type": "yaml", "loc": [], "line": exc.line}],
+                      exc.message)
     data, root = parsed.data, parsed.root
     if not isinstance(data, dict):
         msg = "a spec is a mapping of fields (kind, model, dataset, ...)"
+        if as_json:
+            return _refuse(msg, "dict_type")
         return _error([{"field": "", "message": msg, "type": "type", "loc": [], "line": 1}], msg)
     try:
         spec = await run_in_threadpool(_ADAPTER.validate_python, data)

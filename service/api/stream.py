@@ -23,8 +23,16 @@ from sqlalchemy import func, select
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import MAX_INT, JobDep, JobId, SessionDep, SettingsDep, bearer_key, unauthorized
-from service.api.schemas import EventOut
+from service.api.deps import (
+    MAX_INT,
+    JobDep,
+    JobId,
+    SessionDep,
+    SettingsDep,
+    bearer_key,
+    unauthorized,
+)
+from service.api.schemas import EventOut, error_responses
 from service.specs import TERMINAL
 from service.store import events as events_q
 from service.store import jobs as jobs_q
@@ -33,7 +41,7 @@ from service.store import metrics as metrics_q
 from service.store.db import session_scope
 from service.store.models import Job, JobEvent, Metric
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 404, 422, 503))
 log = logging.getLogger(__name__)
 
 
@@ -107,7 +115,7 @@ class StreamToken(BaseModel):
     expires_at: datetime
 
 
-@router.post("/{job_id}/stream-token", response_model=StreamToken)
+@router.post("/{job_id}/stream-token", response_model=StreamToken, responses=error_responses(413))
 def stream_token(job: JobDep, session: SessionDep, request: Request):
     """A short-lived token that opens this job's live stream, for clients that cannot send headers
     (a browser's EventSource). It is valid for an hour, for this job only, while the key that

@@ -39,15 +39,11 @@ def create_key(session: Session, *, owner: str, expires_in: timedelta | None = N
 
 
 def _usable(row: ApiKey | None, now: datetime) -> bool:
-    return row is not None and not row.revoked and (row.expires_at is None or _aware(row.expires_at) > now)
-
-
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)  # SQLite hands back naive UTC
+    return row is not None and not row.revoked and (row.expires_at is None or row.expires_at > now)
 
 
 def _touch(session: Session, row: ApiKey, now: datetime) -> None:
-    if row.last_used_at is None or _aware(row.last_used_at) < now - LAST_USED_EVERY:
+    if row.last_used_at is None or row.last_used_at < now - LAST_USED_EVERY:
         session.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now)
                         .execution_options(synchronize_session=False))
 

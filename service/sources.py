@@ -17,7 +17,12 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from service.settings import Settings
+from service.store import jobs as jobs_q
+from service.store.models import Checkpoint, Job
 from service.specs import _HF_ID, MODEL_PRESETS, RETRIEVER_PRESETS, DatasetSpec, unavailable_model
 
 SHARED_PREFIX = "shared/"
@@ -90,10 +95,44 @@ def dataset_file(rel: str, settings: Settings) -> Path | None:
     return found if found is not None and found.is_file() else None
 
 
-def check_sources(spec, settings: Settings) -> list[dict]:
-    """Errors (pydantic's shape: loc, msg, type) for everything `spec` names that `settings`,
-    scoped to the submitting owner, does not make available. Empty when all is well."""
-    errors = []
+def unavailable_checkpoint(job: int, step: int) -> str:
+    return f"model.init_from: you have no job {job} with a checkpoint at step {step}"
+
+
+def init_checkpoint(session: Session, *, owner: str, job_id: int, step: int) -> tuple[Job, Checkpoint] | None:
+    """One of `owner`'s own checkpoints, or None (another owner's reads as missing)."""
+    job = jobs_q.get_job(session, job_id=job_id, owner=owner)
+    if job is None:
+        return None
+    ckpt = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+    return None if ckpt is None else (job, ckpt)
+
+
+def _init_errors(spec, session: Session, owner: str) -> list[dict]:
+    init = spec.model.init_from
+    if init is None:
+        return []
+    found = init_checkpoint(session, owner=owner, job_id=init.job, step=init.step)
+    if found is None:
+        return [{"loc": ("model", "init_from"), "msg": unavailable_checkpoint(init.job, init.step), "type": "unavailable"}]
+    earlier = found[0].spec.get("model", {})
+    lora = spec.model.lora
+    same_lora = (lora is None and earlier.get("lora") is None) or (
+        lora is not None and earlier.get("lora") is not None
+        and {k: earlier["lora"].get(k) for k in ("r", "alpha", "target_modules")}
+        == {"r": lora.r, "alpha": lora.alpha, "target_modules": lora.target_modules})
+    if earlier.get("name") != spec.model.name or not same_lora:
+        return [{"loc": ("model", "init_from"), "type": "mismatch",
+                 "msg": f"job {init.job} trained {earlier.get('name')!r} with lora {earlier.get('lora')}: model.name and "
+                 "model.lora (r, alpha, target_modules) must be the same to start from its weights"}]
+    return []
+
+
+def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> list[dict]:
+    """Errors (pydantic's shape: loc, msg, type) for everything `spec` names that this owner may
+    not use under the admin's settings. Empty when all is well."""
+    settings = for_owner(settings, owner)
+    errors = _init_errors(spec, session, owner)
     named = [(("model", "name"), spec.model.name, "model", MODEL_PRESETS)]
     if getattr(spec, "retriever", None) is not None:
         named.append((("retriever", "name"), spec.retriever.name, "retriever", RETRIEVER_PRESETS))

@@ -86,6 +86,11 @@ class LoraSpec(_Section):
     )
 
 
+class InitFrom(_Section):
+    job: int = Field(ge=1, le=2**31 - 1, description="The id of one of your earlier jobs.")
+    step: int = Field(ge=0, le=2**31 - 1, description="The step of one of its checkpoints (GET /v1/jobs/{job}/checkpoints).")
+
+
 class ModelSpec(_Section):
     name: str = Field(
         "tiny-random-llama",
@@ -98,6 +103,11 @@ class ModelSpec(_Section):
     )
     lora: LoraSpec | None = Field(None, description="Train a LoRA adapter; omit for full fine-tuning.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    init_from: InitFrom | None = Field(
+        None, description="Start from the weights of one of your own checkpoints (train on from it): it must be of "
+        "the same model.name, and a LoRA adapter of the same r, alpha and target_modules (or full weights for full "
+        "fine-tuning). Optimizer state starts fresh; with LoRA the KL reference stays the base model.",
+    )
 
     @field_validator("name")
     @classmethod

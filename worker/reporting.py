@@ -41,6 +41,10 @@ class Reporter:
 
     def progress(self, step: int) -> None: ...
 
+    def init_checkpoint(self, job: int, step: int) -> Path:
+        """The folder of checkpoint `step` of the owner's earlier job `job` (model.init_from)."""
+        raise ValueError("model.init_from names a job of the service's store: submit the spec to the service")
+
     def should_stop(self) -> bool:
         return False
 

@@ -53,7 +53,7 @@ def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: 
                                      lease_timeout_s=settings.lease_timeout_s)
         if lease is None:
             return _not_leased(s, job_id=job_id, uid=uid)
-    reporter = SqlReporter(job_id, uid=lease.uid, holder=holder, settings=settings)
+    reporter = SqlReporter(job_id, uid=lease.uid, owner=lease.owner, holder=holder, settings=settings)
     reporter.start()
     try:
         return _run(lease, reporter, settings)

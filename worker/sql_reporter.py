@@ -24,6 +24,7 @@ from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 from service.store import records
+from service.sources import init_checkpoint, unavailable_checkpoint
 from service.store.db import is_unreachable, session_scope
 from worker.reporting import Reporter, _clean
 
@@ -41,8 +42,9 @@ def artifacts_root(settings: Settings, uid: str) -> Path:
 
 
 class SqlReporter(Reporter):
-    def __init__(self, job_id: int, *, uid: str, holder: str, settings: Settings) -> None:
-        self.job_id, self.holder, self.url = job_id, holder, settings.store_url
+    def __init__(self, job_id: int, *, uid: str, owner: str, holder: str, settings: Settings) -> None:
+        self.job_id, self.owner, self.holder, self.url = job_id, owner, holder, settings.store_url
+        self.settings = settings
         self.checkpoint_root = artifacts_root(settings, uid) / "checkpoints"
         self.heartbeat_s = settings.heartbeat_s
         # Give up the lease a beat before it expires, so two workers never both think they hold it.
@@ -141,6 +143,13 @@ class SqlReporter(Reporter):
     def checkpoint(self, step, path: Path, format, size_bytes):
         self._write(lambda s: records.put_checkpoint(s, job_id=self.job_id, step=step, path=str(path),
                                                      format=format, size_bytes=size_bytes))
+
+    def init_checkpoint(self, job: int, step: int) -> Path:
+        found = self._write(lambda s: init_checkpoint(s, owner=self.owner, job_id=job, step=step))
+        path = None if found is None else artifacts_root(self.settings, found[0].uid) / "checkpoints" / f"step-{step}"
+        if path is None or not path.is_dir():  # checked at submit; gone since (deleted, or its files lost)
+            raise ValueError(unavailable_checkpoint(job, step))
+        return path
 
     def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> bool:
         """The job's outcome and its final event, in one transaction, while the lease is ours."""

@@ -76,8 +76,8 @@ def save_checkpoint(path: Path, *, model, tokenizer, optimizers: dict, scheduler
     return fmt, _dir_size(path)
 
 
-def load_checkpoint(path: Path, *, model, optimizers: dict, schedulers: dict) -> dict:
-    """Restore weights, optimizer and scheduler state; returns the saved state (step, extra)."""
+def load_weights(path: Path, *, model) -> None:
+    """The trained weights of a checkpoint folder: the adapter with LoRA, else the full model."""
     path = Path(path)
     if is_lora(model):
         from peft import set_peft_model_state_dict
@@ -86,6 +86,12 @@ def load_checkpoint(path: Path, *, model, optimizers: dict, schedulers: dict) ->
         set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
     else:
         load_model(model, path / "model.safetensors", strict=False)
+
+
+def load_checkpoint(path: Path, *, model, optimizers: dict, schedulers: dict) -> dict:
+    """Restore weights, optimizer and scheduler state; returns the saved state (step, extra)."""
+    path = Path(path)
+    load_weights(path, model=model)
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     for k, o in optimizers.items():
         o.load_state_dict(state["optimizers"][k])

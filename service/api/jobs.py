@@ -11,7 +11,7 @@ from service import queue
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_responses
-from service.sources import check_sources, for_owner
+from service.sources import check_sources
 from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
@@ -27,7 +27,7 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(max_length=200,
                                description="Retrying with the same key returns the same job.")] = None,
 ):
-    if errors := check_sources(spec, for_owner(settings, owner)):  # nothing is stored for a refused spec
+    if errors := check_sources(spec, settings, session=session, owner=owner):  # a refused spec stores nothing
         return JSONResponse(format_errors(errors), status_code=422)
     job, created = jobs_q.create_job(
         session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"), name=spec.name,

@@ -11,7 +11,9 @@ from starlette.concurrency import run_in_threadpool
 from service.api.deps import OwnerDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import error_responses
-from service.sources import check_sources, for_owner
+from service.settings import Settings
+from service.sources import check_sources
+from service.store.db import session_scope
 from service.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
 from service.specs import JobSpec
 
@@ -58,6 +60,11 @@ def line_of(root: yaml.Node | None, field: str) -> int | None:
     return line
 
 
+def _check_sources(spec, settings: Settings, owner: str) -> list[dict]:
+    with session_scope(settings.store_url, read_only=True) as session:
+        return check_sources(spec, settings, session=session, owner=owner)
+
+
 def _refuse(message: str, type_: str) -> JSONResponse:
     return JSONResponse(format_errors([{"loc": ("body",), "msg": message, "type": type_}]), 422)
 
@@ -93,7 +100,7 @@ async def validate_spec(request: Request, owner: OwnerDep, settings: SettingsDep
         return _error([{"field": "", "message": msg, "type": "type", "loc": [], "line": 1}], msg)
     try:
         spec = await run_in_threadpool(_ADAPTER.validate_python, data)
-        errors = await run_in_threadpool(check_sources, spec, for_owner(settings, owner))
+        errors = await run_in_threadpool(_check_sources, spec, settings, owner)
     except ValidationError as exc:
         errors = exc.errors()
     if errors:

@@ -120,3 +120,29 @@ def test_an_owners_data_job_runs_on_its_own_folder(roots):
     jid = api.run_job(_data("mine.jsonl"))
     rows = api.get(f"/v1/jobs/{jid}/samples").json()
     assert rows and all(r["prompt"] for r in rows)
+
+
+def test_train_on_from_your_own_checkpoint_only(roots, digit_reward):
+    from safetensors.torch import load_file
+
+    api, _, _ = roots
+    lora = {"name": "tiny-random-llama", "lora": {"r": 2}}
+    first = api.run_job({**TINY, "model": lora, "rewards": [{"name": "digit_share"}],
+                         "grpo": {**TINY["grpo"], "num_generations": 4, "max_new_tokens": 8, "learning_rate": 0.05}})
+    step = api.get(f"/v1/jobs/{first}/checkpoints").json()[-1]["step"]
+    init = {"job": first, "step": step}
+    bob = Api(api.settings)
+    missing = _refused(bob, {**TINY, "model": {**lora, "init_from": {"job": 999, "step": step}}}, "model.init_from", bob.bob)
+    foreign = _refused(bob, {**TINY, "model": {**lora, "init_from": init}}, "model.init_from", bob.bob)
+    assert missing.replace("999", str(first)) == foreign  # another owner's job reads as missing
+    mismatch = _refused(api, {**TINY, "model": {**lora, "lora": {"r": 4}, "init_from": init}}, "model.init_from")
+    assert "must be the same" in mismatch
+    # alice trains on from her checkpoint: with a negligible learning rate the weights stay hers
+    second = api.run_job({**TINY, "model": {**lora, "init_from": init},
+                          "grpo": {**TINY["grpo"], "learning_rate": 1e-12}})
+    assert "initialised" in [e["type"] for e in api.get(f"/v1/jobs/{second}/events").json()]
+    uid = {j: api.get(f"/v1/jobs/{j}").json()["uid"] for j in (first, second)}
+    a = load_file(api.settings.artifacts_dir / uid[first] / "checkpoints" / f"step-{step}" / "adapter_model.safetensors")
+    b = load_file(api.settings.artifacts_dir / uid[second] / "checkpoints" / "step-1" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # and they are trained weights, not zeros

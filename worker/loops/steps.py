@@ -21,7 +21,7 @@ from worker.models import is_lora, load_policy
 from worker.reporting import Reporter
 from worker.rollout import RolloutBatch, RolloutEngine, SamplingParams, sequence_logprobs
 from worker.training import (
-    grad_norm, latest_checkpoint, load_checkpoint, make_optimizer, make_scheduler, save_checkpoint, trainable,
+    grad_norm, latest_checkpoint, load_checkpoint, load_weights, make_optimizer, make_scheduler, save_checkpoint, trainable,
 )
 
 
@@ -48,6 +48,10 @@ def build(spec: _JobBase, settings: Settings, reporter: Reporter, *, task: TaskD
     device = torch.device(spec.devices.policy)
     model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed,
                              model_roots=settings.model_roots)
+    if (init := spec.model.init_from) is not None:  # train on from an earlier checkpoint of the owner's
+        load_weights(reporter.init_checkpoint(init.job, init.step), model=model)
+        reporter.event("initialised", f"weights from job {init.job}, step {init.step}",
+                       data={"job": init.job, "step": init.step})
     if device.type == "cpu" and settings.keep_freed_memory:
         allocator.release_freed_memory()  # what loading and converting the weights used
         allocator.keep_freed_memory()  # from here on, each step reuses the pages of the last one

@@ -21,18 +21,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, text
 
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q
 from service.store import metrics as metrics_q
 from service.store.db import get_engine, session_scope
 from service.store.migrate import upgrade
+
+from scratch_db import DEFAULT_URL, scratch_database  # bench/ is on the path when a bench runs
 
 METRIC_KEYS = [
     "reward/mean", "reward/std", "reward/numeric_match/mean", "frac_reward_zero_std", "advantage/abs_mean",
@@ -128,18 +128,18 @@ async def run(args, base: str, port: int, key: str, job_id: int, ids: list[int])
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
+    ap.add_argument("--url", default=DEFAULT_URL,
                     help="an existing database; the benchmark works in a scratch database beside it")
     ap.add_argument("--clients", type=int, default=20, help="concurrent clients")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     ap.add_argument("--streams", type=int, default=100, help="live streams open during the last phase")
     args = ap.parse_args()
 
-    name = f"grpo_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(args.url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = args.url.rsplit("/", 1)[0] + f"/{name}"
+    with scratch_database(args.url) as url:
+        measure(args, url)
+
+
+def measure(args, url: str) -> None:
     api = None
     try:
         key, job_id, ids = seed(url)
@@ -168,9 +168,6 @@ def main() -> None:
         if api is not None:
             api.terminate()
             api.wait(timeout=30)
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 if __name__ == "__main__":

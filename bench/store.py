@@ -15,20 +15,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import uuid
 
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import func, select, text
 
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 from service.store.db import get_engine, session_scope
 from service.store.migrate import upgrade
+
 from service.store.models import Metric
+
+from scratch_db import DEFAULT_URL, scratch_database  # bench/ is on the path when a bench runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
+    ap.add_argument("--url", default=DEFAULT_URL,
                     help="an existing database; the benchmark works in a scratch database beside it")
     ap.add_argument("--rows", type=int, default=10_000_000, help="points in the table when querying")
     ap.add_argument("--steps", type=int, default=100_000, help="steps of the measured job")
@@ -38,18 +40,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch database")
     args = ap.parse_args()
 
-    name = f"grpo_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(args.url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = args.url.rsplit("/", 1)[0] + f"/{name}"
-    try:
+    with scratch_database(args.url, keep=args.keep) as url:
         run(url, args)
-    finally:
-        get_engine(url).dispose()
-        if not args.keep:
-            with admin.connect() as c:
-                c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def run(url: str, args) -> None:

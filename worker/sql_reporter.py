@@ -68,17 +68,16 @@ class SqlReporter(Reporter):
         while not self._done.wait(self.heartbeat_s):
             self._renew()
 
-    def _renew(self, step: int | None = None) -> None:
+    def _renew(self) -> None:
         try:
             with session_scope(self.url) as s:
-                cancel = jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder, step=step)
+                self._heard(jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder))
         except Exception as exc:  # a store hiccup must not kill training while the lease holds
             log.warning("job %s: could not renew the lease (%s)", self.job_id, type(exc).__name__)
-            if time.monotonic() - self._renewed_at > self.give_up_after_s:
-                log.error("job %s: lease unrenewed for %.0f s; stopping and leaving the job to the sweep",
-                          self.job_id, time.monotonic() - self._renewed_at)
-                self._lost.set()
-            return
+            self._give_up_if_stale()
+
+    def _heard(self, cancel: bool | None) -> None:
+        """What a heartbeat answered: None when the lease is no longer ours, else cancel_requested."""
         if cancel is None:
             self._lost.set()
             return
@@ -86,16 +85,22 @@ class SqlReporter(Reporter):
         if cancel:
             self._cancel.set()
 
-    @property
-    def lease_lost(self) -> bool:
-        return self._lost.is_set()
+    def _give_up_if_stale(self) -> None:
+        unrenewed = time.monotonic() - self._renewed_at
+        if unrenewed > self.give_up_after_s and not self._lost.is_set():
+            log.error("job %s: lease unrenewed for %.0f s; stopping and leaving the job to the sweep",
+                      self.job_id, unrenewed)
+            self._lost.set()
+
+    def _check_lease(self) -> None:
+        if self._lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: lease lost")
 
     def _write(self, fn: Callable[[Session], T]) -> T:
         """Run `fn` in one transaction, retrying while the store is unreachable and the lease holds."""
         delay = 0.25
         while True:
-            if self._lost.is_set():
-                raise LeaseLost(f"job {self.job_id}: lease lost")
+            self._check_lease()
             try:
                 with session_scope(self.url) as s:
                     return fn(s)
@@ -104,25 +109,18 @@ class SqlReporter(Reporter):
                     raise
                 log.warning("job %s: store unreachable (%s); retrying in %.1f s", self.job_id,
                             type(exc).__name__, delay)
-                if time.monotonic() - self._renewed_at > self.give_up_after_s:
-                    self._lost.set()
+                self._give_up_if_stale()
                 time.sleep(delay)
                 delay = min(delay * 2, max(self.heartbeat_s, 1.0))
 
     # -- Reporter ----------------------------------------------------------------------------
     def should_stop(self) -> bool:
-        if self._lost.is_set():
-            raise LeaseLost(f"job {self.job_id}: lease lost")
+        self._check_lease()
         return self._cancel.is_set()
 
     def progress(self, step: int) -> None:
-        cancel = self._write(lambda s: jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder, step=step))
-        if cancel is None:
-            self._lost.set()
-            raise LeaseLost(f"job {self.job_id}: lease lost")
-        self._renewed_at = time.monotonic()
-        if cancel:
-            self._cancel.set()
+        self._heard(self._write(lambda s: jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder, step=step)))
+        self._check_lease()
 
     def event(self, type, message="", *, level="info", data=None):
         self._write(lambda s: events_q.add_event(s, job_id=self.job_id, type=type, message=message, level=level,

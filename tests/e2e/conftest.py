@@ -61,6 +61,14 @@ def procs(tmp_path, models_root):
     p.stop()
 
 
+def parent_pid(pid: int) -> int | None:
+    """A process's parent from /proc (None once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def wait_http(url: str, procs: Procs, timeout: float = 60) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import TINY_JOB, check_finished_job, free_port, wait_http, wait_job
+from tests.e2e.conftest import TINY_JOB, check_finished_job, free_port, parent_pid, wait_http, wait_job
 
 
 def test_dev_runs_a_job_end_to_end(procs):
@@ -49,14 +49,7 @@ def test_dev_runs_a_job_end_to_end(procs):
 
 def children(pid: int) -> list[int]:
     """Every descendant of `pid` (from /proc)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    parents = {int(e.name): parent_pid(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
     found, frontier = [], [pid]
     while frontier:
         p = frontier.pop()

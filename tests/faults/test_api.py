@@ -5,13 +5,11 @@ from __future__ import annotations
 import socket
 import time
 
-import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
 from service.store.db import get_engine
 from tests.conftest import Api
-from tests.e2e.conftest import free_port
 from tests.faults.conftest import LONG_JOB, TcpProxy, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.faults]

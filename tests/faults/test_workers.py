@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.e2e.conftest import parent_pid
 from tests.faults.conftest import (
     LEASE_S, LONG_JOB, TcpProxy, assert_every_step_once, finished, job_state, reached_step, wait_for,
 )
@@ -65,9 +66,7 @@ def test_a_live_worker_takes_over_from_a_killed_one(cluster):
 
 def _pid_in(holder: str, main_pid: int) -> bool:
     """The holder names the pool child's pid; its parent is the worker's main process."""
-    child = int(holder.split(":")[1])
-    with open(f"/proc/{child}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1]) == main_pid
+    return parent_pid(int(holder.split(":")[1])) == main_pid
 
 
 def test_a_stranded_job_can_be_cancelled(cluster):

@@ -2,7 +2,6 @@ import json
 
 import pytest
 
-from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 from service.store import records

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -97,9 +96,6 @@ def _create_key(owner: str, expires_in_days: float | None = None) -> str:
                                  expires_in=timedelta(days=expires_in_days) if expires_in_days else None)
 
 
-OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
 @keys.command("create")
 @click.option("--owner", required=True, help="Who the key belongs to; a key sees only its owner's jobs and data "
               "(letters, digits, '_', '.', '-'; it names the owner's datasets folder).")
@@ -107,7 +103,9 @@ OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
               help="The key stops working after this many days (default: never).")
 def keys_create(owner: str, expires_in_days: float | None) -> None:
     """Print a new API key (shown once; only its hash is stored)."""
-    if not OWNER.match(owner):
+    from service.sources import OWNER_NAME
+
+    if not OWNER_NAME.match(owner):
         raise click.BadParameter("use letters, digits, '_', '.' and '-' (at most 64)", param_hint="--owner")
     click.echo(_create_key(owner, expires_in_days))
 

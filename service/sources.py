@@ -26,7 +26,8 @@ from service.store.models import Checkpoint, Job
 from service.specs import _HF_ID, MODEL_PRESETS, RETRIEVER_PRESETS, DatasetSpec, unavailable_model
 
 SHARED_PREFIX = "shared/"
-_OWNER_FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# An owner name that is a folder name as it is; `keys create` accepts only these.
+OWNER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def unavailable_file(field: str, rel: str) -> str:
@@ -49,7 +50,7 @@ def contained(root: Path, rel: str | PurePosixPath) -> Path | None:
 
 def owner_folder(owner: str) -> str:
     """A folder name for an owner: the name itself when it is a plain one, else a stable hash."""
-    return owner if _OWNER_FOLDER.match(owner) else "_" + hashlib.sha256(owner.encode()).hexdigest()[:16]
+    return owner if OWNER_NAME.match(owner) else "_" + hashlib.sha256(owner.encode()).hexdigest()[:16]
 
 
 def for_owner(settings: Settings, owner: str) -> Settings:

@@ -43,7 +43,8 @@ import torch
 from service.settings import get_settings
 from service.specs import TracInJob
 from worker import allocator
-from worker.algos.influence import influence_scores, lora_layers
+from worker.algos.influence import influence_scores
+from worker.algos.lora import lora_layers
 from worker.algos.losses import per_sample_loss
 from worker.loops import steps as S
 from worker.reporting import Reporter
@@ -174,8 +175,8 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
     s = S.build(spec, get_settings(), rep)
     torch.manual_seed(0)
     with torch.no_grad():  # a trained adapter, not B = 0: both factors' gradients matter
-        for _, _, b in lora_layers(s.model):
-            b.weight.normal_(0, 1e-3)
+        for layer in lora_layers(s.model):
+            layer.b.weight.normal_(0, 1e-3)
     for step in range(1, 21):  # a batch pair whose advantages are not all zero, or every score is 0
         ro = S.collect_rollouts(s, step, rep)
         val = S.collect_rollouts(s, step, rep, examples_pool=s.task.val, prompts_per_step=args.val_prompts,
@@ -184,7 +185,7 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
             break
     s.model.train()
     train_f, val_f = losses_fn(s, ro), losses_fn(s, val)
-    params = [p for _, a, b in lora_layers(s.model) for p in (a.weight, b.weight)]
+    params = [p for layer in lora_layers(s.model) for p in (layer.a.weight, layer.b.weight)]
     g = s.spec.grpo
     tokens, n = float(ro.loss_mask.sum()), len(ro.batch)
 

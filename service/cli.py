@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -311,8 +312,9 @@ def run(spec_file: Path, out: Path) -> None:
     except Exception as exc:
         reporter.event("failed", f"{type(exc).__name__}: {exc}", level="error")
         raise click.ClickException(f"job failed: {type(exc).__name__}: {exc}") from exc
-    reporter.event(result.get("status", "succeeded"), json.dumps(result))
-    click.echo(json.dumps(result))
+    summary = json.dumps(dataclasses.asdict(result))
+    reporter.event(result.status, summary)
+    click.echo(summary)
 
 
 def _first(points: list[dict], n: int) -> float | None:

@@ -202,6 +202,10 @@ class GRPOSpec(_Section):
     clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: 1 - clip_eps_low.")
     clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="Ratio clip above: 1 + clip_eps_high (DAPO's clip-higher when larger).")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to the frozen reference; 0 skips the reference pass.")
+    measure_kl: bool = Field(
+        False, description="Report `kl` even when kl_coef is 0: one more no-grad forward per micro-batch (and a "
+        "frozen copy of the model with full fine-tuning). With kl_coef > 0 it is always reported."
+    )
     loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field(
         "token_mean", description="token_mean: over all tokens; seq_mean: mean of per-sequence means; dr_grpo: sum / (B * T)."
     )

@@ -158,9 +158,5 @@ def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 
     return model.to(device), tokenizer
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -3,17 +3,32 @@ a file one. Both take the same calls, so a loop never knows which it writes to."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from service.store.records import SampleRow, SelectionRecord, SparsityRecord
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """What a loop returns to the runner: how it ended, at which step, and its last evaluation."""
+
+    status: Literal["succeeded", "cancelled"]
+    step: int  # the last step whose update was made
+    eval: dict[str, float] = field(default_factory=dict)
 
 
 def _clean(x: Any) -> Any:
-    """JSON-safe: NaN/inf become None (strict JSON has no NaN)."""
+    """JSON-safe: NaN/inf become None (strict JSON has no NaN); records keep their type."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _clean(getattr(x, f.name)) for f in dataclasses.fields(x)})
     if isinstance(x, dict):
         return {k: _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -31,11 +46,11 @@ class Reporter:
 
     def metrics(self, step: int, values: dict[str, float]) -> None: ...
 
-    def samples(self, step: int, rows: list[dict]) -> None: ...
+    def samples(self, step: int, rows: list[SampleRow]) -> None: ...
 
-    def selection(self, record: dict) -> None: ...
+    def selection(self, record: SelectionRecord) -> None: ...
 
-    def sparsity(self, record: dict) -> None: ...
+    def sparsity(self, record: SparsityRecord) -> None: ...
 
     def checkpoint(self, step: int, path: Path, format: str, size_bytes: int) -> None: ...
 
@@ -76,13 +91,13 @@ class FileReporter(Reporter):
 
     def samples(self, step, rows):
         for r in rows:
-            self._append("samples.jsonl", {"step": step, **r})
+            self._append("samples.jsonl", {"step": step, **dataclasses.asdict(r)})
 
     def selection(self, record):
-        self._append("selections.jsonl", record)
+        self._append("selections.jsonl", dataclasses.asdict(record))
 
     def sparsity(self, record):
-        self._append("sparsity.jsonl", record)
+        self._append("sparsity.jsonl", dataclasses.asdict(record))
 
     def checkpoint(self, step, path, format, size_bytes):
         self._append("checkpoints.jsonl", {"step": step, "path": str(path), "format": format, "size_bytes": size_bytes})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.algos.losses import entropy_from_logits
-from worker.models import is_lora
+from worker.algos.lora import is_lora
 
 
 @dataclass

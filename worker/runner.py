@@ -112,7 +112,6 @@ def _run(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         message = without_server_paths(f"{type(exc).__name__}: {exc}", settings)
         reporter.finish("failed", message, error=message, data={"error_type": type(exc).__name__})
         return "failed"
-    status = result.get("status", "succeeded")
-    reporter.finish(status, f"job {status} at step {result.get('step')}",
-                    data={k: v for k, v in result.items() if k != "status"})
-    return status
+    reporter.finish(result.status, f"job {result.status} at step {result.step}",
+                    data={"step": result.step, **result.eval})
+    return result.status

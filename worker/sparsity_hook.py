@@ -14,6 +14,8 @@ import time
 import torch
 
 from service.specs import SparsitySpec
+from service.store.records import SparsityRecord
+from worker.algos.lora import lora_layers
 from worker.algos.sparsity import diff_report, logit_agreement, magnitude_mask, random_mask_like
 from worker.datasets import render_prompt
 from worker.reporting import Reporter
@@ -24,22 +26,18 @@ def _cpu32(p: torch.Tensor) -> torch.Tensor:
 
 
 class SparsityTracker:
-    def __init__(self, spec: SparsitySpec, setup, reporter: Reporter) -> None:
+    def __init__(self, spec: SparsitySpec, setup, reporter: Reporter, *, start_step: int = 0) -> None:
+        """setup: the loop's Setup (model, tokenizer, task, spec); start_step: optimizer steps already taken."""
         self.spec, self.s, self.reporter = spec, setup, reporter
         self.params = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
         self.start = {n: _cpu32(p) for n, p in self.params}
         self.prev = self.start  # the same tensors until the first measurement
-        self.start_step = self.prev_step = setup.opt_steps
-        self.lora_modules = [(n, m) for n, m in setup.model.named_modules()
-                             if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {})]
+        self.start_step = self.prev_step = start_step
+        self.lora_modules = [(layer.name, layer.module) for layer in lora_layers(setup.model)]
         self.start_merged = {n: self._merged(m, self.start, n) for n, m in self.lora_modules}
         self.prev_merged = self.start_merged
         self.pending: dict[str, float] = {}
         self.probe = self._probe_batch()
-
-    @classmethod
-    def maybe(cls, spec, setup, reporter: Reporter) -> "SparsityTracker | None":
-        return None if spec.sparsity is None else cls(spec.sparsity, setup, reporter)
 
     # -- LoRA merged view ----------------------------------------------------------------------
     def _merged(self, module, snapshot: dict[str, torch.Tensor], mname: str) -> torch.Tensor:
@@ -97,8 +95,8 @@ class SparsityTracker:
         for scope, rep in (("window", window), ("cumulative", cumulative)):
             rep["time_s"] = dt
             frm = self.prev_step if scope == "window" else self.start_step
-            self.reporter.sparsity({"step": step, "from_step": frm, "scope": scope,
-                                    "sparsity": rep["sparsity_primary"], "report": rep})
+            self.reporter.sparsity(SparsityRecord(step=step, from_step=frm, scope=scope,
+                                                  sparsity=rep["sparsity_primary"], report=rep))
         self.pending.update({"sparsity/ratio": window["sparsity_primary"],
                              "sparsity/sign_flip_ratio": window["sign_flip_ratio"],
                              "sparsity/cumulative_ratio": cumulative["sparsity_primary"],

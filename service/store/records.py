@@ -2,16 +2,64 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.store.models import Checkpoint, Sample, Selection, SparsityReport
 
 
-def put_selection(session: Session, *, job_id: int, record: dict) -> None:
+@dataclass(frozen=True)
+class SelectionRecord:
+    """One TracIn step's selection: which samples were kept, and the influence behind it."""
+
+    step: int
+    policy: str  # tracin.selection
+    total: int  # samples scored
+    selected: int
+    ratio: float  # selected / total
+    mean_influence: float
+    min_influence: float
+    max_influence: float
+    histogram: dict[str, list[float]]  # {"edges": [...], "counts": [...]}
+    scores: list[tuple[int, float, bool]]  # (sample index, influence, selected)
+
+
+@dataclass(frozen=True)
+class SparsityRecord:
+    """One sparsity measurement over optimizer steps from_step..step."""
+
+    step: int
+    from_step: int
+    scope: str  # "window" (since the last measurement) or "cumulative" (since the start)
+    sparsity: float  # share of unchanged parameters at the primary threshold
+    report: dict[str, Any]  # the full diff report (worker/algos/sparsity.py)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One recorded completion of a step."""
+
+    index: int  # row in the step's rollout batch
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float | None
+    influence: float | None = None  # TracIn only
+    selected: bool | None = None  # TracIn only
+    extra: dict[str, Any] | None = None  # joint: the document it answered from
+
+
+def put_selection(session: Session, *, job_id: int, record: SelectionRecord) -> None:
     """Upsert by (job_id, step) so a resumed step replaces, never duplicates."""
-    session.execute(delete(Selection).where(Selection.job_id == job_id, Selection.step == record["step"]))
-    session.add(Selection(job_id=job_id, **record))
+    r = record
+    session.execute(delete(Selection).where(Selection.job_id == job_id, Selection.step == r.step))
+    session.add(Selection(job_id=job_id, step=r.step, policy=r.policy, total=r.total, selected=r.selected,
+                          ratio=r.ratio, mean_influence=r.mean_influence, min_influence=r.min_influence,
+                          max_influence=r.max_influence, histogram=r.histogram,
+                          scores=[list(s) for s in r.scores]))
 
 
 def list_selections(session: Session, *, job_id: int, from_step: int = 0, limit: int = 1000) -> list[Selection]:
@@ -20,11 +68,12 @@ def list_selections(session: Session, *, job_id: int, from_step: int = 0, limit:
     return list(session.scalars(q))
 
 
-def put_sparsity(session: Session, *, job_id: int, record: dict) -> None:
+def put_sparsity(session: Session, *, job_id: int, record: SparsityRecord) -> None:
+    r = record
     session.execute(delete(SparsityReport).where(
-        SparsityReport.job_id == job_id, SparsityReport.step == record["step"],
-        SparsityReport.scope == record["scope"]))
-    session.add(SparsityReport(job_id=job_id, **record))
+        SparsityReport.job_id == job_id, SparsityReport.step == r.step, SparsityReport.scope == r.scope))
+    session.add(SparsityReport(job_id=job_id, step=r.step, from_step=r.from_step, scope=r.scope,
+                               sparsity=r.sparsity, report=r.report))
 
 
 def list_sparsity(session: Session, *, job_id: int, scope: str | None = None) -> list[SparsityReport]:
@@ -39,9 +88,11 @@ def get_sparsity(session: Session, *, job_id: int, report_id: int) -> SparsityRe
     return r if r is not None and r.job_id == job_id else None
 
 
-def put_samples(session: Session, *, job_id: int, step: int, rows: list[dict]) -> None:
+def put_samples(session: Session, *, job_id: int, step: int, rows: list[SampleRow]) -> None:
     session.execute(delete(Sample).where(Sample.job_id == job_id, Sample.step == step))
-    session.add_all(Sample(job_id=job_id, step=step, **r) for r in rows)
+    session.add_all(Sample(job_id=job_id, step=step, index=r.index, prompt=r.prompt, completion=r.completion,
+                           reward=r.reward, advantage=r.advantage, influence=r.influence, selected=r.selected,
+                           extra=r.extra) for r in rows)
 
 
 def list_samples(session: Session, *, job_id: int, step: int | None = None, after_id: int = 0,

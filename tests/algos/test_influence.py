@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from service.specs import LoraSpec, ModelSpec
-from worker.algos.influence import GhostHooks, influence_scores, lora_layers
+from worker.algos.influence import GhostHooks, influence_scores
+from worker.algos.lora import lora_layers
 from worker.models import load_policy
 
 
@@ -10,8 +11,8 @@ def _model(tmp_path, dropout=0.0, targets="all-linear"):
     spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, alpha=12, dropout=dropout, target_modules=targets))
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
     with torch.no_grad():  # LoRA B starts at zero; give it values so both A and B gradients are non-trivial
-        for _, a, b in lora_layers(model):
-            b.weight.normal_(0, 0.05)
+        for layer in lora_layers(model):
+            layer.b.weight.normal_(0, 0.05)
     return model, tok
 
 
@@ -30,7 +31,7 @@ def _per_sample_losses(model, ids, mask, pos, weights):
 
 
 def _naive(model, train_fn, val_fn):
-    params = [p for _, a, b in lora_layers(model) for p in (a.weight, b.weight)]
+    params = [p for layer in lora_layers(model) for p in (layer.a.weight, layer.b.weight)]
     g_val = torch.autograd.grad(val_fn(), params)
     losses = train_fn()
     out = []
@@ -85,8 +86,8 @@ def test_recovered_subset_gradient_equals_fresh_backward(tmp_path):
     model.zero_grad(set_to_none=True)
     keep = subset.bool()
     (2.5 * _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum()).backward()
-    for _, a, b in lora_layers(model):
-        for p in (a.weight, b.weight):
+    for layer in lora_layers(model):
+        for p in (layer.a.weight, layer.b.weight):
             torch.testing.assert_close(recovered[p], p.grad, rtol=1e-4, atol=1e-7)
 
 
@@ -124,7 +125,7 @@ def test_factor_scores_equal_naive_and_streamed_fold_equals_batch_fold(tmp_path)
     keep = scores > 0
     assert 0 < int(keep.sum()) < 6, "the batch should have helpful and harmful samples"
     _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum().backward()
-    for _, a, b in lora_layers(model):
-        for p in (a.weight, b.weight):
+    for layer in lora_layers(model):
+        for p in (layer.a.weight, layer.b.weight):
             torch.testing.assert_close(streamed[p], whole[p], rtol=1e-5, atol=1e-8)
             torch.testing.assert_close(streamed[p], p.grad, rtol=1e-4, atol=1e-7)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from worker.algos.losses import aggregate, k3_kl, masked_mean, policy_loss
+from worker.algos.losses import Normaliser, aggregate, k3_kl, masked_mean, policy_loss, sample_losses
 
 
 def _t(x):
@@ -17,8 +17,8 @@ def test_ratio_one_is_reinforce_with_baseline():
     loss, st = policy_loss(logp, logp.clone(), adv, mask)
     # ratio 1 everywhere: per-token loss = -A; token mean over 3 tokens = -(2 + 2 - 1) / 3
     assert loss.item() == pytest.approx(-1.0)
-    assert st["ratio/mean"].item() == pytest.approx(1.0)
-    assert st["clip_ratio/region_mean"].item() == 0.0
+    assert st["ratio/mean"] == pytest.approx(1.0)
+    assert st["clip_ratio/region_mean"] == 0.0
 
 
 def test_clipped_and_unclipped_branches():
@@ -31,12 +31,12 @@ def test_clipped_and_unclipped_branches():
     loss_pos, st = policy_loss(logp, old, _t([1.0]), mask)
     expected = -(1.2 + r[1] + r[2] + r[3]) / 4
     assert loss_pos.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert st["clip_ratio/region_mean"].item() == pytest.approx(0.25)
+    assert st["clip_ratio/region_mean"] == pytest.approx(0.25)
     # negative advantage: min(-r, -clip(r)) -> the lower clip binds for r=0.61
     loss_neg, st = policy_loss(logp, old, _t([-1.0]), mask)
     expected = (r[0] + 0.8 + r[2] + r[3]) / 4
     assert loss_neg.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert st["clip_ratio/region_mean"].item() == pytest.approx(0.25)
+    assert st["clip_ratio/region_mean"] == pytest.approx(0.25)
 
 
 def test_asymmetric_clip_higher():
@@ -77,14 +77,14 @@ def test_k3_kl_values():
     loss0, _ = policy_loss(logp, logp, _t([0.0]), torch.ones(1, 2))
     loss1, st = policy_loss(logp, logp, _t([0.0]), torch.ones(1, 2), ref_logp=ref, kl_coef=0.1)
     assert (loss1 - loss0).item() == pytest.approx(0.1 * (math.exp(d) - d - 1) / 2)
-    assert st["kl"].item() == pytest.approx((math.exp(d) - d - 1) / 2)
+    assert st["kl"] == pytest.approx((math.exp(d) - d - 1) / 2)
 
 
 def test_masked_positions_do_not_count():
     logp = _t([[-1.0, 50.0]])  # a huge masked value must not leak into loss or stats
     loss, st = policy_loss(logp, _t([[-1.0, 0.0]]), _t([1.0]), _t([[1, 0]]))
     assert loss.item() == pytest.approx(-1.0)
-    assert st["ratio/max"].item() == pytest.approx(1.0)
+    assert st["ratio/max"] == pytest.approx(1.0)
 
 
 def test_masked_mean_empty_mask_is_zero():
@@ -97,3 +97,73 @@ def test_entropy_matches_definition():
     logits = torch.randn(3, 5, 11)
     p = torch.softmax(logits, -1)
     torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+
+
+# -- one definition: per-sample shares add up to the batch loss -------------------------------------
+# Two sequences, T = 3: lengths 3 and 1. Ratio 1 (old = logp), so each token's surrogate is -A.
+LOGP = [[-1.0, -2.0, -0.5], [-0.7, 0.0, 0.0]]
+REF = [[-1.0, -1.5, -0.5], [-0.2, 0.0, 0.0]]  # d = ref - logp: 0, 0.5, 0 | 0.5
+MASK = [[1, 1, 1], [1, 0, 0]]
+ADV = [1.0, -2.0]
+K = math.exp(0.5) - 0.5 - 1.0  # k3 at d = 0.5
+# token sums per sequence: surrogate -3*1 = -3 and +2*1 = 2; KL K and K
+EXPECTED = {  # agg -> (surrogate shares, KL shares), by hand
+    "token_mean": ([-3 / 4, 2 / 4], [K / 4, K / 4]),
+    "seq_mean": ([-3 / 3 / 2, 2 / 1 / 2], [K / 3 / 2, K / 1 / 2]),
+    "dr_grpo": ([-3 / 6, 2 / 6], [K / 6, K / 6]),
+}
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "dr_grpo"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_sample_shares_are_hand_computed_and_sum_to_the_batch_loss(agg, kl_coef):
+    logp, mask = _t(LOGP), _t(MASK)
+    ref = _t(REF) if kl_coef else None
+    parts = sample_losses(logp, logp.clone(), _t(ADV), mask, Normaliser.of(mask, agg), ref_logp=ref, kl_coef=kl_coef)
+    pol, kl = EXPECTED[agg]
+    torch.testing.assert_close(parts.policy, _t(pol))
+    expected = [p + kl_coef * k for p, k in zip(pol, kl)] if kl_coef else pol
+    torch.testing.assert_close(parts.loss.detach(), _t(expected))
+    loss, st = policy_loss(logp, logp.clone(), _t(ADV), mask, ref_logp=ref, kl_coef=kl_coef, agg=agg)
+    assert loss.item() == pytest.approx(sum(expected))
+    assert st["loss/policy"] == pytest.approx(sum(pol))
+    if kl_coef:
+        torch.testing.assert_close(parts.kl, _t(kl))
+        assert st["kl"] == pytest.approx(sum(kl))
+    else:  # no reference: KL is not measured, and not reported as a made-up 0
+        assert parts.kl is None and "kl" not in st
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "dr_grpo"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_micro_batch_accumulation_equals_the_whole_batch(agg, kl_coef):
+    torch.manual_seed(0)
+    B, T = 5, 7
+    base = torch.randn(B, T)
+    old = base + 0.3 * torch.randn(B, T)  # ratios away from 1, some clipped
+    ref = base + 0.2 * torch.randn(B, T)
+    adv = torch.randn(B)
+    mask = (torch.arange(T)[None, :] < torch.tensor([7, 3, 5, 1, 6])[:, None]).float()
+    kw = dict(ref_logp=ref, kl_coef=kl_coef, clip_eps_low=0.2, clip_eps_high=0.28)
+
+    whole = base.clone().requires_grad_(True)
+    loss, st = policy_loss(whole, old, adv, mask, agg=agg, **kw)
+    loss.backward()
+
+    split = base.clone().requires_grad_(True)
+    norm = Normaliser.of(mask, agg)  # the whole batch's, for every micro-batch
+    total, policy = 0.0, 0.0
+    for rows in ([0, 1], [2, 3], [4]):
+        parts = sample_losses(split[rows], old[rows], adv[rows], mask[rows], norm,
+                              ref_logp=ref[rows], kl_coef=kl_coef, clip_eps_low=0.2, clip_eps_high=0.28)
+        parts.loss.sum().backward()
+        total += float(parts.loss.detach().sum())
+        policy += float(parts.policy.sum())
+    assert total == pytest.approx(loss.item(), rel=1e-6)
+    assert policy == pytest.approx(st["loss/policy"], rel=1e-6)
+    torch.testing.assert_close(split.grad, whole.grad)
+
+
+def test_unknown_aggregation_is_named():
+    with pytest.raises(ValueError, match="nope"):
+        Normaliser.of(torch.ones(1, 1), "nope")

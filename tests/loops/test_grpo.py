@@ -45,10 +45,10 @@ def test_resume_equals_straight_run(tmp_path, settings_factory, lora):
                      "lr_schedule": "cosine", "warmup_steps": 1, "kl_coef": 0.05, "eval_prompts": 2}}
     settings = settings_factory()
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert _run(spec, straight, settings)["status"] == "succeeded"
-    assert _run(spec, split, settings, stop_after=3)["status"] == "cancelled"
+    assert _run(spec, straight, settings).status == "succeeded"
+    assert _run(spec, split, settings, stop_after=3).status == "cancelled"
     assert (split / "checkpoints" / "step-3").exists()
-    assert _run(spec, split, settings)["status"] == "succeeded"
+    assert _run(spec, split, settings).status == "succeeded"
     name = "adapter_model.safetensors" if lora else "model.safetensors"
     a = load_file(straight / "checkpoints" / "step-6" / name)
     b = load_file(split / "checkpoints" / "step-6" / name)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from service.specs import GRPOJob
 from worker.algos.sparsity import diff_report
 from worker.loops import grpo
-from worker.loops import steps as S
+from worker.loops.setup import build
 from worker.reporting import FileReporter
 from worker.sparsity_hook import SparsityTracker
 
@@ -52,7 +52,7 @@ def test_quality_analysis_restores_weights_bit_for_bit(tmp_path, settings_factor
         "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4},
         "sparsity": {"measure_interval": 1, "quality": {"enabled": True, "probe_size": 2}}})
     rep = FileReporter(tmp_path)
-    setup = S.build(spec, settings_factory(), rep)
+    setup = build(spec, settings_factory(), rep)
     tracker = SparsityTracker(spec.sparsity, setup, rep)
     with torch.no_grad():
         for _, p in tracker.params:

@@ -25,7 +25,7 @@ def _lines(path):
                                               ("random", 1), ("positive", 2)])
 def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward, selection, epochs):
     spec = TracInJob.model_validate(_spec(selection, epochs, val_regenerate_every=2))
-    assert tracin.run(spec, FileReporter(tmp_path), settings=settings_factory())["status"] == "succeeded"
+    assert tracin.run(spec, FileReporter(tmp_path), settings=settings_factory()).status == "succeeded"
     sels = _lines(tmp_path / "selections.jsonl")
     assert [s["step"] for s in sels] == [1, 2, 3]
     for s in sels:

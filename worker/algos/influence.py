@@ -27,17 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-
-def lora_layers(model: torch.nn.Module, adapter: str = "default") -> list[tuple[str, torch.nn.Linear, torch.nn.Linear]]:
-    """(name, A, B) of every peft LoRA layer of the model."""
-    out = []
-    for name, m in model.named_modules():
-        a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
-        if isinstance(a, torch.nn.ModuleDict) and adapter in a and isinstance(a[adapter], torch.nn.Linear):
-            out.append((name, a[adapter], b[adapter]))
-    if not out:
-        raise ValueError("the model has no LoRA layers: influence is computed over LoRA weights")
-    return out
+from worker.algos.lora import lora_layers
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +48,8 @@ class GhostHooks:
 
     def __init__(self, model: torch.nn.Module, *, keep_factors: bool = False) -> None:
         self.layers = lora_layers(model)
+        if not self.layers:
+            raise ValueError("the model has no LoRA layers: influence is computed over LoRA weights")
         self.keep_factors = keep_factors
         self.val_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scores: torch.Tensor | None = None
@@ -68,7 +60,8 @@ class GhostHooks:
         self._handles: list = []
 
     def __enter__(self) -> "GhostHooks":
-        for i, (_, a, b) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
+            a, b = layer.a, layer.b
             self._handles.append(a.register_forward_hook(self._hook(i, "A")))
             self._handles.append(b.register_forward_hook(self._hook(i, "B")))
         return self
@@ -80,7 +73,8 @@ class GhostHooks:
 
     def capture_validation_gradient(self) -> None:
         """Take the accumulated .grad of every LoRA A and B as the validation direction, then zero it."""
-        for i, (_, a, b) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
+            a, b = layer.a, layer.b
             if a.weight.grad is None or b.weight.grad is None:
                 raise RuntimeError("no validation gradient: call backward on the validation loss first")
             self.val_grads[i] = (a.weight.grad.detach().clone(), b.weight.grad.detach().clone())
@@ -154,8 +148,8 @@ class GhostHooks:
             w = row_weights[id(rows)]  # [n]
             if w is None:
                 continue  # nothing selected in this micro-batch
-            _, a, b = self.layers[i]
-            p = a.weight if which == "A" else b.weight
+            layer = self.layers[i]
+            p = layer.a.weight if which == "A" else layer.b.weight
             if p not in self.subset:
                 self.subset[p] = torch.zeros(per.shape[1:], dtype=per.dtype, device=per.device)
             self.subset[p].view(-1).addmv_(per.reshape(per.shape[0], -1).T, w)  # += sum_i w_i grad_i
@@ -188,7 +182,7 @@ def influence_scores(
     No per-sample gradient is materialised. Leaves the parameters' .grad as it found them (None).
     Returns [N] float64.
     """
-    params = [p for _, a, b in lora_layers(model) for p in (a.weight, b.weight)]
+    params = [p for layer in lora_layers(model) for p in (layer.a.weight, layer.b.weight)]
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None

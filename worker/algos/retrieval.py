@@ -62,8 +62,9 @@ def retriever_loss(
     ratio = torch.exp(logp - old_logp)  # [k]
     surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
     loss = -surrogate.mean()
-    kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    if logits is not None and ref_logits is not None:
+    stats = {"retriever/ratio_mean": ratio.detach().mean()}
+    if logits is not None and ref_logits is not None:  # measured only against a reference
         kl = categorical_kl(logits, ref_logits)
         loss = loss + kl_coef * kl
-    return loss, {"retriever/loss": loss.detach(), "retriever/kl": kl.detach(), "retriever/ratio_mean": ratio.detach().mean()}
+        stats["retriever/kl"] = kl.detach()
+    return loss, {"retriever/loss": loss.detach(), **stats}

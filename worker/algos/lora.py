@@ -1,0 +1,32 @@
+"""Where a model's LoRA weights are: the one place that knows how peft lays them out."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LoraLayer(NamedTuple):
+    """One adapted linear layer: o = base(x) + scaling * B(A(dropout(x)))."""
+
+    name: str  # the module's qualified name
+    module: torch.nn.Module  # the peft layer: .base_layer holds W0
+    a: torch.nn.Linear  # A: [r, d_in]
+    b: torch.nn.Linear  # B: [d_out, r]
+    scaling: float
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """A peft model: its trained weights are an adapter over a frozen base."""
+    return hasattr(model, "peft_config")
+
+
+def lora_layers(model: torch.nn.Module, adapter: str = "default") -> list[LoraLayer]:
+    """Every LoRA layer of the model's `adapter` (empty for a model without one)."""
+    out = []
+    for name, m in model.named_modules():
+        a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
+        if isinstance(a, torch.nn.ModuleDict) and adapter in a and isinstance(a[adapter], torch.nn.Linear):
+            out.append(LoraLayer(name, m, a[adapter], b[adapter], float(m.scaling[adapter])))
+    return out

@@ -1,0 +1,100 @@
+"""Checkpoint folders: what a loop saves, how a resumed attempt or `model.init_from` reads it back.
+
+A folder `step-N/` holds the trained weights (a peft adapter folder with LoRA, a transformers folder
+otherwise) with the tokenizer, `<name>.safetensors` for each other trained module (the joint loop's
+retriever), and `trainer_state.pt` (optimizers, schedulers, step, counters). It is written to
+`step-N.tmp/` and renamed, so a crash never leaves a half checkpoint that looks whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from worker.algos.lora import is_lora
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """What `load_checkpoint` restored besides the weights."""
+
+    step: int
+    opt_steps: int | None  # optimizer steps taken (absent from checkpoints of older versions)
+
+
+@dataclass
+class Trainables:
+    """Everything a checkpoint saves and a resume restores, by name ("policy" is the model)."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
+    modules: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int) -> tuple[str, int]:
+    """Write checkpoint folder `path`. Returns (format, size in bytes)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    t.model.save_pretrained(tmp, safe_serialization=True)
+    if t.tokenizer is not None:
+        t.tokenizer.save_pretrained(tmp)
+    for name, module in t.modules.items():
+        save_model(module, str(tmp / f"{name}.safetensors"))
+    torch.save({"step": step,
+                "optimizers": {k: o.state_dict() for k, o in t.optimizers.items()},
+                "schedulers": {k: s.state_dict() for k, s in t.schedulers.items()},
+                "extra": {"opt_steps": opt_steps}}, tmp / STATE_FILE)
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return ("peft-lora" if is_lora(t.model) else "transformers"), _dir_size(path)
+
+
+def load_weights(path: Path, *, model: torch.nn.Module) -> None:
+    """The trained weights of a checkpoint folder: the adapter with LoRA, else the full model."""
+    path = Path(path)
+    if is_lora(model):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    else:
+        load_model(model, path / "model.safetensors", strict=False)
+
+
+def load_checkpoint(path: Path, t: Trainables) -> SavedState:
+    """Restore weights, other modules, optimizer and scheduler states from folder `path`."""
+    path = Path(path)
+    load_weights(path, model=t.model)
+    for name, module in t.modules.items():
+        if (path / f"{name}.safetensors").exists():
+            load_model(module, str(path / f"{name}.safetensors"))
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    for k, o in t.optimizers.items():
+        if k in state["optimizers"]:
+            o.load_state_dict(state["optimizers"][k])
+    for k, s in t.schedulers.items():
+        if k in state["schedulers"]:
+            s.load_state_dict(state["schedulers"][k])
+    return SavedState(int(state["step"]), state["extra"].get("opt_steps"))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint folder under `root`."""
+    if not root.exists():
+        return None
+    done = [p for p in root.glob("step-*") if (p / STATE_FILE).exists() and p.name[5:].isdigit()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)

@@ -1,0 +1,36 @@
+"""Greedy evaluation on the validation split: eval/reward_mean and eval/accuracy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from worker import rewards
+from worker.datasets import Example
+from worker.loops.rollouts import prompt_for
+from worker.loops.setup import Setup
+
+
+@torch.no_grad()
+def greedy_completions(s: Setup, prompts: list[str]) -> list[str]:
+    """One greedy completion per prompt from the rollout copy, synced with the policy first."""
+    s.engine.sync(s.model)
+    bs = max(1, s.spec.grpo.micro_batch_size * 2)
+    return [c for i in range(0, len(prompts), bs) for c in s.engine.generate(prompts[i:i + bs], 1, greedy=True).completions]
+
+
+def score_completions(s: Setup, completions: list[str], examples: list[Example]) -> dict[str, float]:
+    """eval/reward_mean (the job's weighted rewards) and eval/accuracy (numeric match on arith,
+    exact match elsewhere) of one completion per example."""
+    correct = rewards.numeric_match if s.spec.dataset.name == "arith" else rewards.exact_match
+    scored = rewards.score(completions, [ex.answers for ex in examples], s.weights)
+    finite = [v for v in scored.total if not math.isnan(v)]
+    return {"eval/reward_mean": sum(finite) / max(1, len(finite)),
+            "eval/accuracy": sum(correct(c, ex.answers) for c, ex in zip(completions, examples)) / max(1, len(examples))}
+
+
+def evaluate(s: Setup) -> dict[str, float]:
+    """The first grpo.eval_prompts validation examples, answered greedily."""
+    examples = s.task.val[: s.spec.grpo.eval_prompts]
+    return score_completions(s, greedy_completions(s, [prompt_for(s, ex) for ex in examples]), examples)

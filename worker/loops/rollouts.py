@@ -1,0 +1,194 @@
+"""Collecting a step's rollouts: sample groups, score them, drop groups with no signal, refill.
+
+Every kind samples in *units* that each yield groups of G completions: a prompt is one unit of one
+group (GRPO, TracIn); a joint query is one unit of k groups, one per retrieved document. A unit
+whose groups' rewards all tie carries no signal and, with `grpo.drop_zero_std_groups`, is dropped
+and replaced by a fresh one, up to `grpo.max_refill_rounds` extra rounds; a tied group inside a
+kept unit stays in the batch (the joint retriever needs its reward) but is left out of training.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from service.store.records import SampleRow
+from worker import rewards
+from worker.algos.advantages import group_advantages, zero_std_groups
+from worker.datasets import Example, render_prompt
+from worker.loops.setup import Setup
+from worker.reporting import Reporter
+from worker.rollout import RolloutBatch
+
+U = TypeVar("U")  # what a loop needs back about each unit: the Example, or a joint query's retrieval
+
+
+@dataclass(frozen=True)
+class Drawn(Generic[U]):
+    """One generate call's groups, unit-major: groups_per_unit consecutive groups per unit."""
+
+    batch: RolloutBatch  # [n_groups * G] completions, group-major
+    examples: list[Example]  # [n_groups] what each group is scored against
+    prompts: list[str]  # [n_groups] the text each group was sampled from
+    units: list[U]  # [n_units]
+    groups_per_unit: int = 1
+
+
+Draw = Callable[[int], Drawn[U]]  # n_units -> their groups, sampled
+
+
+@dataclass(frozen=True)
+class Rollouts(Generic[U]):
+    """One step's scored rollouts, group-major: row i belongs to group i // G."""
+
+    batch: RolloutBatch  # [N = n_groups * G]
+    examples: list[Example]  # [n_groups]
+    prompts: list[str]  # [n_groups]
+    units: list[U]  # [n_units]
+    groups_per_unit: int
+    group_size: int  # G
+    rewards: torch.Tensor  # [N], excluded completions hold their group's mean
+    advantages: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N, T]
+    per_fn: dict[str, list[float]]  # reward name -> [N] (NaN where it could not score)
+    train_rows: list[int]  # rows that enter the loss (all, unless tied groups are dropped)
+    frac_zero_std: float  # tied groups among the first round's
+    refill_rounds: int  # generate calls beyond the first
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def metrics(self) -> dict[str, float]:
+        r = self.rewards
+        m = {"reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
+             "frac_reward_zero_std": self.frac_zero_std, "advantage/abs_mean": float(self.advantages.abs().mean()),
+             "completions/mean_length": float(self.batch.completion_mask.sum(1).float().mean()),
+             "completions/clipped_ratio": float(self.batch.truncated.float().mean()),
+             "rollout/refill_rounds": float(self.refill_rounds)}
+        for name, vals in self.per_fn.items():
+            finite = [v for v in vals if not math.isnan(v)]
+            if finite:
+                m[f"reward/{name}/mean"] = sum(finite) / len(finite)
+        return m
+
+    def sample_rows(self, n: int, *, influence: list[float] | None = None, selected: list[bool] | None = None,
+                    extra: Callable[[int], dict[str, Any]] | None = None) -> list[SampleRow]:
+        """The first n completions as records; `extra(group)` adds what a kind knows about a group."""
+        G = self.group_size
+        return [SampleRow(index=i, prompt=self.prompts[i // G], completion=self.batch.completions[i],
+                          reward=float(self.rewards[i]), advantage=float(self.advantages[i]),
+                          influence=None if influence is None else float(influence[i]),
+                          selected=None if selected is None else bool(selected[i]),
+                          extra=None if extra is None else extra(i // G))
+                for i in range(min(n, len(self.batch)))]
+
+
+@dataclass
+class _Scored:
+    """A Drawn after scoring."""
+
+    drawn: Drawn
+    rewards: torch.Tensor  # [N]
+    excluded: torch.Tensor  # [N] bool: a reward function raised on it
+    per_fn: dict[str, list[float]] = field(default_factory=dict)
+
+    def keep_units(self, keep: torch.Tensor, G: int) -> "_Scored":
+        """The groups of units where keep [n_units] is True."""
+        d = self.drawn
+        groups = keep.repeat_interleave(d.groups_per_unit)  # [n_groups]
+        rows = torch.arange(len(d.batch)).view(-1, G)[groups].reshape(-1)
+        g_idx = groups.nonzero().flatten().tolist()
+        kept = replace(d, batch=d.batch.select(rows), examples=[d.examples[i] for i in g_idx],
+                       prompts=[d.prompts[i] for i in g_idx], units=[u for u, k in zip(d.units, keep) if k])
+        r = rows.tolist()
+        return _Scored(kept, self.rewards[rows], self.excluded[rows], {n: [v[i] for i in r] for n, v in self.per_fn.items()})
+
+
+def prompt_for(s: Setup, ex: Example) -> str:
+    return render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+
+
+def score_groups(completions: list[str], examples: list[Example], G: int, weights: dict[str, float],
+                 reporter: Reporter, step: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+    """Rewards [N] and an exclusion mask [N] (True = a reward function raised on it)."""
+    answers = [ex.answers for ex in examples for _ in range(G)]
+    scored = rewards.score(completions, answers, weights)
+    if scored.failures:
+        reporter.event("warning", f"{len(scored.failures)} reward evaluations raised at step {step}; "
+                       "those completions are excluded from the loss", level="warning",
+                       data={"failures": [{"index": i, "reward": n, "error": e} for i, n, e in scored.failures[:20]]})
+    r = torch.tensor(scored.total, dtype=torch.float32)
+    excluded = torch.isnan(r)
+    if excluded.any():  # excluded completions take their group's mean: zero advantage, no effect on the baseline
+        grouped = r.view(-1, G)
+        means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
+        r = torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
+    return r, excluded, scored.per_fn
+
+
+def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
+    """Units are prompts drawn (with replacement, seeded by `seed_tag`) from `pool`; one group each."""
+    rng = random.Random(seed_tag)
+
+    def draw(n: int) -> Drawn[Example]:
+        examples = [pool[rng.randrange(len(pool))] for _ in range(n)]
+        prompts = [prompt_for(s, ex) for ex in examples]
+        return Drawn(s.engine.generate(prompts, G), examples, prompts, examples)
+
+    return draw
+
+
+def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, units: int, group_size: int,
+                     drop_zero_std: bool | None = None) -> Rollouts[U] | None:
+    """`units` units' groups, scored, with group-normalised advantages; None when every unit tied.
+
+    With dropping (default: grpo.drop_zero_std_groups), tied units are replaced by fresh ones for
+    up to grpo.max_refill_rounds more rounds, and tied groups of kept units are left out of training.
+    """
+    g, G = s.spec.grpo, group_size
+    drop = g.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
+    kept: list[_Scored] = []
+    frac_zero: float | None = None
+    need, rounds = units, 0
+    while need > 0:
+        d = draw(need)
+        if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
+            raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
+                               f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
+        r, excluded, per_fn = score_groups(d.batch.completions, d.examples, G, s.weights, reporter, step)
+        tied = zero_std_groups(r, G)  # [n_groups]
+        frac_zero = float(tied.float().mean()) if frac_zero is None else frac_zero
+        keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
+        if keep.any():
+            kept.append(_Scored(d, r, excluded, per_fn).keep_units(keep, G))
+        need -= int(keep.sum())
+        rounds += 1
+        if need > 0 and rounds > g.max_refill_rounds:
+            break
+    if not kept:
+        return None
+    batch = RolloutBatch.cat([k.drawn.batch for k in kept], s.tokenizer.pad_token_id)
+    r = torch.cat([k.rewards for k in kept])  # [N]
+    excluded = torch.cat([k.excluded for k in kept])  # [N]
+    adv = group_advantages(r, G, normalize=g.normalize_advantages, eps=g.advantage_eps)  # [N]
+    grouped_adv = adv.view(-1, G)  # [n_groups, G]
+    if not torch.allclose(grouped_adv.mean(dim=1), torch.zeros(len(grouped_adv)), atol=1e-4):
+        raise RuntimeError(f"step {step}: group advantages are not centred (rewards {r.view(-1, G)[:3].tolist()})")
+    loss_mask = batch.completion_mask.clone()
+    if g.mask_truncated_completions:
+        loss_mask[batch.truncated] = 0
+    loss_mask[excluded] = 0
+    tied = zero_std_groups(r, G)  # [n_groups]
+    train_rows = torch.arange(len(batch)).view(-1, G)[~tied].reshape(-1).tolist() if drop else list(range(len(batch)))
+    reporter.event("groups", f"first groups of step {step}", level="debug", data={
+        "rewards": r.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
+    first = kept[0].drawn
+    return Rollouts(batch, [ex for k in kept for ex in k.drawn.examples], [p for k in kept for p in k.drawn.prompts],
+                    [u for k in kept for u in k.drawn.units], first.groups_per_unit, G, r, adv, loss_mask,
+                    {name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn}, train_rows,
+                    frac_zero or 0.0, rounds - 1)

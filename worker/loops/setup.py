@@ -1,0 +1,106 @@
+"""What a loop builds once per job: policy, rollout copy, reference, optimizer, data; and resuming it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from service.settings import Settings
+from service.specs import GRPOJob, JointJob, TracInJob
+from worker import allocator
+from worker.algos.lora import is_lora
+from worker.checkpoints import Trainables, latest_checkpoint, load_checkpoint, load_weights
+from worker.datasets import TaskData, load_task
+from worker.models import load_policy
+from worker.reporting import Reporter
+from worker.rollout import RolloutEngine, SamplingParams
+from worker.training import make_optimizer, make_scheduler, trainable
+
+AnySpec = GRPOJob | TracInJob | JointJob
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a loop builds once per job."""
+
+    spec: AnySpec
+    model: torch.nn.Module  # the trained policy (a peft model with LoRA)
+    tokenizer: PreTrainedTokenizerBase
+    engine: RolloutEngine  # the frozen rollout copy: samples, and old_logp from the second epoch on
+    ref_model: torch.nn.Module | None  # a frozen copy for full fine-tuning with KL; LoRA disables the adapter instead
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    task: TaskData
+    weights: dict[str, float]  # reward name -> weight
+    device: torch.device
+    extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
+    extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+
+    @property
+    def with_reference(self) -> bool:
+        """KL to the reference is measured: in the loss (kl_coef > 0) or asked for (grpo.measure_kl)."""
+        g = self.spec.grpo
+        return g.kl_coef > 0 or g.measure_kl
+
+    def trainables(self) -> Trainables:
+        """What a checkpoint holds."""
+        return Trainables(self.model, self.tokenizer, {"policy": self.optimizer, **self.extra_optimizers},
+                          {"policy": self.scheduler}, dict(self.extra))
+
+
+def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskData | None = None,
+          extra: dict[str, torch.nn.Module] | None = None,
+          extra_optimizers: dict[str, torch.optim.Optimizer] | None = None) -> Setup:
+    """Load the policy (and `model.init_from`'s weights), the rollout copy, the reference, the
+    optimizer and schedule, and the task (unless the loop loaded its own)."""
+    g = spec.grpo
+    device = torch.device(spec.devices.policy)
+    model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed,
+                             model_roots=settings.model_roots)
+    if (init := spec.model.init_from) is not None:  # train on from an earlier checkpoint of the owner's
+        load_weights(reporter.init_checkpoint(init.job, init.step), model=model)
+        reporter.event("initialised", f"weights from job {init.job}, step {init.step}",
+                       data={"job": init.job, "step": init.step})
+    if device.type == "cpu" and settings.keep_freed_memory:
+        allocator.release_freed_memory()  # what loading and converting the weights used
+        allocator.keep_freed_memory()  # from here on, each step reuses the pages of the last one
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
+                   data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None})
+    params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                            top_k=g.top_k, stop=tuple(g.stop))
+    engine = RolloutEngine(model, tok, spec.devices.rollout or spec.devices.policy, params)
+    ref = None
+    if (g.kl_coef > 0 or g.measure_kl) and not is_lora(model):
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
+    sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,
+                           total=g.steps * g.epochs_per_rollout_batch)
+    weights = {r.name: r.weight for r in spec.reward_specs()}
+    if task is None:
+        task = load_task(spec.dataset, settings=settings, reward_names=list(weights))
+    return Setup(spec, model, tok, engine, ref, opt, sched, task, weights, device, dict(extra or {}),
+                 dict(extra_optimizers or {}))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where an attempt starts: step 0, or the last checkpoint of an earlier attempt."""
+
+    step: int = 0
+    opt_steps: int = 0  # optimizer steps already taken (epochs count separately)
+
+
+def resume(s: Setup, reporter: Reporter) -> Resumed:
+    """Restore the job's latest checkpoint, if an earlier attempt left one."""
+    ckpt = latest_checkpoint(reporter.checkpoint_root)
+    if ckpt is None:
+        return Resumed()
+    state = load_checkpoint(ckpt, s.trainables())
+    reporter.event("resumed", f"resumed from checkpoint at step {state.step}", data={"step": state.step})
+    opt_steps = state.opt_steps if state.opt_steps is not None else state.step * s.spec.grpo.epochs_per_rollout_batch
+    return Resumed(state.step, opt_steps)

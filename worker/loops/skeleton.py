@@ -1,0 +1,130 @@
+"""The step skeleton every loop shares, as small functions a loop calls in order:
+
+    run = start(...)                        # build, resume, sparsity tracker, evaluation at step 0
+    for step in run.steps():
+        if stopped := stop_requested(run, step): return stopped
+        ...what the kind does: rollouts, update...
+        finish_step(run, step, metrics, ...)   # or skip_step(...) when there was nothing to learn
+    return finish(run)                      # the final checkpoint
+
+A loop stays readable top to bottom: only what is particular to its method sits between them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from service.store.records import SampleRow
+from worker.checkpoints import save_checkpoint
+from worker.loops.setup import Setup, resume
+from worker.reporting import LoopResult, Reporter
+from worker.sparsity_hook import SparsityTracker
+
+Evaluate = Callable[[], dict[str, float]]
+
+
+@dataclass
+class Run:
+    """A job's loop in progress: what was built, where results go, and how far it got."""
+
+    s: Setup
+    reporter: Reporter
+    evaluate: Evaluate  # greedy evaluation on the validation split -> eval/* metrics
+    start_step: int = 0  # the last step done by an earlier attempt (0: a fresh start)
+    opt_steps: int = 0  # optimizer steps taken (epochs count separately)
+    tracker: SparsityTracker | None = None
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    def steps(self) -> range:
+        return range(self.start_step + 1, self.s.spec.grpo.steps + 1)
+
+    def after_optimizer_step(self) -> None:
+        self.opt_steps += 1
+        if self.tracker is not None:
+            self.tracker.on_optimizer_step(self.opt_steps)
+
+
+def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
+    """Resume from the last checkpoint if there is one; else evaluate before the first step (step 0)."""
+    resumed = resume(s, reporter)
+    run = Run(s, reporter, evaluate, resumed.step, resumed.opt_steps)
+    if s.spec.sparsity is not None:
+        run.tracker = SparsityTracker(s.spec.sparsity, s, reporter, start_step=run.opt_steps)
+    if run.start_step == 0:
+        run.last_eval = evaluate()
+        reporter.metrics(0, run.last_eval)
+    return run
+
+
+def save(run: Run, step: int) -> None:
+    """Checkpoint folder step-N, its row in the store, and an event."""
+    path = run.reporter.checkpoint_root / f"step-{step}"
+    fmt, size = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps)
+    run.reporter.checkpoint(step, path, fmt, size)
+    run.reporter.event("checkpoint", f"checkpoint at step {step} ({size / 1e6:.1f} MB)",
+                       data={"step": step, "format": fmt, "size_bytes": size})
+
+
+def stop_requested(run: Run, step: int) -> LoopResult | None:
+    """Cooperative cancel, checked between steps: checkpoint what was done and say so (the runner
+    records the final `cancelled`)."""
+    if not run.reporter.should_stop():
+        return None
+    save(run, step - 1)
+    run.reporter.event("stopping", f"cancel requested: stopped before step {step}; checkpoint saved")
+    return LoopResult("cancelled", step - 1, run.last_eval)
+
+
+@dataclass
+class StepTimer:
+    """Wall-clock phases of one step."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+
+    def rollouts_done(self) -> None:
+        self.rollout_s = time.perf_counter() - self.t0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer: StepTimer,
+              samples: Sequence[SampleRow] = ()) -> None:
+    """A step with nothing to learn from: no update, a warning event, what was measured."""
+    run.reporter.event("skipped", f"step {step}: {why}; no update", level="warning")
+    run.reporter.metrics(step, {**metrics, "time/rollout_s": timer.rollout_s, "time/step_s": timer.elapsed()})
+    if samples:
+        run.reporter.samples(step, list(samples))
+    run.reporter.progress(step)
+
+
+def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTimer, tokens: float,
+                samples: Sequence[SampleRow] = ()) -> None:
+    """The end of every step: sparsity, evaluation when due, timings, samples, progress, checkpoint."""
+    g = run.s.spec.grpo
+    metrics = dict(metrics)
+    if run.tracker is not None:
+        metrics.update(run.tracker.pop_metrics())
+    if g.eval_every and step % g.eval_every == 0 or step == g.steps:
+        run.last_eval = run.evaluate()
+        metrics.update(run.last_eval)
+    dt = timer.elapsed()
+    metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/step_s": dt,
+                    "throughput/tokens_per_s": tokens / dt})
+    run.reporter.metrics(step, metrics)
+    if samples:
+        run.reporter.samples(step, list(samples))
+    run.reporter.progress(step)
+    if g.checkpoint_every and step % g.checkpoint_every == 0 and step != g.steps:
+        save(run, step)
+
+
+def finish(run: Run) -> LoopResult:
+    """The final checkpoint; the result the runner records."""
+    steps = run.s.spec.grpo.steps
+    save(run, steps)
+    return LoopResult("succeeded", steps, run.last_eval)

@@ -1,0 +1,107 @@
+"""The policy update: old and reference log-probs, epochs of micro-batched GRPO-Clip, the optimizer step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from worker.algos.losses import Normaliser, TokenStats, sample_losses
+from worker.loops.rollouts import Rollouts
+from worker.loops.setup import Setup
+from worker.loops.skeleton import Run
+from worker.rollout import RolloutBatch, sequence_logprobs
+from worker.training import grad_norm
+
+
+def micro_batches(rows: list[int], size: int, *, shuffle_seed: int | None = None) -> list[list[int]]:
+    """`rows` in chunks of `size`, shuffled first when a seed is given."""
+    order = list(rows)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
+    """ref_logp [N, T] under the frozen reference (the base model with the adapter disabled, or a
+    copy), or None when KL is neither in the loss nor asked for."""
+    if not s.with_reference:
+        return None
+    g = s.spec.grpo
+    parts = []
+    with torch.no_grad():
+        for rows in micro_batches(list(range(len(batch))), g.micro_batch_size):
+            mb = batch.select(rows).to(s.device)
+            if s.ref_model is None:
+                with s.model.disable_adapter():
+                    parts.append(sequence_logprobs(s.model, mb, g.temperature)[0])
+            else:
+                parts.append(sequence_logprobs(s.ref_model, mb, g.temperature)[0])
+    return torch.cat(parts)
+
+
+def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
+    """old_logp [N, T] from the rollout copy, needed from the second epoch on. With a single epoch
+    the rollout copy holds exactly the policy's weights (synced at the start of the step), so the
+    first training forward's detached log-probs are old_logp and the extra pass is skipped."""
+    g = s.spec.grpo
+    if g.epochs_per_rollout_batch == 1:
+        return None
+    return s.engine.logprobs(ro.batch, g.micro_batch_size)
+
+
+def optimizer_step(run: Run) -> float:
+    """Clip the accumulated gradient (grpo.max_grad_norm), step the optimizer and the schedule.
+    Returns the gradient norm before clipping."""
+    s = run.s
+    params = [p for group in s.optimizer.param_groups for p in group["params"]]
+    max_norm = s.spec.grpo.max_grad_norm
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
+    s.optimizer.step()
+    s.scheduler.step()
+    run.after_optimizer_step()
+    return norm
+
+
+def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
+                 *, rows: list[int] | None = None, norm_rows: list[int] | None = None) -> dict[str, float]:
+    """epochs_per_rollout_batch passes over `rows` of the batch (default: its train_rows), each one
+    optimizer step with gradient accumulation over micro-batches. Every micro-batch's loss is its
+    samples' shares of the loss of `norm_rows` (default: `rows`), so the accumulated gradient is that
+    loss's gradient; TracIn passes all rows as norm_rows, so selected samples keep their weight."""
+    s, g = run.s, run.s.spec.grpo
+    rows = ro.train_rows if rows is None else rows
+    norm = Normaliser.of(ro.loss_mask[norm_rows if norm_rows is not None else rows], g.loss_agg)
+    s.model.train()
+    totals = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0}
+    tokens, norms, ent = TokenStats(), [], 0.0
+    for epoch in range(g.epochs_per_rollout_batch):
+        s.optimizer.zero_grad(set_to_none=True)
+        seed = None if epoch == 0 else hash((g.seed, step, epoch)) % 2**31
+        for idx in micro_batches(rows, g.micro_batch_size, shuffle_seed=seed):
+            mb = ro.batch.select(idx).to(s.device)
+            mask = ro.loss_mask[idx].to(s.device)
+            logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=True)
+            # old_logp None: one epoch, so the rollout weights are the policy's and old = logp.detach()
+            old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
+            parts = sample_losses(logp, old, ro.advantages[idx].to(s.device), mask, norm,
+                                  ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
+                                  clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
+            loss = parts.loss.sum()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()} at step {step} (epoch {epoch}); "
+                                         "lower grpo.learning_rate or check the rewards")
+            loss.backward()
+            totals["loss/total"] += float(loss.detach())
+            totals["loss/policy"] += float(parts.policy.sum())
+            if parts.kl is not None:
+                totals["kl"] += float(parts.kl.sum())
+            tokens += parts.tokens
+            ent += float((e * mask).sum())
+        norms.append(optimizer_step(run))
+    epochs = g.epochs_per_rollout_batch
+    out = {k: v / epochs for k, v in totals.items() if k != "kl" or ref_logp is not None}
+    out.update(tokens.metrics())
+    out.update({"entropy": ent / max(tokens.tokens, 1.0), "grad_norm": sum(norms) / len(norms),
+                "lr": s.scheduler.get_last_lr()[0]})
+    return out

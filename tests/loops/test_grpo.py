@@ -93,3 +93,23 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
     for key in ("reward/mean", "loss/total", "kl", "entropy", "grad_norm", "ratio/mean"):
         assert key in step1 and step1[key] == step1[key]  # present and not NaN
     assert step1["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, digit_reward):
+    """kl_coef 0: no reference pass and no `kl`, unless grpo.measure_kl asks for it; measuring
+    it leaves the update unchanged."""
+    spec = {"model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"num_train": 20, "num_val": 2},
+            "rewards": [{"name": "digit_share"}],
+            "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 5,
+                     "learning_rate": 1e-2, "eval_prompts": 2}}
+    settings = settings_factory()
+    plain, measured = tmp_path / "plain", tmp_path / "measured"
+    _run(spec, plain, settings)
+    _run({**spec, "grpo": {**spec["grpo"], "measure_kl": True}}, measured, settings)
+    assert all("kl" not in m["metrics"] for m in _metrics(plain))
+    kls = [m["metrics"]["kl"] for m in _metrics(measured) if m["step"] > 0]
+    assert len(kls) == 2 and kls[0] == pytest.approx(0.0, abs=1e-7) and kls[1] > 0  # the adapter starts as a no-op
+    a = load_file(plain / "checkpoints" / "step-2" / "adapter_model.safetensors")
+    b = load_file(measured / "checkpoints" / "step-2" / "adapter_model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])

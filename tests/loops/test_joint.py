@@ -81,3 +81,43 @@ def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory
     metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
     start, end = metrics[0]["eval/retriever_recall_at_1"], metrics[5]["eval/retriever_recall_at_1"]
     assert start <= 0.5 and end >= start + 0.3, (start, end)
+
+
+def test_joint_drops_queries_and_document_groups_with_no_signal(tmp_path, settings_factory, monkeypatch):
+    """A reward that ties for every answer to some questions: with drop_zero_std_groups those
+    queries are replaced by fresh ones, so every kept query's k * G rewards carry signal."""
+    from service import specs
+    from worker import rewards as R
+
+    def some_questions_tie(completion, answers):
+        return 0.5 if len(answers[0]) % 2 else len(set(completion)) / 10
+
+    monkeypatch.setitem(R.REGISTRY, "some_tie", R.RewardInfo(some_questions_tie))
+    monkeypatch.setattr(specs, "REWARDS", (*specs.REWARDS, "some_tie"))
+    spec = _spec()
+    spec["rewards"] = [{"name": "some_tie"}]
+    spec["grpo"].update(steps=2, prompts_per_step=3, samples_per_step=64, drop_zero_std_groups=True,
+                        max_refill_rounds=8)
+    joint.run(JointJob.model_validate(spec), FileReporter(tmp_path), settings=settings_factory())
+    metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
+    assert any(metrics[s]["rollout/refill_rounds"] > 0 for s in (1, 2))
+    assert any(metrics[s]["frac_reward_zero_std"] > 0 for s in (1, 2))
+    k, G = 3, 3
+    for step in (1, 2):
+        rewards = [x["reward"] for x in _lines(tmp_path / "samples.jsonl") if x["step"] == step]
+        assert rewards and len(rewards) % (k * G) == 0
+        queries = [rewards[i:i + k * G] for i in range(0, len(rewards), k * G)]
+        assert all(max(q) > min(q) for q in queries), queries
+
+
+def test_a_cancelled_joint_job_says_so_once(tmp_path, settings_factory, digit_reward):
+    class StopAfterOne(FileReporter):
+        def should_stop(self):
+            return (self.out / "metrics.jsonl").exists() and len(_lines(self.out / "metrics.jsonl")) >= 2
+
+    result = joint.run(JointJob.model_validate(_spec()), StopAfterOne(tmp_path), settings=settings_factory())
+    assert (result.status, result.step) == ("cancelled", 1)
+    events = [e["type"] for e in _lines(tmp_path / "events.jsonl")]
+    # the loop checkpoints and says it is stopping; the runner records the one `cancelled`
+    assert events.count("stopping") == 1 and "cancelled" not in events
+    assert (tmp_path / "checkpoints" / "step-1" / "retriever.safetensors").exists()

@@ -1,0 +1,73 @@
+"""The shared rollout collector on hand-made groups: what is dropped, refilled and trained on."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from service.specs import GRPOSpec
+from worker.datasets import Example
+from worker.loops.rollouts import Drawn, collect_rollouts
+from worker.reporting import Reporter
+from worker.rollout import RolloutBatch
+
+G, K = 2, 3  # completions per group, groups per unit (a joint query's k documents)
+
+
+def _batch(texts: list[str]) -> RolloutBatch:
+    n = len(texts)
+    return RolloutBatch(torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.long),
+                        torch.ones(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long),
+                        torch.zeros(n, dtype=torch.bool), texts)
+
+
+def _setup(**grpo) -> SimpleNamespace:
+    return SimpleNamespace(spec=SimpleNamespace(grpo=GRPOSpec(**grpo)), weights={"digit_share": 1.0},
+                           tokenizer=SimpleNamespace(pad_token_id=0))
+
+
+def _drawer(units: list[list[list[str]]]):
+    """Hands out the given units in order: each a list of K groups of G completions."""
+    queue, calls = list(units), []
+
+    def draw(n: int) -> Drawn[str]:
+        taken = [queue.pop(0) for _ in range(n)]
+        calls.append(n)
+        groups = [grp for unit in taken for grp in unit]
+        return Drawn(_batch([c for grp in groups for c in grp]), [Example("q", ["a"]) for _ in groups],
+                     [f"p{len(calls)}" for _ in groups], [str(u) for u in taken], groups_per_unit=K)
+
+    return draw, calls
+
+
+TIED = [["aa", "aa"]] * K  # every group of the unit ties: no signal at all
+MIXED = [["1a", "aa"], ["aa", "aa"], ["11", "a1"]]  # its middle group ties
+
+
+@pytest.mark.usefixtures("digit_reward")
+def test_tied_units_are_replaced_and_tied_groups_left_out_of_training():
+    draw, calls = _drawer([MIXED, TIED, TIED, MIXED])
+    s = _setup(drop_zero_std_groups=True, max_refill_rounds=2, num_generations=G)
+    ro = collect_rollouts(s, 1, Reporter(), draw, units=2, group_size=G)
+    assert calls == [2, 1, 1]  # the second unit, then its replacement, tied
+    assert ro.refill_rounds == 2 and len(ro.units) == 2 and len(ro) == 2 * K * G
+    assert ro.frac_zero_std == pytest.approx(4 / 6)  # the first round: 1 + 3 of 6 groups tied
+    # the tied middle group of each kept unit stays in the batch (its reward counts for the
+    # retriever) but not in training
+    assert ro.train_rows == [0, 1, 4, 5, 6, 7, 10, 11]
+    assert ro.rewards.view(-1, G)[1].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.usefixtures("digit_reward")
+def test_without_dropping_every_group_is_kept_and_trained_on():
+    draw, calls = _drawer([MIXED, TIED])
+    ro = collect_rollouts(_setup(num_generations=G), 1, Reporter(), draw, units=2, group_size=G)
+    assert calls == [2] and ro.refill_rounds == 0 and ro.train_rows == list(range(2 * K * G))
+
+
+@pytest.mark.usefixtures("digit_reward")
+def test_nothing_to_learn_after_the_last_refill_round():
+    draw, calls = _drawer([TIED] * 3)
+    s = _setup(drop_zero_std_groups=True, max_refill_rounds=2, num_generations=G)
+    assert collect_rollouts(s, 1, Reporter(), draw, units=1, group_size=G) is None
+    assert calls == [1, 1, 1]

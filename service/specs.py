@@ -61,6 +61,16 @@ class _Section(BaseModel):
         return storable(v)
 
 
+def reject_unused(section: BaseModel, where: str, fields: tuple[str, ...], unless: str) -> None:
+    """A setting this job would ignore is a mistake to report, not a value to drop: refuse any of
+    `fields` of `section` that differs from its default (`unless`: when it would take effect)."""
+    changed = [f"{where}.{f}" for f in fields
+               if getattr(section, f) != type(section).model_fields[f].get_default(call_default_factory=True)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} would have no effect: {'it applies' if len(changed) == 1 else 'they apply'} "
+                         f"only {unless}; remove {'it' if len(changed) == 1 else 'them'}")
+
+
 def unavailable_model(what: str, name: str, presets: tuple[str, ...]) -> str:
     """The one message for a model that is missing or not allowed (so neither can be told apart)."""
     return (f"{what} {name!r} is not available: use a bundled preset ({', '.join(presets)}), a folder "
@@ -160,6 +170,14 @@ class DatasetSpec(_Section):
     def _jsonl_needs_path(self) -> "DatasetSpec":
         if self.name == "jsonl" and not self.path:
             raise ValueError("dataset.path is required when dataset.name is 'jsonl'")
+        if self.name != "jsonl":
+            reject_unused(self, "dataset", ("path", "corpus_path"), unless="with dataset.name 'jsonl'")
+        else:
+            reject_unused(self, "dataset", ("num_train",), unless="to generated tasks (a jsonl file trains on all its rows)")
+        if self.name != "arith":
+            reject_unused(self, "dataset", ("difficulty",), unless="with dataset.name 'arith'")
+        if self.name != "persona-facts":
+            reject_unused(self, "dataset", ("corpus_size",), unless="with dataset.name 'persona-facts'")
         return self
 
 
@@ -225,6 +243,8 @@ class GRPOSpec(_Section):
     def _schedule(self) -> "GRPOSpec":
         if self.warmup_steps > self.steps:
             raise ValueError("grpo.warmup_steps must not exceed grpo.steps")
+        if not self.drop_zero_std_groups:
+            reject_unused(self, "grpo", ("max_refill_rounds",), unless="with grpo.drop_zero_std_groups: true")
         return self
 
 
@@ -246,6 +266,12 @@ class SparsityQualitySpec(_Section):
     thresholds: list[float] | None = Field(
         None, description="Magnitude thresholds to test; default: the tracking thresholds."
     )
+
+    @model_validator(mode="after")
+    def _only_when_enabled(self) -> "SparsityQualitySpec":
+        if not self.enabled:
+            reject_unused(self, "sparsity.quality", ("probe_size", "thresholds"), unless="with enabled: true")
+        return self
 
 
 class SparsitySpec(_Section):
@@ -279,6 +305,12 @@ class TracInSpec(_Section):
     )
     fraction: float = Field(0.5, gt=0.0, le=1.0, description="top_fraction / greedy / random: share of samples kept.")
 
+    @model_validator(mode="after")
+    def _fraction(self) -> "TracInSpec":
+        if self.selection == "positive":
+            reject_unused(self, "tracin", ("fraction",), unless="to selection top_fraction, greedy and random")
+        return self
+
 
 class RetrieverSpec(_Section):
     name: str = Field("tiny-random-bert", description="Encoder: minilm-l6, tiny-random-bert, a folder under the "
@@ -306,6 +338,9 @@ class RetrieverSpec(_Section):
         if self.k < 2 and not self.generator_only:
             raise ValueError("retriever.k must be >= 2 to train the retriever: document advantages are "
                              "normalised within the k documents, so one document always gets zero")
+        if self.generator_only:  # the top k, never trained
+            reject_unused(self, "retriever", ("temperature", "learning_rate", "kl_coef", "clip_eps"),
+                          unless="to a trained retriever (generator_only: false)")
         return self
 
 

@@ -67,3 +67,30 @@ def test_job_list_carries_latest_points_when_asked(api):
     assert latest[ids[0]] == {"reward/mean": {"step": 3, "value": 0.3}}
     assert latest[ids[1]] == {}
     assert all(j["latest"] is None for j in api.get("/v1/jobs").json()["items"])
+
+
+IGNORED = [  # (spec, the section the error is on, the setting it names)
+    ({"kind": "grpo", "grpo": {"max_refill_rounds": 5}}, "grpo", "grpo.max_refill_rounds"),
+    ({"kind": "tracin", "model": {"lora": {"r": 4}}, "tracin": {"fraction": 0.3}}, "tracin", "tracin.fraction"),
+    ({"kind": "joint", "dataset": {"name": "persona-facts"},
+      "retriever": {"generator_only": True, "learning_rate": 0.1}}, "retriever", "retriever.learning_rate"),
+    ({"kind": "grpo", "sparsity": {"quality": {"probe_size": 8}}}, "sparsity.quality", "sparsity.quality.probe_size"),
+    ({"kind": "grpo", "dataset": {"corpus_size": 10}}, "dataset", "dataset.corpus_size"),
+    ({"kind": "joint", "dataset": {"name": "persona-facts", "difficulty": 2}}, "dataset", "dataset.difficulty"),
+]
+
+
+def test_settings_a_job_would_ignore_are_refused_by_name(api):
+    import json
+
+    for spec, field, name in IGNORED:
+        r = api.post("/v1/jobs", json=spec)
+        assert r.status_code == 422, (spec, r.text)
+        detail = r.json()["detail"]
+        assert any(d["field"] == field and name in d["message"] and "no effect" in d["message"] for d in detail), detail
+        v = _validate(api, json.dumps(spec), content_type="application/json").json()
+        assert not v["valid"] and name in v["message"]
+    assert api.get("/v1/jobs").json()["items"] == []  # nothing stored
+    # the same settings where they take effect are accepted
+    ok = {"kind": "grpo", "grpo": {"drop_zero_std_groups": True, "max_refill_rounds": 5}}
+    assert _validate(api, json.dumps(ok), content_type="application/json").json()["valid"]

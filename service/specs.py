@@ -146,9 +146,10 @@ class DatasetSpec(_Section):
         "distractor profile in the corpus."
     )
     difficulty: int = Field(
-        1, ge=1, le=3,
-        description="arith: 1 = one addition or subtraction of small numbers, 2 = two operations, "
-        "3 = multi-step with multiplication.",
+        1, ge=0, le=3,
+        description="arith: 0 = a one-digit sum with a one-digit answer (a warm-up that even a random model "
+        "answers right about one time in ten, so its groups' rewards differ), 1 = one addition or subtraction "
+        "of small numbers, 2 = two operations, 3 = multi-step with multiplication.",
     )
     system_prompt: str | None = Field(
         None, description="System message placed before each prompt when the tokenizer has a chat template; "

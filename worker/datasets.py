@@ -43,7 +43,12 @@ _ITEMS = ["eggs", "apples", "marbles", "stickers", "books", "pencils", "cookies"
 
 def _arith_problem(rng: random.Random, difficulty: int) -> Example:
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    if difficulty == 1:
+    if difficulty == 0:
+        a = rng.randint(0, 9)
+        b = rng.randint(0, 9 - a)
+        q = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have?"
+        ans = a + b
+    elif difficulty == 1:
         a, b = rng.randint(2, 20), rng.randint(1, 15)
         if rng.random() < 0.5:
             q = f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?"

@@ -16,7 +16,12 @@ import torch
 from service.specs import SparsitySpec
 from service.store.records import SparsityRecord
 from worker.algos.lora import lora_layers
-from worker.algos.sparsity import diff_report, logit_agreement, magnitude_mask, random_mask_like
+from worker.algos.sparsity import (
+    diff_report,
+    logit_agreement,
+    magnitude_mask,
+    random_mask_like,
+)
 from worker.datasets import render_prompt
 from worker.reporting import Reporter
 

@@ -1,9 +1,7 @@
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from service.specs import GRPOJob
@@ -13,16 +11,20 @@ from worker.loops.setup import build
 from worker.reporting import FileReporter
 from worker.sparsity_hook import SparsityTracker
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "sparsity-minimal.yaml"
+# full fine-tuning of a 2-layer model: every weight matrix is tracked
+SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "dataset": {"num_train": 40, "num_val": 4},
+        "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 4, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 16, "checkpoint_every": 2,
+                 "learning_rate": 1e-3, "eval_prompts": 4},
+        "sparsity": {"measure_interval": 2, "thresholds": [0.0, 1.0e-8, 1.0e-6, 1.0e-4], "quality": {"enabled": True}}}
 
 
 def _lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_sparsity_job_end_to_end_matches_checkpoint_diff(tmp_path, settings_factory):
-    spec = GRPOJob.model_validate(yaml.safe_load(EXAMPLE.read_text()))
-    spec.grpo.learning_rate = 1e-3
+def test_sparsity_job_end_to_end_matches_checkpoint_diff(tmp_path, settings_factory, digit_reward):
+    spec = GRPOJob.model_validate(SPEC)
     grpo.run(spec, FileReporter(tmp_path), settings=settings_factory())
     reports = _lines(tmp_path / "sparsity.jsonl")
     assert [(r["step"], r["from_step"], r["scope"]) for r in reports] == [

@@ -3,7 +3,6 @@ import json
 import pytest
 
 from service.specs import TracInJob
-from service.store.db import session_scope
 from worker.loops import tracin
 from worker.reporting import FileReporter
 

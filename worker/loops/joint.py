@@ -34,7 +34,12 @@ from service.settings import Settings
 from service.specs import JointJob
 from worker import rewards
 from worker.algos.advantages import group_advantages
-from worker.algos.retrieval import categorical_entropy, retriever_loss, sample_without_replacement, sequential_logprobs
+from worker.algos.retrieval import (
+    categorical_entropy,
+    retriever_loss,
+    sample_without_replacement,
+    sequential_logprobs,
+)
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts
@@ -150,6 +155,13 @@ def retriever_step(spec: JointJob, ro: Rollouts[Retrieval], optimizer: torch.opt
     return {**stats, "retriever/loss": float(loss.detach()), "retriever/kl": sum(kls) / len(kls)}
 
 
+def document_of(ro: Rollouts[Retrieval], index: Index, group: int) -> dict[str, str | None]:
+    """What a sample row records about the document its group answered from."""
+    pick = ro.units[group // ro.groups_per_unit]
+    return {"doc_id": index.ids[pick.documents[group % ro.groups_per_unit]],
+            "gold_doc_id": pick.query.meta.get("gold_doc_id")}
+
+
 @torch.no_grad()
 def evaluate(s: Setup, retriever: DualEncoder, index: Index) -> dict[str, float]:
     """Greedy: the top-1 document, then a greedy answer. Recall@1 where gold documents are known."""
@@ -205,11 +217,7 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings) -> LoopResult
                                           step)
         timer.train_s = timer.elapsed() - timer.rollout_s
 
-        def doc_of(group: int) -> dict:
-            pick = ro.units[group // r.k]
-            return {"doc_id": index.ids[pick.documents[group % r.k]], "gold_doc_id": pick.query.meta.get("gold_doc_id")}
-
         skeleton.finish_step(run, step, {**ro.metrics(), **train_stats, **ret_stats}, timer=timer,
                              tokens=float(ro.batch.completion_mask.sum()),
-                             samples=ro.sample_rows(g.samples_per_step, extra=doc_of))
+                             samples=ro.sample_rows(g.samples_per_step, extra=partial(document_of, ro, index)))
     return skeleton.finish(run)

@@ -12,7 +12,12 @@ from service.settings import Settings
 from service.specs import GRPOJob, JointJob, TracInJob
 from worker import allocator
 from worker.algos.lora import is_lora
-from worker.checkpoints import Trainables, latest_checkpoint, load_checkpoint, load_weights
+from worker.checkpoints import (
+    Trainables,
+    latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+)
 from worker.datasets import TaskData, load_task
 from worker.models import load_policy
 from worker.reporting import Reporter

@@ -12,44 +12,20 @@ Ends with: RESULT track_ratio=... quality_ratio=... extra_mem_mb=...
 from __future__ import annotations
 
 import argparse
-import threading
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from service.settings import get_settings
 from service.specs import GRPOJob
-from worker.loops import steps as S
+from memory import PeakRss, rss_mb  # bench/ is on the path when a bench runs
+from worker.loops.rollouts import collect_train_rollouts
+from worker.loops.setup import build
+from worker.loops.skeleton import Run
+from worker.loops.update import train_epochs
 from worker.reporting import Reporter
 from worker.sparsity_hook import SparsityTracker
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class PeakRss:
-    """Samples resident memory every 5 ms in a thread."""
-
-    def __enter__(self):
-        self.peak, self._stop = rss_mb(), threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_mb())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 def main() -> None:
@@ -73,16 +49,17 @@ def main() -> None:
     })
     rep = Reporter()
     rep.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-sparsity-"))
-    s = S.build(spec, get_settings(), rep)
-    ro = S.collect_rollouts(s, 0, rep)
-    S.train_epochs(s, ro, None, None, 0)  # warm-up
+    s = build(spec, get_settings(), rep)
+    run = Run(s, rep, evaluate=dict)
+    ro = collect_train_rollouts(s, 0, rep)
+    train_epochs(run, ro, None, None, 0)  # warm-up
 
     base_rss = rss_mb()
     with PeakRss() as peak:
         tracker = SparsityTracker(spec.sparsity, s, rep)
-        ro = S.collect_rollouts(s, 1, rep)
+        ro = collect_train_rollouts(s, 1, rep)
         t0 = time.perf_counter()
-        S.train_epochs(s, ro, None, None, 1)
+        train_epochs(run, ro, None, None, 1)
         step_s = time.perf_counter() - t0
 
         probe, tracker.probe = tracker.probe, None
@@ -90,8 +67,8 @@ def main() -> None:
         tracker.measure(1)
         track_s = time.perf_counter() - t0
         tracker.probe = probe
-        ro = S.collect_rollouts(s, 2, rep)
-        S.train_epochs(s, ro, None, None, 2)
+        ro = collect_train_rollouts(s, 2, rep)
+        train_epochs(run, ro, None, None, 2)
         t0 = time.perf_counter()
         tracker.measure(2)
         quality_s = time.perf_counter() - t0
@@ -100,7 +77,7 @@ def main() -> None:
           f"parameters: train step {step_s:.2f} s, tracking {track_s:.2f} s, tracking + quality "
           f"({len(thresholds)} thresholds x 2 masks, probe {args.probe_size}) {quality_s:.2f} s")
     print(f"RESULT track_ratio={track_s / step_s:.3f} quality_ratio={quality_s / step_s:.3f} "
-          f"extra_mem_mb={peak.peak - base_rss:.0f}")
+          f"extra_mem_mb={peak.peak_mb - base_rss:.0f}")
 
 
 if __name__ == "__main__":

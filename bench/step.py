@@ -11,7 +11,6 @@ timed too, as `old_logp_s`. Ends with: RESULT step_s=... rollout_share=... token
 from __future__ import annotations
 
 import argparse
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -20,14 +19,18 @@ import torch
 
 from service.settings import get_settings
 from service.specs import GRPOJob
-from worker.loops import steps as S
+from memory import high_water_mb  # bench/ is on the path when a bench runs
+from worker.loops.rollouts import collect_train_rollouts
+from worker.loops.setup import build
+from worker.loops.skeleton import Run
+from worker.loops.update import train_epochs
 from worker.reporting import Reporter
 
 
 def peak_mem_mb(device: str) -> float:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
+    return high_water_mb()
 
 
 def main() -> None:
@@ -50,19 +53,20 @@ def main() -> None:
     })
     reporter = Reporter()
     reporter.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-step-"))
-    s = S.build(spec, get_settings(), reporter)
-    S.collect_rollouts(s, 0, reporter)  # warm-up: allocator, kernels, tokenizer caches
+    s = build(spec, get_settings(), reporter)
+    run = Run(s, reporter, evaluate=dict)
+    collect_train_rollouts(s, 0, reporter)  # warm-up: allocator, kernels, tokenizer caches
 
     rows = []
     for step in range(1, args.repeats + 1):
         torch.manual_seed(step)
         t0 = time.perf_counter()
         s.engine.sync(s.model)
-        ro = S.collect_rollouts(s, step, reporter)
+        ro = collect_train_rollouts(s, step, reporter)
         t1 = time.perf_counter()
         s.engine.logprobs(ro.batch, spec.grpo.micro_batch_size)  # timed only: skipped with one epoch
         t2 = time.perf_counter()
-        S.train_epochs(s, ro, None, None, step)
+        train_epochs(run, ro, None, None, step)
         t3 = time.perf_counter()
         tokens = int(ro.batch.completion_mask.sum())
         rows.append({"rollout": t1 - t0, "old_logp": t2 - t1, "train": t3 - t2, "tokens": tokens})

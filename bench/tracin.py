@@ -30,11 +30,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -45,8 +43,10 @@ from service.specs import TracInJob
 from worker import allocator
 from worker.algos.influence import influence_scores
 from worker.algos.lora import lora_layers
-from worker.algos.losses import per_sample_loss
-from worker.loops import steps as S
+from memory import PeakRss, high_water_mb  # bench/ is on the path when a bench runs
+from worker.algos.losses import Normaliser, sample_losses
+from worker.loops.rollouts import collect_rollouts, collect_train_rollouts, draw_prompts
+from worker.loops.setup import build
 from worker.reporting import Reporter
 from worker.rollout import sequence_logprobs
 
@@ -68,32 +68,10 @@ def job(args, kind: str, steps: int) -> dict:
     return spec
 
 
-class PeakRSS(threading.Thread):
-    """Samples this process's resident memory every 20 ms; `arm()` restarts the peak, so loading and
-    converting the model (whose peak is the same for both loops) does not hide the steps' own peak."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak = 0
-        self.page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def arm(self):
-        self.peak = self.rss()
-
-    def run(self):
-        while True:
-            self.peak = max(self.peak, self.rss())
-            time.sleep(0.02)
-
-
 class Capture(Reporter):
     """Keeps each step's metrics; after each step tells the parent and waits for its turn."""
 
-    def __init__(self, rss: PeakRSS, last_step: int):
+    def __init__(self, rss: PeakRss, last_step: int):
         self.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-tracin-"))
         self.steps = {}
         self.rss = rss
@@ -124,32 +102,24 @@ def child(args) -> None:
     from worker.runner import loop_for
 
     spec = TypeAdapter(JobSpec).validate_python(job(args, args.child, args.loop_steps))
-    rss = PeakRSS()
-    rss.start()
+    rss = PeakRss(every_s=0.02).start()
     rep = Capture(rss, args.loop_steps)
     loop_for(spec.kind)(spec, rep, settings=get_settings())
     measured = range(2, args.loop_steps)  # 1: warm-up; last: eval
     mean = {k: sum(rep.steps[s].get(k, 0.0) for s in measured) / len(measured)
             for k in ("time/step_s", "time/rollout_s", "time/train_s", "tracin/time_s")}
-    say({"step_s": mean["time/step_s"], "breakdown": mean, "peak_mb": rss.peak / 2**20,
+    say({"step_s": mean["time/step_s"], "breakdown": mean, "peak_mb": rss.peak_mb,
          "per_step": [rep.steps[s]["time/step_s"] for s in measured],
          "process_peak_mb": high_water_mb()})
 
 
-def high_water_mb() -> float:
-    """This process's peak RSS. Not ru_maxrss: Linux carries that over exec from the parent, whose
-    peak (part 1's retained graphs) it would report instead."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
 def losses_fn(s, ro):
     g = s.spec.grpo
-    tokens, n = float(ro.loss_mask.sum()), len(ro.batch)
+    norm = Normaliser.of(ro.loss_mask, g.loss_agg)
 
     def f():
         logp, _ = sequence_logprobs(s.model, ro.batch, g.temperature)
-        return per_sample_loss(logp, logp.detach(), ro.advantages, ro.loss_mask, batch_tokens=tokens, batch_size=n)
+        return sample_losses(logp, logp.detach(), ro.advantages, ro.loss_mask, norm).loss
 
     return f
 
@@ -172,22 +142,22 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
     spec = TracInJob.model_validate(job(args, "tracin", 1))
     rep = Reporter()
     rep.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-tracin-"))
-    s = S.build(spec, get_settings(), rep)
+    s = build(spec, get_settings(), rep)
     torch.manual_seed(0)
     with torch.no_grad():  # a trained adapter, not B = 0: both factors' gradients matter
         for layer in lora_layers(s.model):
             layer.b.weight.normal_(0, 1e-3)
     for step in range(1, 21):  # a batch pair whose advantages are not all zero, or every score is 0
-        ro = S.collect_rollouts(s, step, rep)
-        val = S.collect_rollouts(s, step, rep, examples_pool=s.task.val, prompts_per_step=args.val_prompts,
-                                 group_size=args.val_generations, tag="val")
+        ro = collect_train_rollouts(s, step, rep)
+        draw_val = draw_prompts(s, s.task.val, args.val_generations, seed_tag=f"prompts-val-{spec.grpo.seed}-{step}")
+        val = collect_rollouts(s, step, rep, draw_val, units=args.val_prompts, group_size=args.val_generations)
         if ro.advantages.abs().sum() > 0 and val.advantages.abs().sum() > 0:
             break
     s.model.train()
     train_f, val_f = losses_fn(s, ro), losses_fn(s, val)
     params = [p for layer in lora_layers(s.model) for p in (layer.a.weight, layer.b.weight)]
     g = s.spec.grpo
-    tokens, n = float(ro.loss_mask.sum()), len(ro.batch)
+    n, norm = len(ro.batch), Normaliser.of(ro.loss_mask, g.loss_agg)
 
     def ghost_pass() -> torch.Tensor:
         return influence_scores(s.model, train_f, lambda: val_f().sum())
@@ -196,8 +166,8 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
         """Sample i's gradient from a batch of one, normalised as in the whole batch's loss."""
         one = trimmed(ro.batch, i)
         logp, _ = sequence_logprobs(s.model, one, g.temperature)
-        loss = per_sample_loss(logp, logp.detach(), ro.advantages[i:i + 1], ro.loss_mask[i:i + 1, :logp.shape[1]],
-                               batch_tokens=tokens, batch_size=n)
+        loss = sample_losses(logp, logp.detach(), ro.advantages[i:i + 1], ro.loss_mask[i:i + 1, :logp.shape[1]],
+                             norm).loss
         return torch.autograd.grad(loss.sum(), params)
 
     ghost_pass()  # warm-up: first-call allocations and kernel choices for these shapes, untimed

@@ -21,7 +21,7 @@ from functools import partial
 from service.settings import Settings
 from service.specs import GRPOJob
 from worker.loops import evaluation, skeleton, update
-from worker.loops.rollouts import collect_rollouts, draw_prompts
+from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything, step_seed
@@ -40,8 +40,7 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
 
         # 1-3. sync, sample, score, advantages
         s.engine.sync(s.model)
-        draw = draw_prompts(s, s.task.train, g.num_generations, seed_tag=f"prompts-train-{g.seed}-{step}")
-        ro = collect_rollouts(s, step, reporter, draw, units=g.prompts_per_step, group_size=g.num_generations)
+        ro = collect_train_rollouts(s, step, reporter)
         timer.rollouts_done()
         if ro is None:
             skeleton.skip_step(run, step, "every group's rewards tied", {"frac_reward_zero_std": 1.0}, timer=timer)

@@ -192,3 +192,10 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
                     [u for k in kept for u in k.drawn.units], first.groups_per_unit, G, r, adv, loss_mask,
                     {name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn}, train_rows,
                     frac_zero or 0.0, rounds - 1)
+
+
+def collect_train_rollouts(s: Setup, step: int, reporter: Reporter) -> Rollouts[Example] | None:
+    """The step's grpo.prompts_per_step training prompts, grpo.num_generations completions each."""
+    g = s.spec.grpo
+    draw = draw_prompts(s, s.task.train, g.num_generations, seed_tag=f"prompts-train-{g.seed}-{step}")
+    return collect_rollouts(s, step, reporter, draw, units=g.prompts_per_step, group_size=g.num_generations)

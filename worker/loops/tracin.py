@@ -32,7 +32,7 @@ from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
 from worker.algos.losses import Normaliser, sample_losses
 from worker.loops import evaluation, skeleton, update
-from worker.loops.rollouts import Rollouts, collect_rollouts, draw_prompts
+from worker.loops.rollouts import Rollouts, collect_rollouts, collect_train_rollouts, draw_prompts
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
 from worker.rollout import sequence_logprobs
@@ -111,8 +111,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> LoopResul
 
         # 1. rollouts: the training batch, and (every val_regenerate_every steps) the validation batch
         s.engine.sync(s.model)
-        draw = draw_prompts(s, s.task.train, g.num_generations, seed_tag=f"prompts-train-{g.seed}-{step}")
-        ro = collect_rollouts(s, step, reporter, draw, units=g.prompts_per_step, group_size=g.num_generations)
+        ro = collect_train_rollouts(s, step, reporter)
         val_stats = {}
         if val_ro is None or (step - 1) % t.val_regenerate_every == 0:
             # tied validation groups have zero advantages and add nothing to G_val: replace them

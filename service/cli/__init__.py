@@ -1,0 +1,18 @@
+"""`grpo-jobs`, by what a command does:
+
+- processes.py: start the service's processes (serve, worker, dev, demo);
+- client.py: talk to a running service's API (submit, status, watch);
+- local.py: work in this process on this machine (run, db upgrade, keys).
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group()
+def main() -> None:
+    """Train language models with GRPO as jobs."""
+
+
+from service.cli import client, local, processes  # noqa: E402,F401  (registers their commands)

@@ -24,7 +24,7 @@ from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.reporting import LoopResult, Reporter
-from worker.training import seed_everything, step_seed
+from worker.training import seed_everything
 
 
 def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
@@ -35,11 +35,9 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
-        timer = skeleton.StepTimer()
-        seed_everything(step_seed(g.seed, step))
+        timer = skeleton.begin_step(run, step)  # 1. seed, sync the rollout copy from the policy
 
-        # 1-3. sync, sample, score, advantages
-        s.engine.sync(s.model)
+        # 2-3. sample, score, advantages
         ro = collect_train_rollouts(s, step, reporter)
         timer.rollouts_done()
         if ro is None:

@@ -194,14 +194,12 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings) -> LoopResult
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
-        timer = skeleton.StepTimer()
-        seed_everything(step_seed(g.seed, step))
+        timer = skeleton.begin_step(run, step)  # seed, sync the rollout copy from the policy
         if (step - 1) % r.refresh_every == 0:
             index.refresh()
 
         # 1-3. retrieve k documents per query, G answers per document, advantages per document group
         retriever.train(not r.generator_only)
-        s.engine.sync(s.model)
         ro = collect_rollouts(s, step, reporter, draw_queries(s, retriever, ref, index, step),
                               units=g.prompts_per_step, group_size=g.num_generations)
         timer.rollouts_done()

@@ -3,6 +3,7 @@
     run = start(...)                        # build, resume, sparsity tracker, evaluation at step 0
     for step in run.steps():
         if stopped := stop_requested(run, step): return stopped
+        timer = begin_step(run, step)       # seed, sync the rollout copy, start the clock
         ...what the kind does: rollouts, update...
         finish_step(run, step, metrics, ...)   # or skip_step(...) when there was nothing to learn
     return finish(run)                      # the final checkpoint
@@ -21,6 +22,7 @@ from worker.checkpoints import save_checkpoint
 from worker.loops.setup import Setup, resume
 from worker.reporting import LoopResult, Reporter
 from worker.sparsity_hook import SparsityTracker
+from worker.training import seed_everything, step_seed
 
 Evaluate = Callable[[], dict[str, float]]
 
@@ -90,6 +92,15 @@ class StepTimer:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def begin_step(run: Run, step: int) -> StepTimer:
+    """Seed from (seed, step), so a resumed run samples what a straight one does; sync the frozen
+    rollout copy with the policy (the adapter only, with LoRA); start the step's clock."""
+    timer = StepTimer()
+    seed_everything(step_seed(run.s.spec.grpo.seed, step))
+    run.s.engine.sync(run.s.model)
+    return timer
 
 
 def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer: StepTimer,

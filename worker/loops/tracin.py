@@ -32,7 +32,12 @@ from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
 from worker.algos.losses import Normaliser, sample_losses
 from worker.loops import evaluation, skeleton, update
-from worker.loops.rollouts import Rollouts, collect_rollouts, collect_train_rollouts, draw_prompts
+from worker.loops.rollouts import (
+    Rollouts,
+    collect_rollouts,
+    collect_train_rollouts,
+    draw_prompts,
+)
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
 from worker.rollout import sequence_logprobs
@@ -106,11 +111,9 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> LoopResul
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
-        timer = skeleton.StepTimer()
-        seed_everything(step_seed(g.seed, step))
+        timer = skeleton.begin_step(run, step)  # 1. seed, sync the rollout copy from the policy
 
-        # 1. rollouts: the training batch, and (every val_regenerate_every steps) the validation batch
-        s.engine.sync(s.model)
+        # rollouts: the training batch, and (every val_regenerate_every steps) the validation batch
         ro = collect_train_rollouts(s, step, reporter)
         val_stats = {}
         if val_ro is None or (step - 1) % t.val_regenerate_every == 0:

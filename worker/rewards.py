@@ -177,11 +177,18 @@ REGISTRY: dict[str, RewardInfo] = {
 }
 
 
+@dataclass(frozen=True)
+class RewardFailure:
+    index: int  # the completion's position in the scored batch
+    reward: str  # the reward function's name
+    error: str  # "ExceptionType: message"
+
+
 @dataclass
 class Scored:
     total: list[float]  # weighted sum per completion; NaN where a reward function raised
     per_fn: dict[str, list[float]]  # each function's raw value, diagnostics included
-    failures: list[tuple[int, str, str]]  # (completion index, reward name, error)
+    failures: list[RewardFailure]
 
 
 def score(completions: Sequence[str], answers: Sequence[Sequence[str]], weights: dict[str, float]) -> Scored:
@@ -200,7 +207,7 @@ def score(completions: Sequence[str], answers: Sequence[Sequence[str]], weights:
                     raise ValueError(f"returned {v}")
             except Exception as exc:  # one bad completion must not kill the job
                 v = math.nan
-                failures.append((i, n, f"{type(exc).__name__}: {exc}"))
+                failures.append(RewardFailure(i, n, f"{type(exc).__name__}: {exc}"))
             per_fn[n].append(v)
             t += weights.get(n, 0.0) * v if n in weights else 0.0
         total.append(t)

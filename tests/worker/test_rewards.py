@@ -51,6 +51,6 @@ def test_score_weights_and_failures(monkeypatch):
     out = R.score(["7", "bad"], [["7"], ["7"]], {"numeric_match": 2.0, "boom": 0.5})
     assert out.total[0] == 2.5
     assert math.isnan(out.total[1])
-    assert out.failures == [(1, "boom", "RuntimeError: cannot parse")]
+    assert out.failures == [R.RewardFailure(1, "boom", "RuntimeError: cannot parse")]
     out = R.score(["<think>x</think><answer>7</answer>"], [["7"]], {"r1_math": 1.0})
     assert out.per_fn["r1_format"] == [1.0] and out.total == [1.0]

@@ -9,6 +9,7 @@ kept unit stays in the batch (the joint retriever needs its reward) but is left 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -121,7 +122,7 @@ def score_groups(completions: list[str], examples: list[Example], G: int, weight
     if scored.failures:
         reporter.event("warning", f"{len(scored.failures)} reward evaluations raised at step {step}; "
                        "those completions are excluded from the loss", level="warning",
-                       data={"failures": [{"index": i, "reward": n, "error": e} for i, n, e in scored.failures[:20]]})
+                       data={"failures": [dataclasses.asdict(f) for f in scored.failures[:20]]})
     r = torch.tensor(scored.total, dtype=torch.float32)
     excluded = torch.isnan(r)
     if excluded.any():  # excluded completions take their group's mean: zero advantage, no effect on the baseline

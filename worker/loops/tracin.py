@@ -30,7 +30,7 @@ from service.specs import TracInJob
 from service.store.records import SelectionRecord
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
-from worker.algos.losses import Normaliser, sample_losses
+from worker.algos.losses import Normaliser
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -40,35 +40,23 @@ from worker.loops.rollouts import (
 )
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
-from worker.rollout import sequence_logprobs
 from worker.training import seed_everything, step_seed
 
 
-def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, hooks: GhostHooks | None, *,
-                        with_entropy: bool = True, after_micro_batch: Callable[[], None] | None = None,
-                        ) -> dict[str, float]:
-    """Forward/backward of every sample's share of the batch loss, in micro-batches (the hooks see
-    each one). One epoch: old_logp is the rollout weights' = logp.detach()."""
+def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, step: int,
+                        hooks: GhostHooks | None = None, *, with_entropy: bool = True,
+                        after_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
+    """Every sample's share of the batch loss, forward and backward in micro-batches: the hooks see
+    each one and place its samples by their rows."""
     g = s.spec.grpo
-    norm = Normaliser.of(ro.loss_mask, g.loss_agg)
-    total, ent, ntok = 0.0, 0.0, 0.0
-    for rows in update.micro_batches(list(range(len(ro))), g.micro_batch_size):
-        idx = torch.tensor(rows)
-        mb = ro.batch.select(rows).to(s.device)
-        mask = ro.loss_mask[idx].to(s.device)
-        if hooks is not None:
-            hooks.rows = idx  # the forward hooks place this micro-batch's samples by these rows
-        logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy)
-        parts = sample_losses(logp, logp.detach(), ro.advantages[idx].to(s.device), mask, norm,
-                              ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
-                              clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
-        parts.loss.sum().backward()
-        if after_micro_batch is not None:
-            after_micro_batch()
-        total += float(parts.loss.detach().sum())
-        ent += float((e * mask).sum()) if with_entropy else 0.0
-        ntok += float(mask.sum())
-    return {"loss/total": total, "entropy": ent / max(ntok, 1.0)}
+
+    def place(rows: list[int]) -> None:
+        hooks.rows = torch.tensor(rows)
+
+    p = update.backward_pass(s, ro, update.micro_batches(list(range(len(ro))), g.micro_batch_size),
+                             Normaliser.of(ro.loss_mask, g.loss_agg), None, ref_logp, step, with_entropy=with_entropy,
+                             before=place if hooks is not None else None, after=after_micro_batch)
+    return p.metrics()
 
 
 def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int) -> torch.Tensor:
@@ -146,12 +134,12 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> LoopResul
         s.model.train()
         s.optimizer.zero_grad(set_to_none=True)
         with GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy") as hooks:
-            backward_per_sample(s, val_ro, val_ref, None, with_entropy=False)
+            backward_per_sample(s, val_ro, val_ref, step, with_entropy=False)
             hooks.capture_validation_gradient()
             t_val = time.perf_counter() - t1
             hooks.start_scoring(len(ro), "cpu")
             fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
-            stats = backward_per_sample(s, ro, ref_logp, hooks, after_micro_batch=fold_positive)
+            stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
 
         # 4. selection (on the float64 scores, the ones the streamed fold used)
         t2 = time.perf_counter()

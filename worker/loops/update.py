@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,45 +65,88 @@ def optimizer_step(run: Run) -> float:
     return norm
 
 
+@dataclass
+class PassTotals:
+    """One pass over a batch: its loss (the sum of its samples' shares) and token statistics."""
+
+    loss: float = 0.0
+    policy: float = 0.0
+    kl: float | None = None  # None: no reference, not measured
+    tokens: TokenStats = field(default_factory=TokenStats)
+    entropy_sum: float = 0.0  # over real tokens
+
+    def metrics(self) -> dict[str, float]:
+        out = {"loss/total": self.loss, "loss/policy": self.policy, **self.tokens.metrics(),
+               "entropy": self.entropy_sum / max(self.tokens.tokens, 1.0)}
+        if self.kl is not None:
+            out["kl"] = self.kl
+        return out
+
+
+def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normaliser, old_logp: torch.Tensor | None,
+                  ref_logp: torch.Tensor | None, step: int, *, with_entropy: bool = True,
+                  before: Callable[[list[int]], None] | None = None,
+                  after: Callable[[], None] | None = None) -> PassTotals:
+    """Forward and backward of each micro-batch's samples' shares of the loss normalised by `norm`;
+    gradients accumulate in .grad. `before(rows)` / `after()` run around each micro-batch (TracIn's
+    hooks). old_logp None: one epoch, so the rollout weights are the policy's and old = logp.detach()."""
+    g = s.spec.grpo
+    out = PassTotals(kl=None if ref_logp is None else 0.0)
+    for idx in micro:
+        mb = ro.batch.select(idx).to(s.device)
+        mask = ro.loss_mask[idx].to(s.device)
+        if before is not None:
+            before(idx)
+        logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy)
+        old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
+        parts = sample_losses(logp, old, ro.advantages[idx].to(s.device), mask, norm,
+                              ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
+                              clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
+        loss = parts.loss.sum()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower grpo.learning_rate or check "
+                                     "the rewards")
+        loss.backward()
+        if after is not None:
+            after()
+        out.loss += float(loss.detach())
+        out.policy += float(parts.policy.sum())
+        if parts.kl is not None:
+            out.kl += float(parts.kl.sum())
+        out.tokens += parts.tokens
+        out.entropy_sum += float((e * mask).sum()) if with_entropy else 0.0
+    return out
+
+
 def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
                  *, rows: list[int] | None = None, norm_rows: list[int] | None = None) -> dict[str, float]:
     """epochs_per_rollout_batch passes over `rows` of the batch (default: its train_rows), each one
     optimizer step with gradient accumulation over micro-batches. Every micro-batch's loss is its
     samples' shares of the loss of `norm_rows` (default: `rows`), so the accumulated gradient is that
-    loss's gradient; TracIn passes all rows as norm_rows, so selected samples keep their weight."""
+    loss's gradient; TracIn passes all rows as norm_rows, so selected samples keep their weight.
+    Losses are the mean over epochs; ratio, clip and entropy statistics over every epoch's tokens."""
     s, g = run.s, run.s.spec.grpo
     rows = ro.train_rows if rows is None else rows
     norm = Normaliser.of(ro.loss_mask[norm_rows if norm_rows is not None else rows], g.loss_agg)
     s.model.train()
-    totals = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0}
-    tokens, norms, ent = TokenStats(), [], 0.0
+    epochs = PassTotals(kl=None if ref_logp is None else 0.0)
+    norms = []
     for epoch in range(g.epochs_per_rollout_batch):
         s.optimizer.zero_grad(set_to_none=True)
         seed = None if epoch == 0 else hash((g.seed, step, epoch)) % 2**31
-        for idx in micro_batches(rows, g.micro_batch_size, shuffle_seed=seed):
-            mb = ro.batch.select(idx).to(s.device)
-            mask = ro.loss_mask[idx].to(s.device)
-            logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=True)
-            # old_logp None: one epoch, so the rollout weights are the policy's and old = logp.detach()
-            old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
-            parts = sample_losses(logp, old, ro.advantages[idx].to(s.device), mask, norm,
-                                  ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
-                                  clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
-            loss = parts.loss.sum()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at step {step} (epoch {epoch}); "
-                                         "lower grpo.learning_rate or check the rewards")
-            loss.backward()
-            totals["loss/total"] += float(loss.detach())
-            totals["loss/policy"] += float(parts.policy.sum())
-            if parts.kl is not None:
-                totals["kl"] += float(parts.kl.sum())
-            tokens += parts.tokens
-            ent += float((e * mask).sum())
+        p = backward_pass(s, ro, micro_batches(rows, g.micro_batch_size, shuffle_seed=seed), norm, old_logp,
+                          ref_logp, step)
         norms.append(optimizer_step(run))
-    epochs = g.epochs_per_rollout_batch
-    out = {k: v / epochs for k, v in totals.items() if k != "kl" or ref_logp is not None}
-    out.update(tokens.metrics())
-    out.update({"entropy": ent / max(tokens.tokens, 1.0), "grad_norm": sum(norms) / len(norms),
-                "lr": s.scheduler.get_last_lr()[0]})
+        epochs.loss += p.loss
+        epochs.policy += p.policy
+        if p.kl is not None:
+            epochs.kl += p.kl
+        epochs.tokens += p.tokens
+        epochs.entropy_sum += p.entropy_sum
+    n = g.epochs_per_rollout_batch
+    out = epochs.metrics()
+    out.update({"loss/total": epochs.loss / n, "loss/policy": epochs.policy / n})
+    if epochs.kl is not None:
+        out["kl"] = epochs.kl / n
+    out.update({"grad_norm": sum(norms) / len(norms), "lr": s.scheduler.get_last_lr()[0]})
     return out

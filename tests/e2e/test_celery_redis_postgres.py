@@ -24,7 +24,7 @@ def test_job_over_http_on_redis_and_postgres(procs, pg_url, redis_url):
     procs.start("api", "serve", "--port", str(port))
     procs.start("worker", "worker", "--loglevel", "INFO")
     base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/healthz", procs)
+    wait_http(f"{base}/readyz", procs)  # 200 once `serve` has checked (and migrated) the store in the background
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok"}
         r = c.post("/v1/jobs", json=TINY_JOB)

@@ -153,11 +153,12 @@ class Cluster:
         self.procs[name] = p
         return p
 
-    def serve(self, **env: str) -> None:
+    def serve(self, *, ready: bool = True, **env: str) -> None:
+        """Start `serve`; with `ready`, wait until its background migration check is done (/readyz)."""
         port = free_port()
         self.start("api", "serve", "--port", str(port), **env)
         self.base = f"http://127.0.0.1:{port}"
-        wait_http(f"{self.base}/healthz", self)
+        wait_http(f"{self.base}/{'readyz' if ready else 'healthz'}", self)
 
     def worker(self, name: str = "worker", **env: str) -> subprocess.Popen:
         return self.start(name, "worker", "--loglevel", "INFO", **env)

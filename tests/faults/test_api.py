@@ -29,7 +29,7 @@ def _routes(openapi: dict) -> list[tuple[str, str]]:
 def test_store_unreachable_at_the_api_is_a_503_on_every_route(cluster, pg_url):
     proxy = TcpProxy(("127.0.0.1", 5432))
     # serve starts while the store is down, and answers 503 until it can migrate
-    cluster.serve(DATABASE_URL=pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    cluster.serve(ready=False, DATABASE_URL=pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
     with cluster.client(timeout=10) as c:
         ready = c.get("/readyz")
         assert ready.status_code == 503 and ready.json()["checks"]["store"].startswith("unreachable")

@@ -50,7 +50,7 @@ def main() -> None:
     rep = Reporter()
     rep.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-sparsity-"))
     s = build(spec, get_settings(), rep)
-    run = Run(s, rep, evaluate=dict)
+    run = Run(s, rep, evaluate=lambda step: {})
     ro = collect_train_rollouts(s, 0, rep)
     train_epochs(run, ro, None, None, 0)  # warm-up
 

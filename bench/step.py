@@ -54,7 +54,7 @@ def main() -> None:
     reporter = Reporter()
     reporter.checkpoint_root = Path(tempfile.mkdtemp(prefix="grpo-bench-step-"))
     s = build(spec, get_settings(), reporter)
-    run = Run(s, reporter, evaluate=dict)
+    run = Run(s, reporter, evaluate=lambda step: {})
     collect_train_rollouts(s, 0, reporter)  # warm-up: allocator, kernels, tokenizer caches
 
     rows = []

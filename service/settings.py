@@ -43,6 +43,19 @@ class Settings(BaseSettings):
         default="", validation_alias="GRPO_MODEL_ROOTS",
         description="Colon-separated folders whose model folders a spec may name, relative to a root.",
     )
+    reward_urls_env: str = Field(
+        default="", validation_alias="GRPO_REWARD_URLS",
+        description="Comma-separated URL prefixes an `http` reward may call; empty: no `http` rewards.",
+    )
+    reward_auth_header: str = Field(
+        default="Authorization", validation_alias="GRPO_REWARD_AUTH_HEADER",
+        description="The header that carries the grader secret, when GRPO_REWARD_AUTH_ENV is set.",
+    )
+    reward_auth_env: str = Field(
+        default="", validation_alias="GRPO_REWARD_AUTH_ENV",
+        description="The name of the workers' environment variable whose value is sent in "
+        "GRPO_REWARD_AUTH_HEADER to `http` graders (never taken from a spec); empty: no auth header.",
+    )
     models_root: Path | None = Field(
         default=None, validation_alias="GRPO_MODELS_ROOT",
         description="Cache of converted bundled models; default data_dir/models.",
@@ -102,6 +115,10 @@ class Settings(BaseSettings):
     @property
     def model_roots(self) -> list[Path]:
         return [Path(p) for p in self.model_roots_env.split(":") if p.strip()]
+
+    @property
+    def reward_urls(self) -> list[str]:
+        return [u.strip() for u in self.reward_urls_env.split(",") if u.strip()]
 
     @property
     def models_dir(self) -> Path:

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from service.settings import Settings
 from service.store import jobs as jobs_q
 from service.store.models import Checkpoint, Job
+from service.reward_specs import url_allowed
 from service.specs import _HF_ID, MODEL_PRESETS, RETRIEVER_PRESETS, DatasetSpec, unavailable_model
 
 SHARED_PREFIX = "shared/"
@@ -137,6 +138,21 @@ def _init_errors(spec, session: Session, owner: str) -> list[dict]:
     return []
 
 
+def _reward_errors(spec, settings: Settings) -> list[dict]:
+    """Reward models that cannot be found, and graders off the admin's allow-list."""
+    errors = []
+    presets = {"reward_model": (), "judge": MODEL_PRESETS, "similarity": ("minilm-l6",)}
+    for i, r in enumerate(spec.rewards or ()):
+        if r.name in presets and r.model not in presets[r.name] and model_path(r.model, settings.model_roots) is None:
+            errors.append({"loc": ("rewards", i, "model"), "type": "unavailable",
+                           "msg": unavailable_model(f"{r.name} model", r.model, presets[r.name] or ("none",))})
+        if r.name == "http" and not url_allowed(r.url, settings.reward_urls):
+            allowed = ", ".join(settings.reward_urls) or "none: this deployment allows no http rewards"
+            errors.append({"loc": ("rewards", i, "url"), "type": "not_allowed",
+                           "msg": f"url is not on the admin's allow-list (GRPO_REWARD_URLS: {allowed})"})
+    return errors
+
+
 def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> list[dict]:
     """Errors (pydantic's shape: loc, msg, type) for everything `spec` names that this owner may
     not use under the admin's settings. Empty when all is well."""
@@ -148,6 +164,7 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
     for loc, name, what, presets in named:
         if name not in presets and model_path(name, settings.model_roots) is None:
             errors.append({"loc": loc, "msg": unavailable_model(what, name, presets), "type": "unavailable"})
+    errors += _reward_errors(spec, settings)
     d: DatasetSpec = spec.dataset
     for field in ("path", "corpus_path"):
         rel = getattr(d, field)

@@ -12,53 +12,19 @@ import re
 from pathlib import PurePosixPath
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from service.reward_specs import BUILTIN_REWARDS, FunctionReward, RewardSpec
+from service.spec_base import INT64, _Section, storable  # noqa: F401  (re-exported: the API uses them)
 
 # Names the worker implements. Tests assert these match the worker's registries.
 MODEL_PRESETS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
 RETRIEVER_PRESETS = ("minilm-l6", "tiny-random-bert")
 DATASETS = ("arith", "jsonl", "persona-facts")
-REWARDS = (
-    "numeric_match", "exact_match", "token_f1", "rouge_l", "bleu", "r1_math", "r1_format",
-    "answer_tag_match",
-)
+REWARDS = tuple(BUILTIN_REWARDS)
 DEFAULT_REWARDS = {"arith": ["numeric_match"], "jsonl": ["exact_match"], "persona-facts": ["token_f1"]}
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-INT64 = 2**63 - 1
-
-
-def storable(value):
-    """Reject what the store or a worker cannot hold: NUL or unpaired surrogates in strings, and
-    integers beyond 64 bits. (Floats are kept finite by `allow_inf_nan=False`.)"""
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ValueError("must not contain NUL characters")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("must be valid Unicode (it contains an unpaired surrogate)") from None
-    elif isinstance(value, bool):
-        pass
-    elif isinstance(value, int) and not -INT64 - 1 <= value <= INT64:
-        raise ValueError("must fit in 64 bits")
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            storable(item)
-    return value
-
-
-class _Section(BaseModel):
-    # Unknown fields are an error, so a typo ("num_generation") is a 422, not silently ignored.
-    # NaN and infinities are refused: JSON cannot carry them and no knob means them.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _storable(cls, v):
-        return storable(v)
 
 
 def reject_unused(section: BaseModel, where: str, fields: tuple[str, ...], unless: str) -> None:
@@ -180,18 +146,6 @@ class DatasetSpec(_Section):
         if self.name != "persona-facts":
             reject_unused(self, "dataset", ("corpus_size",), unless="with dataset.name 'persona-facts'")
         return self
-
-
-class RewardSpec(_Section):
-    name: str = Field(description=f"Reward function: one of {', '.join(REWARDS)}.")
-    weight: float = Field(1.0, description="Weight in the summed reward.")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in REWARDS:
-            raise ValueError(f"unknown reward {v!r}: use one of {', '.join(REWARDS)}")
-        return v
 
 
 class GRPOSpec(_Section):
@@ -359,12 +313,16 @@ class _JobBase(_Section):
     def reward_specs(self) -> list[RewardSpec]:
         if self.rewards:
             return self.rewards
-        return [RewardSpec(name=n) for n in DEFAULT_REWARDS[self.dataset.name]]
+        return [FunctionReward(name=n) for n in DEFAULT_REWARDS[self.dataset.name]]
 
     @model_validator(mode="after")
     def _common(self) -> "_JobBase":
         if self.rewards is not None and all(r.weight == 0 for r in self.rewards):
             raise ValueError("rewards: at least one reward needs a non-zero weight")
+        keys = [r.key for r in self.reward_specs()]
+        if dup := sorted({k for k in keys if keys.count(k) > 1}):
+            raise ValueError(f"rewards: two entries named {', '.join(dup)}: give each a different `tag` "
+                             "(it names the entry's metric reward/<tag>/mean)")
         return self
 
 

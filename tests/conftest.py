@@ -108,11 +108,11 @@ def _digit_share(completion, answers):
 @pytest.fixture
 def digit_reward(monkeypatch):
     """Registers `digit_share`, a dense reward with spread even for random models."""
-    from service import specs
+    from service import reward_specs
     from worker import rewards as R
 
     monkeypatch.setitem(R.REGISTRY, "digit_share", R.RewardInfo(_digit_share))
-    monkeypatch.setattr(specs, "REWARDS", (*specs.REWARDS, "digit_share"))
+    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "digit_share", "share of digits in the completion (tests)")
 
 
 from fastapi.testclient import TestClient  # noqa: E402

@@ -41,6 +41,8 @@ class Reporter:
 
     #: directory for checkpoints of this run
     checkpoint_root: Path
+    #: the job's id in the service's store (None outside it); remote graders are told it
+    job_id: int | None = None
 
     def event(self, type: str, message: str = "", *, level: str = "info", data: dict | None = None) -> None: ...
 

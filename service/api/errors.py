@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from service.reward_specs import ENTRY_MODELS
 from service.specs import KINDS
 
 
@@ -14,6 +15,9 @@ def field_path(loc: tuple) -> str:
     # (a loc of the tag alone is a rule over the whole spec: field "").
     if parts and parts[0] in KINDS:
         parts = parts[1:]
+    # A rewards entry's kind tag follows its index: rewards.0.judge.rubric -> rewards.0.rubric
+    if len(parts) > 2 and parts[0] == "rewards" and parts[1].isdigit() and parts[2] in ENTRY_MODELS:
+        parts = parts[:2] + parts[3:]
     return ".".join(parts)
 
 

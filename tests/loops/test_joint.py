@@ -90,14 +90,14 @@ def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory
 def test_joint_drops_queries_and_document_groups_with_no_signal(tmp_path, settings_factory, monkeypatch):
     """A reward that ties for every answer to some questions: with drop_zero_std_groups those
     queries are replaced by fresh ones, so every kept query's k * G rewards carry signal."""
-    from service import specs
+    from service import reward_specs
     from worker import rewards as R
 
     def some_questions_tie(completion, answers):
         return 0.5 if len(answers[0]) % 2 else len(set(completion)) / 10
 
     monkeypatch.setitem(R.REGISTRY, "some_tie", R.RewardInfo(some_questions_tie))
-    monkeypatch.setattr(specs, "REWARDS", (*specs.REWARDS, "some_tie"))
+    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "some_tie", "ties on some questions (tests)")
     spec = _spec()
     spec["rewards"] = [{"name": "some_tie"}]
     spec["grpo"].update(steps=2, prompts_per_step=3, samples_per_step=64, drop_zero_std_groups=True,

@@ -9,6 +9,7 @@ from service.specs import GRPOSpec
 from worker.datasets import Example
 from worker.loops.rollouts import Drawn, collect_rollouts
 from worker.reporting import Reporter
+from worker.rewards import FunctionComponent, Scorer, lookup
 from worker.rollout import RolloutBatch
 
 G, K = 2, 3  # completions per group, groups per unit (a joint query's k documents)
@@ -22,7 +23,8 @@ def _batch(texts: list[str]) -> RolloutBatch:
 
 
 def _setup(**grpo) -> SimpleNamespace:
-    return SimpleNamespace(spec=SimpleNamespace(grpo=GRPOSpec(**grpo)), weights={"digit_share": 1.0},
+    scorer = Scorer([FunctionComponent("digit_share", 1.0, lookup("digit_share").fn)])
+    return SimpleNamespace(spec=SimpleNamespace(grpo=GRPOSpec(**grpo)), scorer=scorer,
                            tokenizer=SimpleNamespace(pad_token_id=0))
 
 

@@ -20,17 +20,18 @@ def greedy_completions(s: Setup, prompts: list[str]) -> list[str]:
     return [c for i in range(0, len(prompts), bs) for c in s.engine.generate(prompts[i:i + bs], 1, greedy=True).completions]
 
 
-def score_completions(s: Setup, completions: list[str], examples: list[Example]) -> dict[str, float]:
+def score_completions(s: Setup, completions: list[str], examples: list[Example], *, step: int) -> dict[str, float]:
     """eval/reward_mean (the job's weighted rewards) and eval/accuracy (numeric match on arith,
     exact match elsewhere) of one completion per example."""
     correct = rewards.numeric_match if s.spec.dataset.name == "arith" else rewards.exact_match
-    scored = rewards.score(completions, [ex.answers for ex in examples], s.weights)
+    scored = s.scorer.score([rewards.Item(ex.question, c, tuple(ex.answers)) for c, ex in zip(completions, examples)],
+                            step=step)
     finite = [v for v in scored.total if not math.isnan(v)]
     return {"eval/reward_mean": sum(finite) / max(1, len(finite)),
             "eval/accuracy": sum(correct(c, ex.answers) for c, ex in zip(completions, examples)) / max(1, len(examples))}
 
 
-def evaluate(s: Setup) -> dict[str, float]:
-    """The first grpo.eval_prompts validation examples, answered greedily."""
+def evaluate(s: Setup, step: int) -> dict[str, float]:
+    """The first grpo.eval_prompts validation examples, answered greedily, after `step`."""
     examples = s.task.val[: s.spec.grpo.eval_prompts]
-    return score_completions(s, greedy_completions(s, [prompt_for(s, ex) for ex in examples]), examples)
+    return score_completions(s, greedy_completions(s, [prompt_for(s, ex) for ex in examples]), examples, step=step)

@@ -163,13 +163,13 @@ def document_of(ro: Rollouts[Retrieval], index: Index, group: int) -> dict[str, 
 
 
 @torch.no_grad()
-def evaluate(s: Setup, retriever: DualEncoder, index: Index) -> dict[str, float]:
+def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[str, float]:
     """Greedy: the top-1 document, then a greedy answer. Recall@1 where gold documents are known."""
     val = s.task.val[: s.spec.grpo.eval_prompts]
     top1 = index.candidates(retriever.queries([ex.question for ex in val]), 1)[:, 0].tolist()
     completions = evaluation.greedy_completions(s, [rag_prompt(s, ex.question, index.texts[j])
                                                     for ex, j in zip(val, top1)])
-    out = evaluation.score_completions(s, completions, val)
+    out = evaluation.score_completions(s, completions, val, step=step)
     out["eval/token_f1"] = sum(rewards.token_f1(c, ex.answers) for c, ex in zip(completions, val)) / max(1, len(val))
     hits = [index.ids[j] == ex.meta.get("gold_doc_id") for ex, j in zip(val, top1) if "gold_doc_id" in ex.meta]
     if hits:

@@ -60,6 +60,7 @@ class Rollouts(Generic[U]):
     train_rows: list[int]  # rows that enter the loss (all, unless tied groups are dropped)
     frac_zero_std: float  # tied groups among the first round's
     refill_rounds: int  # generate calls beyond the first
+    reward_s: float  # wall time spent scoring, every round
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -70,7 +71,7 @@ class Rollouts(Generic[U]):
              "frac_reward_zero_std": self.frac_zero_std, "advantage/abs_mean": float(self.advantages.abs().mean()),
              "completions/mean_length": float(self.batch.completion_mask.sum(1).float().mean()),
              "completions/clipped_ratio": float(self.batch.truncated.float().mean()),
-             "rollout/refill_rounds": float(self.refill_rounds)}
+             "rollout/refill_rounds": float(self.refill_rounds), "time/reward_s": self.reward_s}
         for name, vals in self.per_fn.items():
             finite = [v for v in vals if not math.isnan(v)]
             if finite:
@@ -114,13 +115,14 @@ def prompt_for(s: Setup, ex: Example) -> str:
     return render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
 
 
-def score_groups(completions: list[str], examples: list[Example], G: int, weights: dict[str, float],
-                 reporter: Reporter, step: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
-    """Rewards [N] and an exclusion mask [N] (True = a reward function raised on it)."""
-    answers = [ex.answers for ex in examples for _ in range(G)]
-    scored = rewards.score(completions, answers, weights)
+def score_groups(s: Setup, completions: list[str], examples: list[Example], G: int, reporter: Reporter,
+                 step: int) -> tuple[torch.Tensor, torch.Tensor, rewards.Scored]:
+    """Rewards [N] and an exclusion mask [N] (True: a counted reward could not score it)."""
+    items = [rewards.Item(ex.question, c, tuple(ex.answers)) for ex, c in
+             zip((ex for ex in examples for _ in range(G)), completions, strict=True)]
+    scored = s.scorer.score(items, step=step)
     if scored.failures:
-        reporter.event("warning", f"{len(scored.failures)} reward evaluations raised at step {step}; "
+        reporter.event("warning", f"{len(scored.failures)} reward evaluations failed at step {step}; "
                        "those completions are excluded from the loss", level="warning",
                        data={"failures": [dataclasses.asdict(f) for f in scored.failures[:20]]})
     r = torch.tensor(scored.total, dtype=torch.float32)
@@ -129,7 +131,7 @@ def score_groups(completions: list[str], examples: list[Example], G: int, weight
         grouped = r.view(-1, G)
         means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
         r = torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
-    return r, excluded, scored.per_fn
+    return r, excluded, scored
 
 
 def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
@@ -155,18 +157,19 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     drop = g.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
     kept: list[_Scored] = []
     frac_zero: float | None = None
-    need, rounds = units, 0
+    need, rounds, reward_s = units, 0, 0.0
     while need > 0:
         d = draw(need)
         if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
             raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                                f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
-        r, excluded, per_fn = score_groups(d.batch.completions, d.examples, G, s.weights, reporter, step)
+        r, excluded, scored = score_groups(s, d.batch.completions, d.examples, G, reporter, step)
+        reward_s += scored.seconds
         tied = zero_std_groups(r, G)  # [n_groups]
         frac_zero = float(tied.float().mean()) if frac_zero is None else frac_zero
         keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
         if keep.any():
-            kept.append(_Scored(d, r, excluded, per_fn).keep_units(keep, G))
+            kept.append(_Scored(d, r, excluded, scored.per_fn).keep_units(keep, G))
         need -= int(keep.sum())
         rounds += 1
         if need > 0 and rounds > g.max_refill_rounds:
@@ -192,7 +195,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     return Rollouts(batch, [ex for k in kept for ex in k.drawn.examples], [p for k in kept for p in k.drawn.prompts],
                     [u for k in kept for u in k.drawn.units], first.groups_per_unit, G, r, adv, loss_mask,
                     {name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn}, train_rows,
-                    frac_zero or 0.0, rounds - 1)
+                    frac_zero or 0.0, rounds - 1, reward_s)
 
 
 def collect_train_rollouts(s: Setup, step: int, reporter: Reporter) -> Rollouts[Example] | None:

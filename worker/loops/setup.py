@@ -21,6 +21,7 @@ from worker.checkpoints import (
 from worker.datasets import TaskData, load_task
 from worker.models import load_policy
 from worker.reporting import Reporter
+from worker.rewards import Scorer, build_scorer
 from worker.rollout import RolloutEngine, SamplingParams
 from worker.training import make_optimizer, make_scheduler, trainable
 
@@ -39,7 +40,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     task: TaskData
-    weights: dict[str, float]  # reward name -> weight
+    scorer: Scorer  # the job's weighted rewards
     device: torch.device
     extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
     extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
@@ -85,10 +86,11 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,
                            total=g.steps * g.epochs_per_rollout_batch)
-    weights = {r.name: r.weight for r in spec.reward_specs()}
+    entries = spec.reward_specs()
+    scorer = build_scorer(entries, settings=settings, device=spec.devices.policy, job_id=reporter.job_id)
     if task is None:
-        task = load_task(spec.dataset, settings=settings, reward_names=list(weights))
-    return Setup(spec, model, tok, engine, ref, opt, sched, task, weights, device, dict(extra or {}),
+        task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries])
+    return Setup(spec, model, tok, engine, ref, opt, sched, task, scorer, device, dict(extra or {}),
                  dict(extra_optimizers or {}))
 
 

@@ -24,7 +24,7 @@ from worker.reporting import LoopResult, Reporter
 from worker.sparsity_hook import SparsityTracker
 from worker.training import seed_everything, step_seed
 
-Evaluate = Callable[[], dict[str, float]]
+Evaluate = Callable[[int], dict[str, float]]  # the step after which it evaluates -> eval/* metrics
 
 
 @dataclass
@@ -55,7 +55,7 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
     if s.spec.sparsity is not None:
         run.tracker = SparsityTracker(s.spec.sparsity, s, reporter, start_step=run.opt_steps)
     if run.start_step == 0:
-        run.last_eval = evaluate()
+        run.last_eval = evaluate(0)
         reporter.metrics(0, run.last_eval)
     return run
 
@@ -121,7 +121,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
     if run.tracker is not None:
         metrics.update(run.tracker.pop_metrics())
     if g.eval_every and step % g.eval_every == 0 or step == g.steps:
-        run.last_eval = run.evaluate()
+        run.last_eval = run.evaluate(step)
         metrics.update(run.last_eval)
     dt = timer.elapsed()
     metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/step_s": dt,

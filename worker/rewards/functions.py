@@ -1,7 +1,8 @@
-"""Reward registry: pure functions (completion, answers) -> float.
+"""Reward functions: pure (completion, answers) -> float, built in or installed as plugins.
 
-`answers` is the list of acceptable reference answers of the example. Every function is
-deterministic and side-effect free; the loop combines several with weights.
+`answers` is the list of acceptable reference answers of the example. Every built-in is
+deterministic and side-effect free. Plugins are functions of the same signature that the platform
+team installs on the workers under the entry-point group `grpo_jobs.rewards`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import entry_points
+
+from service.reward_specs import PLUGIN_GROUP
 
 RewardFn = Callable[[str, Sequence[str]], float]
 
@@ -177,38 +181,12 @@ REGISTRY: dict[str, RewardInfo] = {
 }
 
 
-@dataclass(frozen=True)
-class RewardFailure:
-    index: int  # the completion's position in the scored batch
-    reward: str  # the reward function's name
-    error: str  # "ExceptionType: message"
-
-
-@dataclass
-class Scored:
-    total: list[float]  # weighted sum per completion; NaN where a reward function raised
-    per_fn: dict[str, list[float]]  # each function's raw value, diagnostics included
-    failures: list[RewardFailure]
-
-
-def score(completions: Sequence[str], answers: Sequence[Sequence[str]], weights: dict[str, float]) -> Scored:
-    """Score completions with several weighted rewards; a raising function excludes that completion."""
-    names = list(weights)
-    for n in list(names):
-        names += [d for d in REGISTRY[n].diagnostics if d not in names]
-    per_fn: dict[str, list[float]] = {n: [] for n in names}
-    total, failures = [], []
-    for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
-        t = 0.0
-        for n in names:
-            try:
-                v = float(REGISTRY[n].fn(c, a))
-                if not math.isfinite(v):
-                    raise ValueError(f"returned {v}")
-            except Exception as exc:  # one bad completion must not kill the job
-                v = math.nan
-                failures.append(RewardFailure(i, n, f"{type(exc).__name__}: {exc}"))
-            per_fn[n].append(v)
-            t += weights.get(n, 0.0) * v if n in weights else 0.0
-        total.append(t)
-    return Scored(total=total, per_fn=per_fn, failures=failures)
+def lookup(name: str) -> RewardInfo:
+    """A built-in, or a plugin loaded from its entry point on first use."""
+    if name not in REGISTRY:
+        found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == name]
+        if not found:
+            raise KeyError(f"reward {name!r} is neither built in nor installed on this worker "
+                           f"(entry-point group {PLUGIN_GROUP})")
+        REGISTRY[name] = RewardInfo(found[0].load())
+    return REGISTRY[name]

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import health, jobs, metrics, reports, specs, stream
+from service.api import health, jobs, metrics, reports, rewards, specs, stream
 from service.api.errors import format_errors
 from service.api.strict import StrictRouting
 from service.settings import Settings, get_settings
@@ -230,7 +230,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
         latency.labels(route).observe(time.perf_counter() - t0)
         return response
 
-    routers = (health.router, jobs.router, stream.router, metrics.router, reports.router, specs.router)
+    routers = (health.router, jobs.router, stream.router, metrics.router, reports.router, rewards.router,
+               specs.router)
     app.add_middleware(StrictRouting, routes=[route for r in routers for route in r.routes])
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -1,0 +1,112 @@
+"""The `http` reward against a real grader process: scores, retries, exclusions and the failure limit."""
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from service.reward_specs import HttpReward
+from service.settings import Settings
+from tests.e2e.conftest import free_port
+from worker.rewards import Item, RewardUnavailable, Scorer, numeric_match
+from worker.rewards.remote import HttpGrader
+
+
+@pytest.fixture(scope="module")
+def grader():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "tests.worker.rewards.grader_app:app", "--port",
+                             str(port), "--log-level", "warning"])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(f"{base}/calls", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _grader(base, path, tmp_path, monkeypatch=None, **kw):
+    settings = Settings(GRPO_DATA_DIR=tmp_path, GRPO_REWARD_URLS=f"{base}/", GRPO_REWARD_AUTH_HEADER="X-Grader-Key",
+                        GRPO_REWARD_AUTH_ENV="TEST_GRADER_SECRET")
+    return HttpGrader(HttpReward(name="http", url=f"{base}/{path}", **kw), settings=settings, job_id=7)
+
+
+ITEMS = [Item("Tom has 3 eggs and gets 4 more.", c, ("7",)) for c in
+         ["He has 7 eggs.", "8", "7", "no idea", "UNSCORABLE 7", "It is 7"]]
+
+
+def test_scores_match_the_builtin_across_requests(grader, tmp_path):
+    g = _grader(grader, "numeric", tmp_path, batch_size=4, concurrency=2)
+    out = Scorer([g]).score(ITEMS, step=1)
+    expected = [numeric_match(it.completion, it.answers) for it in ITEMS]
+    assert [v for i, v in enumerate(out.per_fn["http"]) if i != 4] == [v for i, v in enumerate(expected) if i != 4]
+    assert out.per_fn["http"][4] != out.per_fn["http"][4]  # null: NaN, so the completion is excluded
+    assert out.total[4] != out.total[4] and out.failures == []
+
+
+@pytest.mark.parametrize("path,kw,error", [
+    ("slow", {"timeout_s": 0.3, "max_retries": 1}, "ReadTimeout calling the grader (2 attempts)"),
+    ("error", {"max_retries": 2}, "the grader answered HTTP 500 (3 attempts)"),
+    ("short", {}, "answered 5 scores for 6 items"),
+])
+def test_a_failing_grader_excludes_its_batch_and_the_job_goes_on(grader, tmp_path, path, kw, error):
+    g = _grader(grader, path, tmp_path, max_failed_steps=2, **kw)
+    out = Scorer([g]).score(ITEMS, step=1)
+    assert all(v != v for v in out.total)  # every completion excluded
+    assert len(out.failures) == 1 and error in out.failures[0].error
+    # a second failed step in a row is the limit: the job fails with a readable reason
+    with pytest.raises(RewardUnavailable, match="could not score on 2 steps in a row"):
+        Scorer([g]).score(ITEMS, step=2)
+
+
+def test_a_step_that_scores_resets_the_count(grader, tmp_path):
+    g = _grader(grader, "numeric", tmp_path, max_failed_steps=2)
+    g._count(1, failed=True)
+    Scorer([g]).score(ITEMS, step=2)
+    g._count(3, failed=True)  # one failed step in a row again, not two
+    assert g.failed_steps == [3]
+
+
+def test_the_secret_comes_from_the_workers_environment(grader, tmp_path, monkeypatch):
+    assert Scorer([_grader(grader, "auth", tmp_path)]).score(ITEMS[:1], step=1).total == [0.0]
+    monkeypatch.setenv("TEST_GRADER_SECRET", "s3cret")
+    assert Scorer([_grader(grader, "auth", tmp_path)]).score(ITEMS[:1], step=1).total == [1.0]
+
+
+def test_a_url_taken_off_the_allow_list_is_refused_at_run_time(grader, tmp_path):
+    settings = Settings(GRPO_DATA_DIR=tmp_path, GRPO_REWARD_URLS="https://graders.example/")
+    with pytest.raises(RewardUnavailable, match="allow-list"):
+        HttpGrader(HttpReward(name="http", url=f"{grader}/numeric"), settings=settings, job_id=1)
+
+
+def test_a_job_trained_on_a_remote_grader_equals_the_builtin_run(grader, tmp_path, settings_factory, digit_reward):
+    """The same reward computed by the grader process and in the worker: the same job, step for step."""
+    import json
+
+    from service.specs import GRPOJob
+    from worker.loops import grpo
+    from worker.reporting import FileReporter
+
+    def run(rewards, out):
+        spec = GRPOJob.model_validate({
+            "model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"num_train": 30, "num_val": 4},
+            "rewards": rewards, "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4,
+                                         "max_new_tokens": 8, "learning_rate": 1e-2, "eval_prompts": 2}})
+        grpo.run(spec, FileReporter(out), settings=settings_factory(GRPO_REWARD_URLS=f"{grader}/"))
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    local = run([{"name": "digit_share"}], tmp_path / "local")
+    remote = run([{"name": "http", "url": f"{grader}/digits", "tag": "digit_share"}], tmp_path / "remote")
+    assert [m["step"] for m in local] == [m["step"] for m in remote] == [0, 1, 2, 3]
+    for a, b in zip(local, remote):
+        for k, v in a["metrics"].items():
+            if not k.startswith(("time/", "throughput/")):
+                assert b["metrics"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), (a["step"], k)
+        if a["step"] > 0:
+            assert b["metrics"]["time/reward_s"] > 0

@@ -45,6 +45,7 @@ class RewardModel:
         model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval().requires_grad_(False)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
+        tok.padding_side = "right"  # absolute positions and last-token pooling both read right padding correctly
         model.config.pad_token_id = tok.pad_token_id
         target = spec.target
         if isinstance(target, str):

@@ -93,7 +93,7 @@ class FunctionReward(_Entry):
 class RewardModelReward(_Entry):
     """A sequence classifier (AutoModelForSequenceClassification) scores prompt and completion."""
 
-    name: Literal["reward_model"]
+    name: Literal["reward_model"] = Field(description="The kind of this entry.")
     model: str = Field(description="A folder under the admin's model roots, or a Hugging Face id in the workers' "
                        "local cache.")
     template: str = Field("{prompt}\n{completion}", description="The classifier's input; placeholders {prompt}, "
@@ -117,7 +117,7 @@ class RewardModelReward(_Entry):
 class JudgeReward(_Entry):
     """A generative model asked a rubric; one forward pass, no sampling."""
 
-    name: Literal["judge"]
+    name: Literal["judge"] = Field(description="The kind of this entry.")
     model: str = Field("smollm2-135m-instruct", description="A causal LM: a bundled preset, a folder under the "
                        "admin's model roots, or a Hugging Face id in the workers' local cache.")
     rubric: str = Field(JUDGE_RUBRIC, description="The question put to the judge (a user turn through its chat "
@@ -146,7 +146,7 @@ class JudgeReward(_Entry):
 class SimilarityReward(_Entry):
     """Cosine similarity of the completion to the closest reference answer under a sentence encoder."""
 
-    name: Literal["similarity"]
+    name: Literal["similarity"] = Field(description="The kind of this entry.")
     model: str = Field("minilm-l6", description="A sentence encoder (mean pooling): minilm-l6, a folder under the "
                        "admin's model roots, or a Hugging Face id in the workers' local cache.")
     batch_size: int = Field(32, ge=1, le=4096, description="Texts per forward pass.")
@@ -156,7 +156,7 @@ class HttpReward(_Entry):
     """A grader the user runs: POST {job_id, step, items: [{prompt, completion, answer, answers}]} ->
     {scores: [float | null]} (null: cannot score; that completion is excluded)."""
 
-    name: Literal["http"]
+    name: Literal["http"] = Field(description="The kind of this entry.")
     url: str = Field(max_length=2000, description="Must start with one of the admin's allowed prefixes "
                      "(GRPO_REWARD_URLS).")
     timeout_s: float = Field(30.0, gt=0, le=600, description="Per request.")
@@ -182,7 +182,7 @@ _KIND_OF = {"reward_model": "reward_model", "judge": "judge", "similarity": "sim
 
 def _kind(v: Any) -> str:
     name = v.get("name") if isinstance(v, dict) else getattr(v, "name", None)
-    return _KIND_OF.get(name, "function")
+    return _KIND_OF.get(name, "function") if isinstance(name, str) else "function"
 
 
 RewardSpec = Annotated[

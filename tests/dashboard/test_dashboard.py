@@ -171,12 +171,19 @@ def test_submit_shows_errors_next_to_fields_then_submits(page, service):
     page.click("#validate-btn")
     page.wait_for_selector("#spec-ok")
     assert page.locator(".field-error").count() == 0
-    good = "kind: grpo\nname: from-the-browser\nmodel: {name: tiny-random-llama, lora: {r: 4}}\ngrpo: {steps: 2, max_new_tokens: 4, eval_prompts: 2}\n"
+    # the rewards this deployment offers, with their parameters; "insert" writes an entry at the cursor
+    assert "\nrubric = " in page.locator('#rewards-panel tr[data-reward="judge"]').inner_text()
+    good = ("kind: grpo\nname: from-the-browser\nmodel: {name: tiny-random-llama, lora: {r: 4}}\n"
+            "grpo: {steps: 2, max_new_tokens: 4, eval_prompts: 2}\nrewards:\n")
     page.fill("#spec-text", good)
+    page.evaluate("() => { const t = document.querySelector('#spec-text'); t.selectionStart = t.value.length; }")
+    page.click('#rewards-panel tr[data-reward="token_f1"] .insert-reward')
+    assert page.input_value("#spec-text").endswith("rewards:\n  - {name: token_f1, weight: 1.0}\n")
     page.click("#submit-btn")
     page.wait_for_url("**/#/jobs/*")
     job_id = int(page.url.rsplit("/", 1)[1])
-    assert service.client.get(f"/v1/jobs/{job_id}").json()["name"] == "from-the-browser"
+    submitted = service.client.get(f"/v1/jobs/{job_id}").json()
+    assert submitted["name"] == "from-the-browser" and submitted["spec"]["rewards"][0]["name"] == "token_f1"
     page.wait_for_selector("#job-header")
     wait_job(service.client, job_id, service.procs)
 

@@ -62,6 +62,32 @@ export async function submitPage({ app }) {
       h("button", { id: "validate-btn", onclick: () => validate() }, "Validate"),
       h("button", { class: "primary", id: "submit-btn", onclick: () => submit().catch((e) => status.replaceChildren(h("div", { class: "error-box" }, e.message))) }, "Submit")),
     status,
-    h("div", { class: "submit-layout" }, text, annotated));
+    h("div", { class: "submit-layout" }, text, annotated),
+    await rewardsPanel(text, render));
   render();
+}
+
+// The rewards this deployment offers (GET /v1/rewards); "insert" puts an entry at the cursor.
+async function rewardsPanel(text, render) {
+  const { items, http_url_prefixes: prefixes } = await api("/v1/rewards");
+  const snippet = (r) => {
+    const required = r.parameters.filter((p) => p.required).map((p) => `, ${p.name}: ${p.name === "url" && prefixes.length ? JSON.stringify(prefixes[0]) : '""'}`);
+    return `  - {name: ${r.name}, weight: 1.0${required.join("")}}\n`;
+  };
+  const insert = (r) => {
+    const at = text.selectionStart ?? text.value.length;
+    text.value = text.value.slice(0, at) + snippet(r) + text.value.slice(at);
+    render();
+  };
+  const row = (r) => h("tr", { "data-reward": r.name },
+    h("td", {}, h("code", {}, r.name)), h("td", {}, r.kind), h("td", {}, r.description),
+    h("td", {}, r.parameters.map((p) => h("div", { title: p.description || "" }, h("code", {}, p.name),
+      p.required ? " (required)" : ` = ${JSON.stringify(p.default)}`))),
+    h("td", {}, h("button", { class: "insert-reward", onclick: () => insert(r) }, "insert")));
+  return h("section", { id: "rewards-panel" },
+    h("h2", {}, "Rewards on this deployment"),
+    h("p", { class: "muted" }, "Entries of a spec's `rewards` list; each has a name and a weight, plus its kind's parameters. ",
+      prefixes.length ? `http graders may be at: ${prefixes.join(", ")}.` : "This deployment allows no http graders."),
+    h("table", { class: "table" }, h("thead", {}, h("tr", {}, ...["name", "kind", "what it does", "parameters", ""].map((c) => h("th", {}, c)))),
+      h("tbody", {}, ...items.map(row))));
 }

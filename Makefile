@@ -45,6 +45,7 @@ bench: install
 	$(PY) bench/api_load.py
 	$(PY) bench/sparsity.py
 	$(PY) bench/tracin.py
+	$(PY) bench/rewards.py
 
 clean:
 	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

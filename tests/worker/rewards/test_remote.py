@@ -110,3 +110,29 @@ def test_a_job_trained_on_a_remote_grader_equals_the_builtin_run(grader, tmp_pat
                 assert b["metrics"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), (a["step"], k)
         if a["step"] > 0:
             assert b["metrics"]["time/reward_s"] > 0
+
+
+def test_a_grader_that_stays_down_fails_the_job_with_a_readable_event(grader, settings_factory):
+    from service.specs import GRPOJob
+    from service.store import events as events_q
+    from service.store import jobs as jobs_q
+    from service.store.db import session_scope
+    from service.store.migrate import upgrade
+    from worker import runner
+
+    settings = settings_factory(GRPO_REWARD_URLS=f"{grader}/")
+    upgrade(settings.store_url)
+    spec = GRPOJob.model_validate({
+        "model": {"name": "tiny-random-llama"}, "dataset": {"num_train": 20, "num_val": 2},
+        "rewards": [{"name": "http", "url": f"{grader}/error", "max_retries": 0, "max_failed_steps": 3}],
+        "grpo": {"steps": 4, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 2}})
+    with session_scope(settings.store_url) as s:
+        job, _ = jobs_q.create_job(s, owner="o", kind="grpo", spec=spec.model_dump(mode="json"), name=None,
+                                   total_steps=4)
+    assert runner.run_job(job.id, settings=settings) == "failed"
+    with session_scope(settings.store_url) as s:
+        job = jobs_q.get_job(s, job_id=job.id)
+        events = events_q.list_events(s, job_id=job.id)
+    assert "could not score on 3 steps in a row" in job.error and "RewardUnavailable" in job.error
+    warnings = [e for e in events if e.type == "warning"]
+    assert warnings and "HTTP 500" in warnings[0].data["failures"][0]["error"]

@@ -9,7 +9,6 @@ kept unit stays in the batch (the joint retriever needs its reward) but is left 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -115,16 +114,12 @@ def prompt_for(s: Setup, ex: Example) -> str:
     return render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
 
 
-def score_groups(s: Setup, completions: list[str], examples: list[Example], G: int, reporter: Reporter,
+def score_groups(s: Setup, completions: list[str], examples: list[Example], G: int,
                  step: int) -> tuple[torch.Tensor, torch.Tensor, rewards.Scored]:
     """Rewards [N] and an exclusion mask [N] (True: a counted reward could not score it)."""
     items = [rewards.Item(ex.question, c, tuple(ex.answers)) for ex, c in
              zip((ex for ex in examples for _ in range(G)), completions, strict=True)]
-    scored = s.scorer.score(items, step=step)
-    if scored.failures:
-        reporter.event("warning", f"{len(scored.failures)} reward evaluations failed at step {step}; "
-                       "those completions are excluded from the loss", level="warning",
-                       data={"failures": [dataclasses.asdict(f) for f in scored.failures[:20]]})
+    scored = s.scorer.score(items, step=step)  # failures become the job's warning event (setup.warn_reward_failures)
     r = torch.tensor(scored.total, dtype=torch.float32)
     excluded = torch.isnan(r)
     if excluded.any():  # excluded completions take their group's mean: zero advantage, no effect on the baseline
@@ -163,7 +158,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
         if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
             raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                                f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
-        r, excluded, scored = score_groups(s, d.batch.completions, d.examples, G, reporter, step)
+        r, excluded, scored = score_groups(s, d.batch.completions, d.examples, G, step)
         reward_s += scored.seconds
         tied = zero_std_groups(r, G)  # [n_groups]
         frac_zero = float(tied.float().mean()) if frac_zero is None else frac_zero

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,7 +23,7 @@ from worker.checkpoints import (
 from worker.datasets import TaskData, load_task
 from worker.models import load_policy
 from worker.reporting import Reporter
-from worker.rewards import Scorer, build_scorer
+from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.rollout import RolloutEngine, SamplingParams
 from worker.training import make_optimizer, make_scheduler, trainable
 
@@ -87,11 +89,19 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,
                            total=g.steps * g.epochs_per_rollout_batch)
     entries = spec.reward_specs()
-    scorer = build_scorer(entries, settings=settings, device=spec.devices.policy, job_id=reporter.job_id)
+    scorer = build_scorer(entries, settings=settings, device=spec.devices.policy, job_id=reporter.job_id,
+                          on_failures=partial(warn_reward_failures, reporter))
     if task is None:
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries])
     return Setup(spec, model, tok, engine, ref, opt, sched, task, scorer, device, dict(extra or {}),
                  dict(extra_optimizers or {}))
+
+
+def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:
+    """What could not be scored (in training or evaluation), as one warning event."""
+    reporter.event("warning", f"{len(failures)} reward evaluations failed at step {step}; those completions are "
+                   "excluded (from the loss, or from eval/reward_mean)", level="warning",
+                   data={"failures": [dataclasses.asdict(f) for f in failures[:20]]})
 
 
 @dataclass(frozen=True)

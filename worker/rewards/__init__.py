@@ -4,11 +4,33 @@ similarity in models.py; remote graders over HTTP in remote.py; scoring.py combi
 weighted entries and turns what cannot be scored into exclusions."""
 
 from worker.rewards.functions import (
-    REGISTRY, RewardFn, RewardInfo, answer_tag_match, bleu, exact_match, extract_answer, lookup, normalize_text,
-    numeric_match, parse_number, r1_format, r1_math, rouge_l, token_f1,
+    REGISTRY,
+    RewardFn,
+    RewardInfo,
+    answer_tag_match,
+    bleu,
+    exact_match,
+    extract_answer,
+    lookup,
+    normalize_text,
+    numeric_match,
+    parse_number,
+    r1_format,
+    r1_math,
+    rouge_l,
+    token_f1,
 )
 from worker.rewards.scoring import (
-    Component, FunctionComponent, Item, RewardFailure, RewardUnavailable, Scored, Scorer, Scores, build_scorer, score,
+    Component,
+    FunctionComponent,
+    Item,
+    RewardFailure,
+    RewardUnavailable,
+    Scored,
+    Scorer,
+    Scores,
+    build_scorer,
+    score,
 )
 
 __all__ = [

@@ -87,11 +87,15 @@ class Scored:
     seconds: float = 0.0  # wall time of the scoring
 
 
+OnFailures = Callable[[list[RewardFailure], int], None]  # (failures, step): the job's warning event
+
+
 class Scorer:
     """A job's rewards, built once per job; `score` is called for every batch of completions."""
 
-    def __init__(self, components: list[Component]) -> None:
+    def __init__(self, components: list[Component], on_failures: OnFailures | None = None) -> None:
         self.components = components
+        self.on_failures = on_failures
 
     def score(self, items: Sequence[Item], *, step: int) -> Scored:
         t0 = time.perf_counter()
@@ -118,6 +122,8 @@ class Scorer:
                 if c.counts:
                     total[i] += c.weight * values[-1]
             per_fn[c.key] = values
+        if failures and self.on_failures is not None:
+            self.on_failures(failures, step)
         return Scored(total, per_fn, failures, time.perf_counter() - t0)
 
 
@@ -133,7 +139,8 @@ def _with_diagnostics(components: list[Component], function_names: list[str]) ->
     return components
 
 
-def build_scorer(entries: Sequence[RewardSpec], *, settings, device: str, job_id: int | None) -> Scorer:
+def build_scorer(entries: Sequence[RewardSpec], *, settings, device: str, job_id: int | None,
+                 on_failures: OnFailures | None = None) -> Scorer:
     """The components of a job's `rewards` entries; models are loaded once, frozen, on `device`."""
     components: list[Component] = []
     for e in entries:
@@ -147,7 +154,8 @@ def build_scorer(entries: Sequence[RewardSpec], *, settings, device: str, job_id
             from worker.rewards import models
 
             components.append(models.build(e, settings=settings, device=device))
-    return Scorer(_with_diagnostics(components, [e.name for e in entries if isinstance(e, FunctionReward)]))
+    return Scorer(_with_diagnostics(components, [e.name for e in entries if isinstance(e, FunctionReward)]),
+                  on_failures)
 
 
 def score(completions: Sequence[str], answers: Sequence[Sequence[str]], weights: dict[str, float]) -> Scored:

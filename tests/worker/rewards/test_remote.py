@@ -124,7 +124,7 @@ def test_a_grader_that_stays_down_fails_the_job_with_a_readable_event(grader, se
     upgrade(settings.store_url)
     spec = GRPOJob.model_validate({
         "model": {"name": "tiny-random-llama"}, "dataset": {"num_train": 20, "num_val": 2},
-        "rewards": [{"name": "http", "url": f"{grader}/error", "max_retries": 0, "max_failed_steps": 3}],
+        "rewards": [{"name": "http", "url": f"{grader}/error", "max_retries": 0, "max_failed_steps": 2}],
         "grpo": {"steps": 4, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 2}})
     with session_scope(settings.store_url) as s:
         job, _ = jobs_q.create_job(s, owner="o", kind="grpo", spec=spec.model_dump(mode="json"), name=None,
@@ -133,6 +133,7 @@ def test_a_grader_that_stays_down_fails_the_job_with_a_readable_event(grader, se
     with session_scope(settings.store_url) as s:
         job = jobs_q.get_job(s, job_id=job.id)
         events = events_q.list_events(s, job_id=job.id)
-    assert "could not score on 3 steps in a row" in job.error and "RewardUnavailable" in job.error
-    warnings = [e for e in events if e.type == "warning"]
-    assert warnings and "HTTP 500" in warnings[0].data["failures"][0]["error"]
+    assert "could not score on 2 steps in a row" in job.error and "RewardUnavailable" in job.error
+    warnings = [e for e in events if e.type == "warning"]  # the first failure, in the evaluation at step 0
+    assert len(warnings) == 1 and "HTTP 500" in warnings[0].data["failures"][0]["error"]
+    assert "eval/reward_mean" in warnings[0].message

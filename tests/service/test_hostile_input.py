@@ -102,14 +102,19 @@ def test_healthz_answers_while_a_bomb_is_parsed(sqlite_api):
         done.set()
 
     t = threading.Thread(target=flood)
+    start = time.perf_counter()
     t.start()
-    worst = 0.0
+    worst, answered = 0.0, 0
     while not done.is_set():
         t0 = time.perf_counter()
         assert api.client.get("/healthz").status_code == 200
         worst = max(worst, time.perf_counter() - t0)
+        answered += 1
     t.join()
-    assert worst < 1.0, worst
+    flood_s = time.perf_counter() - start
+    # A stalled API would answer nothing until the flood ends; this one keeps answering all along
+    # (on 2 shared cores one answer can wait a second behind the parser's share of the GIL).
+    assert answered >= 10 and worst < flood_s / 4, (answered, worst, flood_s)
 
 
 def test_oversize_bodies_get_413_however_they_are_sent(sqlite_api):

@@ -141,7 +141,7 @@ def _init_errors(spec, session: Session, owner: str) -> list[dict]:
 def _reward_errors(spec, settings: Settings) -> list[dict]:
     """Reward models that cannot be found, and graders off the admin's allow-list."""
     errors = []
-    presets = {"reward_model": (), "judge": MODEL_PRESETS, "similarity": ("minilm-l6",)}
+    presets = {"reward_model": (), "judge": MODEL_PRESETS, "similarity": RETRIEVER_PRESETS}
     for i, r in enumerate(spec.rewards or ()):
         if r.name in presets and r.model not in presets[r.name] and model_path(r.model, settings.model_roots) is None:
             errors.append({"loc": ("rewards", i, "model"), "type": "unavailable",

@@ -194,6 +194,11 @@ class GRPOSpec(_Section):
     samples_per_step: int = Field(8, ge=0, le=1024, description="Completions per step recorded with reward and advantage.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds prompt order, sampling and initialisation.")
 
+    @property
+    def with_reference(self) -> bool:
+        """KL to the frozen reference is measured: in the loss (kl_coef > 0) or asked for (measure_kl)."""
+        return self.kl_coef > 0 or self.measure_kl
+
     @model_validator(mode="after")
     def _schedule(self) -> "GRPOSpec":
         if self.warmup_steps > self.steps:

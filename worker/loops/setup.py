@@ -47,12 +47,6 @@ class Setup:
     extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
     extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
 
-    @property
-    def with_reference(self) -> bool:
-        """KL to the reference is measured: in the loss (kl_coef > 0) or asked for (grpo.measure_kl)."""
-        g = self.spec.grpo
-        return g.kl_coef > 0 or g.measure_kl
-
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
         return Trainables(self.model, self.tokenizer, {"policy": self.optimizer, **self.extra_optimizers},
@@ -83,7 +77,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                             top_k=g.top_k, stop=tuple(g.stop))
     engine = RolloutEngine(model, tok, spec.devices.rollout or spec.devices.policy, params)
     ref = None
-    if (g.kl_coef > 0 or g.measure_kl) and not is_lora(model):
+    if g.with_reference and not is_lora(model):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,

@@ -27,7 +27,7 @@ def micro_batches(rows: list[int], size: int, *, shuffle_seed: int | None = None
 def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
     """ref_logp [N, T] under the frozen reference (the base model with the adapter disabled, or a
     copy), or None when KL is neither in the loss nor asked for."""
-    if not s.with_reference:
+    if not s.spec.grpo.with_reference:
         return None
     g = s.spec.grpo
     parts = []
@@ -74,6 +74,15 @@ class PassTotals:
     kl: float | None = None  # None: no reference, not measured
     tokens: TokenStats = field(default_factory=TokenStats)
     entropy_sum: float = 0.0  # over real tokens
+
+    def __iadd__(self, other: "PassTotals") -> "PassTotals":
+        self.loss += other.loss
+        self.policy += other.policy
+        if other.kl is not None:
+            self.kl = (self.kl or 0.0) + other.kl
+        self.tokens += other.tokens
+        self.entropy_sum += other.entropy_sum
+        return self
 
     def metrics(self) -> dict[str, float]:
         out = {"loss/total": self.loss, "loss/policy": self.policy, **self.tokens.metrics(),
@@ -129,24 +138,16 @@ def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
     rows = ro.train_rows if rows is None else rows
     norm = Normaliser.of(ro.loss_mask[norm_rows if norm_rows is not None else rows], g.loss_agg)
     s.model.train()
-    epochs = PassTotals(kl=None if ref_logp is None else 0.0)
+    epochs = PassTotals()  # summed over epochs; losses reported as their mean
     norms = []
     for epoch in range(g.epochs_per_rollout_batch):
         s.optimizer.zero_grad(set_to_none=True)
         seed = None if epoch == 0 else hash((g.seed, step, epoch)) % 2**31
-        p = backward_pass(s, ro, micro_batches(rows, g.micro_batch_size, shuffle_seed=seed), norm, old_logp,
-                          ref_logp, step)
+        epochs += backward_pass(s, ro, micro_batches(rows, g.micro_batch_size, shuffle_seed=seed), norm, old_logp,
+                                ref_logp, step)
         norms.append(optimizer_step(run))
-        epochs.loss += p.loss
-        epochs.policy += p.policy
-        if p.kl is not None:
-            epochs.kl += p.kl
-        epochs.tokens += p.tokens
-        epochs.entropy_sum += p.entropy_sum
     n = g.epochs_per_rollout_batch
     out = epochs.metrics()
-    out.update({"loss/total": epochs.loss / n, "loss/policy": epochs.policy / n})
-    if epochs.kl is not None:
-        out["kl"] = epochs.kl / n
+    out.update({k: out[k] / n for k in ("loss/total", "loss/policy", "kl") if k in out})
     out.update({"grad_norm": sum(norms) / len(norms), "lr": s.scheduler.get_last_lr()[0]})
     return out

@@ -62,7 +62,34 @@ class Settings(BaseSettings):
     )
     artifacts_root: Path | None = Field(
         default=None, validation_alias="GRPO_ARTIFACTS_ROOT",
-        description="Where workers write checkpoints; default data_dir/artifacts.",
+        description="The filesystem artifact store (checkpoints, uploaded files) when GRPO_ARTIFACT_STORE is "
+        "unset; default data_dir/artifacts. API and workers must see the same folder (a shared volume).",
+    )
+    artifact_store_url: str = Field(
+        default="", validation_alias="GRPO_ARTIFACT_STORE",
+        description="`s3://bucket/prefix` keeps checkpoints and uploaded files in S3-compatible object storage, "
+        "so API and workers need no shared disk; empty: the folder GRPO_ARTIFACTS_ROOT.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, validation_alias="GRPO_S3_ENDPOINT_URL",
+        description="Endpoint of an S3-compatible service (MinIO, Ceph, R2...); default: AWS.",
+    )
+    s3_region: str | None = Field(default=None, validation_alias="GRPO_S3_REGION", description="S3 region.")
+    s3_access_key_id: str | None = Field(
+        default=None, validation_alias="GRPO_S3_ACCESS_KEY_ID",
+        description="S3 credentials; unset: the AWS credential chain (AWS_* variables, profile, instance role).",
+    )
+    s3_secret_access_key: SecretStr | None = Field(
+        default=None, validation_alias="GRPO_S3_SECRET_ACCESS_KEY", description="Secret of GRPO_S3_ACCESS_KEY_ID.",
+    )
+    cache_root: Path | None = Field(
+        default=None, validation_alias="GRPO_CACHE_DIR",
+        description="Workers' local cache of what they download from an object store (files, checkpoints); "
+        "default data_dir/cache.",
+    )
+    max_file_bytes: int = Field(
+        default=256 * 1024 * 1024, validation_alias="GRPO_MAX_FILE_BYTES",
+        description="Largest accepted upload to POST /v1/files; bigger ones get 413.",
     )
     max_body_bytes: int = Field(
         default=1_048_576, validation_alias="GRPO_MAX_BODY_BYTES",
@@ -127,6 +154,10 @@ class Settings(BaseSettings):
     @property
     def artifacts_dir(self) -> Path:
         return self.artifacts_root or self.data_dir / "artifacts"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.cache_root or self.data_dir / "cache"
 
 
 @lru_cache

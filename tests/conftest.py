@@ -163,3 +163,58 @@ def api(request, settings_factory):
 @pytest.fixture
 def sqlite_api(settings_factory):
     return Api(settings_factory())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3-compatible server in its own process, on a free port; `stop()` takes it away."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+        import time
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not _reachable("127.0.0.1", self.port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError("moto's S3 server did not start")
+            time.sleep(0.1)
+
+    def settings(self, bucket: str) -> dict:
+        """Settings fields for a store in a fresh `bucket` of this server."""
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        return {"GRPO_ARTIFACT_STORE": f"s3://{bucket}/grpo", "GRPO_S3_ENDPOINT_URL": self.endpoint,
+                "GRPO_S3_ACCESS_KEY_ID": "test", "GRPO_S3_SECRET_ACCESS_KEY": "test", "GRPO_S3_REGION": "us-east-1"}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["folder", "s3"])
+def store_settings(request) -> dict:
+    """Settings fields of an artifact store: the default folder, or a fresh bucket of a local S3 server."""
+    if request.param == "folder":
+        return {}
+    return request.getfixturevalue("s3_server").settings(f"b-{uuid.uuid4().hex[:12]}")

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
+from service.artifacts import COMPLETE, folder_store, newest_step
 from worker.algos.lora import is_lora
 
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = COMPLETE  # written last: its presence marks a whole checkpoint
 
 
 @dataclass(frozen=True)
@@ -96,5 +97,5 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint folder under `root`."""
     if not root.exists():
         return None
-    done = [p for p in root.glob("step-*") if (p / STATE_FILE).exists() and p.name[5:].isdigit()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    step = newest_step(folder_store(root, name=str(root)).list(""))
+    return None if step is None else root / f"step-{step}"

@@ -54,7 +54,18 @@ class Reporter:
 
     def sparsity(self, record: SparsityRecord) -> None: ...
 
-    def checkpoint(self, step: int, path: Path, format: str, size_bytes: int) -> None: ...
+    def checkpoint_dir(self, step: int) -> Path:
+        """Where the loop writes checkpoint `step` before handing it to `checkpoint`."""
+        return self.checkpoint_root / f"step-{step}"
+
+    def checkpoint(self, step: int, path: Path, format: str, size_bytes: int) -> None:
+        """Checkpoint `step` is complete in folder `path`: keep it (the SQL reporter uploads it)."""
+
+    def resume_from(self) -> Path | None:
+        """The folder of this job's newest complete checkpoint, if an earlier attempt left one."""
+        from worker.checkpoints import latest_checkpoint
+
+        return latest_checkpoint(self.checkpoint_root)
 
     def progress(self, step: int) -> None: ...
 

@@ -11,6 +11,7 @@ it resumes from its last checkpoint.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
+from service.artifacts import COMPLETE, checkpoint_key, checkpoints_prefix, newest_step, open_store
 from service.settings import Settings
 from service.store import events as events_q
 from service.store import jobs as jobs_q
@@ -36,16 +38,13 @@ class LeaseLost(Exception):
     """This worker no longer holds the job's lease: stop without recording anything."""
 
 
-def artifacts_root(settings: Settings, uid: str) -> Path:
-    """A job's artifacts live under its globally unique id, never its store-local number."""
-    return settings.artifacts_dir / uid
-
-
 class SqlReporter(Reporter):
     def __init__(self, job_id: int, *, uid: str, owner: str, holder: str, settings: Settings) -> None:
         self.job_id, self.owner, self.holder, self.url = job_id, owner, holder, settings.store_url
-        self.settings = settings
-        self.checkpoint_root = artifacts_root(settings, uid) / "checkpoints"
+        self.settings, self.uid = settings, uid
+        # A job's artifacts live under its globally unique id, never its store-local number.
+        self.store = open_store(settings)
+        self.checkpoint_root = self._local(checkpoints_prefix(uid))
         self.heartbeat_s = settings.heartbeat_s
         # Give up the lease a beat before it expires, so two workers never both think they hold it.
         self.give_up_after_s = max(settings.lease_timeout_s - settings.heartbeat_s, settings.lease_timeout_s / 2)
@@ -138,16 +137,40 @@ class SqlReporter(Reporter):
     def sparsity(self, record):
         self._write(lambda s: records.put_sparsity(s, job_id=self.job_id, record=_clean(record)))
 
+    # -- checkpoints, through the artifact store ------------------------------------------------
+    def _local(self, key: str) -> Path:
+        """Where `key` is on this machine: in the folder store itself, or in the worker's cache."""
+        return self.store.local_path(key) or self.settings.cache_dir / key
+
+    def _fetch(self, key: str) -> Path:
+        """A complete checkpoint folder on this machine (downloaded unless it already is)."""
+        local = self._local(key)
+        if not (local / COMPLETE).exists():
+            if self.store.local:
+                raise FileNotFoundError(key)
+            self.store.get_dir(key, local)
+        return local
+
     def checkpoint(self, step, path: Path, format, size_bytes):
-        self._write(lambda s: records.put_checkpoint(s, job_id=self.job_id, step=step, path=str(path),
+        key = checkpoint_key(self.uid, step)
+        if not self.store.local:  # the folder store was written in place
+            self.store.put_dir(key, path)
+            shutil.rmtree(path)  # staged only: a resume downloads what it needs
+        self._write(lambda s: records.put_checkpoint(s, job_id=self.job_id, step=step, path=key,
                                                      format=format, size_bytes=size_bytes))
+
+    def resume_from(self) -> Path | None:
+        step = newest_step(self.store.list(checkpoints_prefix(self.uid)))
+        return None if step is None else self._fetch(checkpoint_key(self.uid, step))
 
     def init_checkpoint(self, job: int, step: int) -> Path:
         found = self._write(lambda s: init_checkpoint(s, owner=self.owner, job_id=job, step=step))
-        path = None if found is None else artifacts_root(self.settings, found[0].uid) / "checkpoints" / f"step-{step}"
-        if path is None or not path.is_dir():  # checked at submit; gone since (deleted, or its files lost)
-            raise ValueError(unavailable_checkpoint(job, step))
-        return path
+        try:
+            if found is not None:
+                return self._fetch(checkpoint_key(found[0].uid, step))
+        except FileNotFoundError:
+            pass
+        raise ValueError(unavailable_checkpoint(job, step))  # checked at submit; gone since (deleted, files lost)
 
     def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> None:
         """The job's outcome and its final event, in one transaction, while the lease is ours

@@ -13,7 +13,7 @@ from service.store.db import session_scope
 from service.store.migrate import upgrade
 from service.store.models import Job, Metric
 from worker import runner
-from worker.sql_reporter import artifacts_root
+from service.artifacts import checkpoint_key, newest_step, open_store
 
 SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
         "dataset": {"num_train": 40, "num_val": 4},
@@ -111,14 +111,12 @@ def test_cancel_stops_between_steps_with_a_checkpoint(settings_factory):
     assert ckpts and ckpts[-1].step == job.step
 
 
-def test_redelivery_after_a_crash_resumes_from_the_checkpoint(settings_factory):
-    settings, jid = _setup(settings_factory)
+def test_redelivery_after_a_crash_resumes_from_the_checkpoint(settings_factory, store_settings):
+    settings, jid = _setup(settings_factory, **store_settings)
     assert runner.run_job(jid, settings=settings) == "succeeded"
     _, _, _, _, rows_once = _state(settings, jid)
     # Pretend the worker died after step 2: state as the crash left it, last checkpoint step-2.
-    import shutil
-
-    shutil.rmtree(artifacts_root(settings, job_uid(settings, jid)) / "checkpoints" / "step-3")
+    assert open_store(settings).delete(checkpoint_key(job_uid(settings, jid), 3)) > 0
     with session_scope(settings.store_url) as s:
         s.execute(update(Job).where(Job.id == jid).values(
             status="running", step=2, lease_owner="dead", finished_at=None,
@@ -129,6 +127,10 @@ def test_redelivery_after_a_crash_resumes_from_the_checkpoint(settings_factory):
     resumed = [e for e in evs if e.type == "resumed"]
     assert resumed and "step 2" in resumed[0].message
     assert rows_twice == rows_once  # step 3 was re-reported as upserts, not duplicated
+    # the store holds every checkpoint, the worker's disk none of the object store's (staging is removed)
+    assert newest_step(open_store(settings).list(f"{job.uid}/checkpoints")) == 3
+    if store_settings:
+        assert not (settings.cache_dir / job.uid / "checkpoints" / "step-3").exists()
 
 
 def test_failure_messages_name_settings_not_server_paths(settings_factory):

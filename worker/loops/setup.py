@@ -16,7 +16,6 @@ from worker import allocator
 from worker.algos.lora import is_lora
 from worker.checkpoints import (
     Trainables,
-    latest_checkpoint,
     load_checkpoint,
     load_weights,
 )
@@ -108,7 +107,7 @@ class Resumed:
 
 def resume(s: Setup, reporter: Reporter) -> Resumed:
     """Restore the job's latest checkpoint, if an earlier attempt left one."""
-    ckpt = latest_checkpoint(reporter.checkpoint_root)
+    ckpt = reporter.resume_from()
     if ckpt is None:
         return Resumed()
     state = load_checkpoint(ckpt, s.trainables())

@@ -62,7 +62,7 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
 
 def save(run: Run, step: int) -> None:
     """Checkpoint folder step-N, its row in the store, and an event."""
-    path = run.reporter.checkpoint_root / f"step-{step}"
+    path = run.reporter.checkpoint_dir(step)
     fmt, size = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps)
     run.reporter.checkpoint(step, path, fmt, size)
     run.reporter.event("checkpoint", f"checkpoint at step {step} ({size / 1e6:.1f} MB)",

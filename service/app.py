@@ -22,9 +22,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import health, jobs, metrics, reports, rewards, specs, stream
+from service.api import files, health, jobs, metrics, reports, rewards, specs, stream
 from service.api.errors import format_errors
 from service.api.strict import StrictRouting
+from service.artifacts import ArtifactStoreError
 from service.settings import Settings, get_settings
 from service.specs import STATUSES
 from service.store import jobs as jobs_q
@@ -34,21 +35,30 @@ DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 log = logging.getLogger(__name__)
 
 
+class _TooLarge(Exception):
+    pass
+
+
 class BodySizeLimit:
     """413 for bodies over the limit, whether or not the client sent Content-Length.
 
     The body is read (up to the limit) before the app sees it, so an oversize chunked body is a
-    413 on every route, never a parse error half-way through."""
+    413 on every route, never a parse error half-way through. Uploads (`streamed` paths) are not
+    buffered: they stream to the route under their own, larger limit, and going past it ends the
+    request with the same 413."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, streamed: dict[str, int] | None = None) -> None:
+        self.app, self.max_bytes, self.streamed = app, max_bytes, streamed or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        limit = self.streamed.get(scope["path"].rstrip("/")) if scope["method"] == "POST" else None
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
+        if declared is not None and declared.isdigit() and int(declared) > (limit or self.max_bytes):
+            return await self._reject(send, limit or self.max_bytes)
+        if limit is not None:
+            return await self._stream(scope, receive, send, limit)
         chunks, seen = [], 0
         while True:
             message = await receive()
@@ -57,7 +67,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.max_bytes:
-                return await self._reject(send)
+                return await self._reject(send, self.max_bytes)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -72,8 +82,36 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
-        body = f'{{"detail":"request body larger than {self.max_bytes} bytes"}}'.encode()
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        seen, started, over = 0, False, False
+
+        async def counted() -> Message:
+            nonlocal seen, over
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                over = True
+                raise _TooLarge
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if over:  # the app answered the cut-off body (as a parse error): answer 413 instead
+                if not started and message["type"] == "http.response.start":
+                    started = True
+                    await self._reject(send, limit)
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except _TooLarge:
+            if not started:
+                await self._reject(send, limit)
+
+    async def _reject(self, send: Send, limit: int) -> None:
+        body = f'{{"detail":"request body larger than {limit} bytes"}}'.encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
@@ -87,6 +125,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     # FastAPI answers a body that json.loads refused for other reasons than syntax (nested too
     # deep, a number too long) with a bare 400; it gets the shape of every other malformed body.
     if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+        if request.headers.get("content-type", "").startswith("multipart/"):
+            return JSONResponse(format_errors([{"loc": ("body",), "type": "multipart_invalid",
+                                                "msg": "not a valid multipart/form-data body"}]), 422)
         return JSONResponse(format_errors([{"loc": ("body",), "type": "json_invalid",
                                             "msg": "not valid JSON: nested too deeply or a number too long"}]), 422)
     return await http_exception_handler(request, exc)
@@ -98,6 +139,12 @@ STORE_RETRY_AFTER_S = 5
 def store_unavailable(reason: str) -> JSONResponse:
     """503 with Retry-After: the request was fine, the store is not (yet) reachable."""
     return JSONResponse({"detail": f"the job store is unavailable ({reason}); retry shortly"}, status_code=503,
+                        headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
+async def _artifact_store_error(_: Request, exc: ArtifactStoreError) -> JSONResponse:
+    log.warning("%s", exc)
+    return JSONResponse({"detail": "the artifact store is unavailable; retry shortly"}, status_code=503,
                         headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
 
@@ -206,7 +253,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
         version="0.1.0",
         description="Submit GRPO, TracIn-selected GRPO and joint retriever+generator GRPO training jobs; "
         "poll, stream and chart their metrics and reports. Authenticate with `Authorization: Bearer <key>` "
-        f"(`grpo-jobs keys create --owner NAME`). Request bodies are limited to {settings.max_body_bytes} bytes.",
+        f"(`grpo-jobs keys create --owner NAME`). Request bodies are limited to {settings.max_body_bytes} bytes, "
+        f"file uploads to {settings.max_file_bytes} bytes.",
     )
     app.state.settings = settings
     app.state.schema = schema
@@ -231,12 +279,15 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
         return response
 
     routers = (health.router, jobs.router, stream.router, metrics.router, reports.router, rewards.router,
-               specs.router)
+               specs.router, files.router)
     app.add_middleware(StrictRouting, routes=[route for r in routers for route in r.routes])
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # an upload may carry a file of max_file_bytes, plus its multipart framing
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       streamed={"/v1/files": settings.max_file_bytes + 64 * 1024})
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DBAPIError, _store_error)
+    app.add_exception_handler(ArtifactStoreError, _artifact_store_error)
     for r in routers:
         app.include_router(r)
     if (DASHBOARD_DIR / "index.html").exists():

@@ -13,6 +13,7 @@ A store that cannot be reached raises `ArtifactStoreError` with a message naming
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +36,18 @@ class ArtifactStoreError(RuntimeError):
 class Stored:
     key: str  # relative to the prefix it was listed under
     size: int
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_key(owner_folder: str, file_id: str) -> str:
+    return f"files/{owner_folder}/{file_id}"
 
 
 def checkpoints_prefix(uid: str) -> str:

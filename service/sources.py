@@ -17,11 +17,12 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.settings import Settings
 from service.store import jobs as jobs_q
+from service.store import files as files_q
+from service.store import records
 from service.store.models import Checkpoint, Job
 from service.reward_specs import url_allowed
 from service.specs import _HF_ID, MODEL_PRESETS, RETRIEVER_PRESETS, DatasetSpec, unavailable_model
@@ -105,16 +106,18 @@ def dataset_file(rel: str, settings: Settings) -> Path | None:
     return found if found is not None and found.is_file() else None
 
 
-def unavailable_checkpoint(job: int, step: int) -> str:
-    return f"model.init_from: you have no job {job} with a checkpoint at step {step}"
+def unavailable_checkpoint(job: int, step: int | None) -> str:
+    at = "any checkpoint" if step is None else f"a checkpoint at step {step}"
+    return f"model.init_from: you have no job {job} with {at}"
 
 
-def init_checkpoint(session: Session, *, owner: str, job_id: int, step: int) -> tuple[Job, Checkpoint] | None:
-    """One of `owner`'s own checkpoints, or None (another owner's reads as missing)."""
+def init_checkpoint(session: Session, *, owner: str, job_id: int, step: int | None) -> tuple[Job, Checkpoint] | None:
+    """One of `owner`'s own checkpoints (`step` None: the latest), or None (another owner's reads as missing)."""
     job = jobs_q.get_job(session, job_id=job_id, owner=owner)
     if job is None:
         return None
-    ckpt = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+    ckpt = (records.latest_checkpoint(session, job_id=job_id) if step is None
+            else records.get_checkpoint(session, job_id=job_id, step=step))
     return None if ckpt is None else (job, ckpt)
 
 
@@ -153,6 +156,30 @@ def _reward_errors(spec, settings: Settings) -> list[dict]:
     return errors
 
 
+FILE_PURPOSES = {"train_file": ("train",), "val_file": ("eval",), "corpus_file": ("corpus",)}
+
+
+def unavailable_upload(field: str, file_id: str) -> str:
+    return f"dataset.{field}: you have no file {file_id!r} (GET /v1/files lists yours)"
+
+
+def _file_errors(d: DatasetSpec, session: Session, owner: str) -> list[dict]:
+    """Uploaded files a spec names: the owner's own, of the purpose the field needs."""
+    errors = []
+    for field, purposes in FILE_PURPOSES.items():
+        file_id = getattr(d, field)
+        if file_id is None:
+            continue
+        f = files_q.get_file(session, file_id=file_id, owner=owner)
+        if f is None:
+            errors.append({"loc": ("dataset", field), "msg": unavailable_upload(field, file_id), "type": "unavailable"})
+        elif f.purpose not in purposes:
+            errors.append({"loc": ("dataset", field), "type": "wrong_purpose",
+                           "msg": f"dataset.{field}: file {file_id} was uploaded for {f.purpose!r}; this field needs a "
+                           f"file of purpose {purposes[0]!r}"})
+    return errors
+
+
 def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> list[dict]:
     """Errors (pydantic's shape: loc, msg, type) for everything `spec` names that this owner may
     not use under the admin's settings. Empty when all is well."""
@@ -166,6 +193,7 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
             errors.append({"loc": loc, "msg": unavailable_model(what, name, presets), "type": "unavailable"})
     errors += _reward_errors(spec, settings)
     d: DatasetSpec = spec.dataset
+    errors += _file_errors(d, session, owner)
     for field in ("path", "corpus_path"):
         rel = getattr(d, field)
         if d.name == "jsonl" and rel is not None and dataset_file(rel, settings) is None:

@@ -20,9 +20,11 @@ from service.spec_base import INT64, _Section, storable  # noqa: F401  (re-expor
 # Names the worker implements. Tests assert these match the worker's registries.
 MODEL_PRESETS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
 RETRIEVER_PRESETS = ("minilm-l6", "tiny-random-bert")
-DATASETS = ("arith", "jsonl", "persona-facts")
+DATASETS = ("arith", "file", "jsonl", "persona-facts")
 REWARDS = tuple(BUILTIN_REWARDS)
-DEFAULT_REWARDS = {"arith": ["numeric_match"], "jsonl": ["exact_match"], "persona-facts": ["token_f1"]}
+DEFAULT_REWARDS = {"arith": ["numeric_match"], "file": ["exact_match"], "jsonl": ["exact_match"],
+                   "persona-facts": ["token_f1"]}
+FILE_ID = r"^file-[0-9a-f]{24}$"
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -64,7 +66,8 @@ class LoraSpec(_Section):
 
 class InitFrom(_Section):
     job: int = Field(ge=1, le=2**31 - 1, description="The id of one of your earlier jobs.")
-    step: int = Field(ge=0, le=2**31 - 1, description="The step of one of its checkpoints (GET /v1/jobs/{job}/checkpoints).")
+    step: int | None = Field(None, ge=0, le=2**31 - 1, description="The step of one of its checkpoints "
+                             "(GET /v1/jobs/{job}/checkpoints); default: its latest.")
 
 
 class ModelSpec(_Section):
@@ -92,11 +95,19 @@ class ModelSpec(_Section):
 
 
 class DatasetSpec(_Section):
-    name: Literal["arith", "jsonl", "persona-facts"] = Field(
+    name: Literal["arith", "file", "jsonl", "persona-facts"] = Field(
         "arith",
         description="arith: generated grade-school word problems; persona-facts: generated corpus + "
-        "questions (joint jobs); jsonl: rows {prompt, answer} (or {query, answers, gold_doc_id}) from `path`.",
+        "questions (joint jobs); file: files you uploaded (POST /v1/files), named by id in `train_file`, "
+        "`val_file` and `corpus_file`; jsonl: rows {prompt, answer} (or {query, answers, gold_doc_id}) from `path`.",
     )
+    train_file: str | None = Field(
+        None, pattern=FILE_ID, description="file only: the id of one of your files of purpose `train`.")
+    val_file: str | None = Field(
+        None, pattern=FILE_ID, description="file only: a file of purpose `eval`; default: a seeded held-out "
+        "split of `num_val` rows of the train file.")
+    corpus_file: str | None = Field(
+        None, pattern=FILE_ID, description="file, joint jobs only: a file of purpose `corpus` {id, text}.")
     path: str | None = Field(
         None, description="jsonl only: a file in your folder of the datasets root (GRPO_DATASETS_ROOT/<owner>/), "
         "or 'shared/...' for the admin's shared datasets."
@@ -137,10 +148,16 @@ class DatasetSpec(_Section):
     def _jsonl_needs_path(self) -> "DatasetSpec":
         if self.name == "jsonl" and not self.path:
             raise ValueError("dataset.path is required when dataset.name is 'jsonl'")
+        if self.name == "file" and not self.train_file:
+            raise ValueError("dataset.train_file is required when dataset.name is 'file': upload one with POST /v1/files")
         if self.name != "jsonl":
             reject_unused(self, "dataset", ("path", "corpus_path"), unless="with dataset.name 'jsonl'")
-        else:
-            reject_unused(self, "dataset", ("num_train",), unless="to generated tasks (a jsonl file trains on all its rows)")
+        if self.name != "file":
+            reject_unused(self, "dataset", ("train_file", "val_file", "corpus_file"), unless="with dataset.name 'file'")
+        elif self.val_file:
+            reject_unused(self, "dataset", ("num_val",), unless="without a val_file (the held-out split's size)")
+        if self.name in ("jsonl", "file"):
+            reject_unused(self, "dataset", ("num_train",), unless="to generated tasks (a file trains on all its rows)")
         if self.name != "arith":
             reject_unused(self, "dataset", ("difficulty",), unless="with dataset.name 'arith'")
         if self.name != "persona-facts":
@@ -331,6 +348,13 @@ class _JobBase(_Section):
         return self
 
 
+def _no_corpus(d: DatasetSpec) -> None:
+    """Kinds without a retriever: no retrieval task, no corpus."""
+    if d.name == "persona-facts":
+        raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
+    reject_unused(d, "dataset", ("corpus_path", "corpus_file"), unless="to kind 'joint' (a corpus to retrieve from)")
+
+
 class GRPOJob(_JobBase):
     """GRPO / GRPO-Clip: group sampling, group-normalised advantages, clipped surrogate, k3 KL."""
 
@@ -338,8 +362,7 @@ class GRPOJob(_JobBase):
 
     @model_validator(mode="after")
     def _dataset(self) -> "GRPOJob":
-        if self.dataset.name == "persona-facts":
-            raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
+        _no_corpus(self.dataset)
         return self
 
 
@@ -356,8 +379,7 @@ class TracInJob(_JobBase):
         if self.model.gradient_checkpointing:
             raise ValueError("model.gradient_checkpointing is not supported for kind 'tracin': recomputed "
                              "forwards would count each sample's influence twice")
-        if self.dataset.name == "persona-facts":
-            raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
+        _no_corpus(self.dataset)
         return self
 
 
@@ -374,6 +396,8 @@ class JointJob(_JobBase):
             raise ValueError("dataset.name 'arith' has no corpus: kind 'joint' needs 'persona-facts' or 'jsonl'")
         if d.name == "jsonl" and not d.corpus_path:
             raise ValueError("dataset.corpus_path is required for kind 'joint' with a jsonl dataset")
+        if d.name == "file" and not d.corpus_file:
+            raise ValueError("dataset.corpus_file is required for kind 'joint' with dataset.name 'file'")
         return self
 
 

@@ -143,6 +143,12 @@ class Api:
     def post(self, path, key=None, **kw):
         return self.client.post(path, headers={**self.auth(key), **kw.pop("headers", {})}, **kw)
 
+    def delete(self, path, key=None, **kw):
+        return self.client.delete(path, headers={**self.auth(key), **kw.pop("headers", {})}, **kw)
+
+    def upload(self, content: bytes, purpose: str = "train", filename: str = "data.jsonl", key=None):
+        return self.post("/v1/files", key=key, files={"file": (filename, content)}, data={"purpose": purpose})
+
     def run_job(self, spec: dict) -> int:
         """Submit `spec` over HTTP, run it in this process as a worker would, expect success; the job id."""
         from worker import runner

@@ -2,16 +2,18 @@
 
 `arith`: procedurally generated grade-school word problems with numeric answers, seeded, with
 disjoint train and validation splits. `jsonl`: rows {"prompt", "answer" | "answers"} from a file
-under the datasets root.
+under the datasets root. `file`: the same rows from files uploaded to the service, JSONL or
+Parquet (service/datafiles.py says what a row holds).
 """
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.datafiles import RowError, corpus_row, read_rows, sniff, task_row
 from service.settings import Settings
 from service.sources import dataset_file, unavailable_file
 from service.specs import DatasetSpec
@@ -93,17 +95,24 @@ def arith(spec: DatasetSpec) -> tuple[list[Example], list[Example]]:
     return train, val
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+# file id -> the uploaded file on this machine (the runner fetches it from the artifact store)
+FetchFile = Callable[[str], Path]
+
+
+def _rows(path: Path, name: str, parse):
+    """Every row of a JSONL or Parquet file through `parse`; ValueError naming the line that fails."""
+    fmt = sniff(path)
+    where = "row" if fmt == "parquet" else "line"
+    try:
+        out = []
+        for n, row in read_rows(path, fmt):
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path.name}:{n}: not valid JSON ({exc.msg})") from exc
-    return rows
+                out.append(parse(row))
+            except ValueError as exc:
+                raise ValueError(f"{name}: {where} {n}: {exc}") from None
+        return out
+    except RowError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _file(field: str, rel: str, settings: Settings) -> Path:
@@ -114,28 +123,44 @@ def _file(field: str, rel: str, settings: Settings) -> Path:
     return path
 
 
+def examples(path: Path, name: str) -> list[Example]:
+    return [Example(r.question, r.answers, r.meta) for r in _rows(path, name, task_row)]
+
+
+def held_out(rows: list[Example], spec: DatasetSpec, name: str) -> tuple[list[Example], list[Example]]:
+    """A seeded split: (train, the first num_val rows of a shuffle, at most half)."""
+    if len(rows) < 2:
+        raise ValueError(f"{name}: need at least 2 rows to hold some out for validation, found {len(rows)}")
+    rows = list(rows)
+    random.Random(spec.seed).shuffle(rows)
+    n_val = min(spec.num_val, len(rows) // 2)
+    return rows[n_val:], rows[:n_val]
+
+
 def jsonl(spec: DatasetSpec, settings: Settings) -> tuple[list[Example], list[Example]]:
-    path = _file("path", spec.path, settings)  # type: ignore[arg-type]
-    examples = []
-    for n, row in enumerate(read_jsonl(path), 1):
-        prompt = row.get("prompt", row.get("query"))
-        answers = row.get("answers", [row["answer"]] if "answer" in row else None)
-        if not isinstance(prompt, str) or not answers:
-            raise ValueError(f"{spec.path}:{n}: each row needs a string 'prompt' and an 'answer' or 'answers'")
-        examples.append(Example(question=prompt, answers=tuple(str(a) for a in answers),
-                                meta={k: v for k, v in row.items() if k not in ("prompt", "query", "answer", "answers")}))
-    if len(examples) < 2:
-        raise ValueError(f"{spec.path}: need at least 2 rows, found {len(examples)}")
-    random.Random(spec.seed).shuffle(examples)
-    n_val = min(spec.num_val, len(examples) // 2)
-    return examples[n_val:], examples[:n_val]
+    return held_out(examples(_file("path", spec.path, settings), spec.path), spec, spec.path)  # type: ignore[arg-type]
 
 
-def load_task(spec: DatasetSpec, *, settings: Settings, reward_names: list[str]) -> TaskData:
+def uploaded(spec: DatasetSpec, fetch: FetchFile) -> tuple[list[Example], list[Example]]:
+    """Train and validation examples from uploaded files (validation: val_file, else held out)."""
+    train = examples(fetch(spec.train_file), spec.train_file)  # type: ignore[arg-type]
+    if spec.val_file is None:
+        return held_out(train, spec, spec.train_file)  # type: ignore[arg-type]
+    return train, examples(fetch(spec.val_file), spec.val_file)
+
+
+def no_files(file_id: str) -> Path:
+    raise ValueError("dataset.name 'file' names files uploaded to the service: submit the spec to the service")
+
+
+def load_task(spec: DatasetSpec, *, settings: Settings, reward_names: list[str],
+              fetch: FetchFile = no_files) -> TaskData:
     if spec.name == "arith":
         train, val = arith(spec)
     elif spec.name == "jsonl":
         train, val = jsonl(spec, settings)
+    elif spec.name == "file":
+        train, val = uploaded(spec, fetch)
     else:
         raise ValueError(f"dataset {spec.name!r} is loaded by the joint loop")
     r1 = any(n.startswith("r1_") or n == "answer_tag_match" for n in reward_names)
@@ -203,27 +228,25 @@ def persona_facts(spec: DatasetSpec) -> tuple[list[Example], list[Example], list
     return train[: spec.num_train], val[: spec.num_val], corpus
 
 
-def jsonl_corpus(spec: DatasetSpec, settings: Settings) -> list[tuple[str, str]]:
-    path = _file("corpus_path", spec.corpus_path, settings)  # type: ignore[arg-type]
-    out = []
-    for n, row in enumerate(read_jsonl(path), 1):
-        if not isinstance(row.get("text"), str) or "id" not in row:
-            raise ValueError(f"{spec.corpus_path}:{n}: each corpus row needs an 'id' and a string 'text'")
-        out.append((str(row["id"]), row["text"]))
-    return out
+def corpus(path: Path, name: str) -> list[tuple[str, str]]:
+    return [(r.id, r.text) for r in _rows(path, name, corpus_row)]
 
 
 RAG_INSTRUCTION = "Answer the question using the context. Reply with the answer only."
 
 
-def load_retrieval_task(spec: DatasetSpec, *, settings: Settings) -> tuple[TaskData, list[tuple[str, str]]]:
+def load_retrieval_task(spec: DatasetSpec, *, settings: Settings,
+                        fetch: FetchFile = no_files) -> tuple[TaskData, list[tuple[str, str]]]:
     """Questions with gold documents (where known) and the corpus, for joint jobs."""
     if spec.name == "persona-facts":
-        train, val, corpus = persona_facts(spec)
+        train, val, docs = persona_facts(spec)
+    elif spec.name == "file":
+        train, val = uploaded(spec, fetch)
+        docs = corpus(fetch(spec.corpus_file), spec.corpus_file)  # type: ignore[arg-type]
     else:
         train, val = jsonl(spec, settings)
-        corpus = jsonl_corpus(spec, settings)
-    return TaskData(train=train, val=val, instruction=spec.system_prompt or RAG_INSTRUCTION), corpus
+        docs = corpus(_file("corpus_path", spec.corpus_path, settings), spec.corpus_path)  # type: ignore[arg-type]
+    return TaskData(train=train, val=val, instruction=spec.system_prompt or RAG_INSTRUCTION), docs
 
 
 def rag_question(question: str, document: str) -> str:

@@ -23,6 +23,15 @@ class LoopResult:
     eval: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class InitWeights:
+    """A checkpoint that `model.init_from` named, on this machine."""
+
+    path: Path  # its folder
+    job: int
+    step: int
+
+
 def _clean(x: Any) -> Any:
     """JSON-safe: NaN/inf become None (strict JSON has no NaN); records keep their type."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -69,9 +78,13 @@ class Reporter:
 
     def progress(self, step: int) -> None: ...
 
-    def init_checkpoint(self, job: int, step: int) -> Path:
-        """The folder of checkpoint `step` of the owner's earlier job `job` (model.init_from)."""
+    def init_checkpoint(self, job: int, step: int | None) -> InitWeights:
+        """Checkpoint `step` (None: the latest) of the owner's earlier job `job` (model.init_from)."""
         raise ValueError("model.init_from names a job of the service's store: submit the spec to the service")
+
+    def data_file(self, file_id: str) -> Path:
+        """An uploaded file of the owner's (dataset.name 'file'), on this machine."""
+        raise ValueError("dataset.name 'file' names files uploaded to the service: submit the spec to the service")
 
     def should_stop(self) -> bool:
         return False

@@ -20,15 +20,16 @@ from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
-from service.artifacts import COMPLETE, checkpoint_key, checkpoints_prefix, newest_step, open_store
+from service.artifacts import COMPLETE, checkpoint_key, checkpoints_prefix, newest_step, open_store, sha256_of
 from service.settings import Settings
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
+from service.store import files as files_q
 from service.store import records
 from service.sources import init_checkpoint, unavailable_checkpoint
 from service.store.db import is_unreachable, session_scope
-from worker.reporting import Reporter, _clean
+from worker.reporting import InitWeights, Reporter, _clean
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,14 +164,34 @@ class SqlReporter(Reporter):
         step = newest_step(self.store.list(checkpoints_prefix(self.uid)))
         return None if step is None else self._fetch(checkpoint_key(self.uid, step))
 
-    def init_checkpoint(self, job: int, step: int) -> Path:
+    def init_checkpoint(self, job: int, step: int | None) -> InitWeights:
         found = self._write(lambda s: init_checkpoint(s, owner=self.owner, job_id=job, step=step))
         try:
             if found is not None:
-                return self._fetch(checkpoint_key(found[0].uid, step))
+                earlier, ckpt = found
+                return InitWeights(self._fetch(checkpoint_key(earlier.uid, ckpt.step)), job, ckpt.step)
         except FileNotFoundError:
             pass
         raise ValueError(unavailable_checkpoint(job, step))  # checked at submit; gone since (deleted, files lost)
+
+    def data_file(self, file_id: str) -> Path:
+        found = self._write(lambda s: files_q.get_file(s, file_id=file_id, owner=self.owner))
+        if found is None:  # checked at submit; deleted since
+            raise FileNotFoundError(f"file {file_id} is no longer there: it was deleted after the job was submitted")
+        local = self._local(found.key)
+        if self.store.local:
+            if not local.is_file():
+                raise FileNotFoundError(f"file {file_id}'s content is gone from the artifact store")
+            return local
+        if not (local.is_file() and local.stat().st_size == found.bytes):  # the cache keeps what was fetched
+            try:
+                self.store.get_file(found.key, local)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"file {file_id}'s content is gone from the artifact store") from None
+            if sha256_of(local) != found.sha256:
+                local.unlink()
+                raise ValueError(f"file {file_id}: the artifact store returned other bytes than were uploaded")
+        return local
 
     def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> None:
         """The job's outcome and its final event, in one transaction, while the lease is ours

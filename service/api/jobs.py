@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from service import queue
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
+from service.artifacts import open_store
 from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_responses
 from service.sources import check_sources
 from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
@@ -76,6 +77,25 @@ def cancel_job(job: JobDep, session: SessionDep, settings: SettingsDep):
     if job.status in TERMINAL:
         raise HTTPException(409, f"job {job.id} already {job.status}")
     return jobs_q.request_cancel(session, job=job, lease_timeout_s=settings.lease_timeout_s)
+
+
+@router.delete("/{job_id}", status_code=204, response_class=Response, responses=error_responses(404, 409, 413))
+def delete_job(job: JobDep, session: SessionDep, settings: SettingsDep) -> Response:
+    """Delete a finished job: its events, metric points, samples, selections, sparsity reports,
+    checkpoint rows and its checkpoint files. Files it trained on stay (they are yours to delete)."""
+    if job.status not in TERMINAL:
+        raise HTTPException(409, f"job {job.id} is {job.status}: cancel it, and delete it once it is cancelled")
+    if users := [j.id for j in jobs_q.active_jobs(session, owner=job.owner) if _starts_from(j, job.id)]:
+        raise HTTPException(409, f"job {job.id}'s checkpoints are the starting point (model.init_from) of "
+                            f"unfinished job(s) {', '.join(map(str, users))}")
+    jobs_q.delete_job(session, job=job)
+    open_store(settings).delete(job.uid)  # before the commit: if the store fails, the rows stay (503, retry)
+    return Response(status_code=204)
+
+
+def _starts_from(job, earlier: int) -> bool:
+    init = (job.spec.get("model") or {}).get("init_from") or {}
+    return init.get("job") == earlier
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404))

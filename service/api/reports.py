@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi.responses import StreamingResponse
 
-from service.api.deps import MAX_INT, JobDep, SessionDep
+from service.api.deps import MAX_INT, JobDep, SessionDep, SettingsDep
+from service.archive import downloadable, tar_gz
+from service.artifacts import checkpoint_key, open_store
 from service.api.schemas import (
     CheckpointOut,
     SampleOut,
@@ -62,3 +65,20 @@ def job_samples(job: JobDep, session: SessionDep,
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def job_checkpoints(job: JobDep, session: SessionDep):
     return records.list_checkpoints(session, job_id=job.id)
+
+
+@router.get("/{job_id}/checkpoints/{step}/archive", response_class=StreamingResponse,
+            responses={200: {"content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+                             "description": "A .tar.gz of folder `job-<id>-step-<step>/`: the peft adapter folder "
+                             "(LoRA) or the transformers model folder, with the tokenizer."}})
+def checkpoint_archive(job: JobDep, session: SessionDep, settings: SettingsDep,
+                       step: Annotated[int, Path(ge=0, le=MAX_INT, description="The checkpoint's step.")]):
+    if records.get_checkpoint(session, job_id=job.id, step=step) is None:
+        raise HTTPException(404, f"job {job.id} has no checkpoint at step {step}")
+    store, prefix = open_store(settings), checkpoint_key(job.uid, step)
+    files = downloadable(store.list(prefix))
+    if not files:
+        raise HTTPException(404, f"the files of job {job.id}'s checkpoint at step {step} are gone from the artifact store")
+    top = f"job-{job.id}-step-{step}"
+    return StreamingResponse(tar_gz(store, prefix, files, top=top), media_type="application/gzip",
+                             headers={"Content-Disposition": f'attachment; filename="{top}.tar.gz"'})

@@ -34,8 +34,10 @@ class ErrorOut(BaseModel):
 
 def error_responses(*codes: int) -> dict[int | str, dict]:
     """OpenAPI `responses` for the error statuses a route can send, in the shapes sent."""
-    what = {401: "Missing, invalid, revoked or expired API key.", 404: "No such job for this key's owner.",
-            409: "The job is already in a terminal status.", 413: "The request body is over the limit.",
+    what = {401: "Missing, invalid, revoked or expired API key.",
+            404: "No such job, file or checkpoint for this key's owner.",
+            409: "The job or file is in a state that does not allow this (the detail says which).",
+            413: "The request body is over the limit.",
             422: "The request names a field wrongly; nothing was stored.",
             503: "The store (or the job queue) is unreachable; retry after `Retry-After` seconds."}
     return {c: {"model": ValidationErrorOut if c == 422 else ErrorOut, "description": what[c]} for c in codes}
@@ -145,3 +147,23 @@ class CheckpointOut(_Out):
     format: str
     size_bytes: int
     created_at: datetime
+
+
+class FileOut(_Out):
+    """An uploaded data file."""
+
+    id: str  # "file-..." : name it in a spec's dataset.train_file / val_file / corpus_file
+    purpose: str  # train, eval or corpus
+    filename: str
+    format: str  # jsonl or parquet
+    bytes: int
+    rows: int
+    columns: list[str]
+    sha256: str
+    created_at: datetime
+
+
+class FilePage(BaseModel):
+    items: list[FileOut]
+    has_more: bool
+    next_after: str | None  # pass as `after` for the next page

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.specs import TERMINAL
-from service.store.models import Job, JobEvent, utcnow
+from service.store.models import (
+    Checkpoint, Job, JobEvent, Metric, Sample, Selection, SparsityReport, utcnow,
+)
 
 
 def create_job(
@@ -216,3 +218,17 @@ def sweep(session: Session, *, lease_timeout_s: float, requeue_queued_after_s: f
         if row is not None:
             requeue.append((job_id, row[0]))
     return Swept(requeue=requeue, cancelled=cancelled)
+
+
+def active_jobs(session: Session, *, owner: str) -> list[Job]:
+    """The owner's queued and running jobs: what still needs the files and checkpoints it names."""
+    return list(session.scalars(select(Job).where(Job.owner == owner, Job.status.not_in(TERMINAL))))
+
+
+def delete_job(session: Session, *, job: Job) -> dict[str, int]:
+    """Delete a job and every row it owns; how many rows of each table went."""
+    counts = {}
+    for table in (JobEvent, Metric, Sample, Selection, SparsityReport, Checkpoint):
+        counts[table.__tablename__] = session.execute(delete(table).where(table.job_id == job.id)).rowcount
+    session.delete(job)
+    return counts

@@ -183,3 +183,27 @@ class ApiKey(Base):
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
     expires_at: Mapped[datetime | None]
     last_used_at: Mapped[datetime | None]
+
+
+def new_file_id() -> str:
+    return "file-" + uuid.uuid4().hex[:24]
+
+
+class DataFile(Base):
+    """An uploaded data file; its bytes are in the artifact store under `key`."""
+
+    __tablename__ = "files"
+    __table_args__ = (UniqueConstraint("id", name="uq_files_id"), Index("ix_files_owner_pk", "owner", "pk"))
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)  # orders pages; never shown
+    id: Mapped[str] = mapped_column(String(40), default=new_file_id)
+    owner: Mapped[str] = mapped_column(String(200))
+    purpose: Mapped[str] = mapped_column(String(20))
+    filename: Mapped[str] = mapped_column(String(255))
+    format: Mapped[str] = mapped_column(String(20))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    columns: Mapped[list]
+    sha256: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -112,6 +112,10 @@ def list_checkpoints(session: Session, *, job_id: int) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
 
 
+def get_checkpoint(session: Session, *, job_id: int, step: int) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+
+
 def latest_checkpoint(session: Session, *, job_id: int) -> Checkpoint | None:
     return session.scalars(
         select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)

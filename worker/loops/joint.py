@@ -180,7 +180,7 @@ def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[
 def run(spec: JointJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
     g, r = spec.grpo, spec.retriever
     seed_everything(g.seed)
-    task, corpus = load_retrieval_task(spec.dataset, settings=settings)
+    task, corpus = load_retrieval_task(spec.dataset, settings=settings, fetch=reporter.data_file)
     retriever = load_retriever(r, device=spec.devices.policy, seed=g.seed, model_roots=settings.model_roots)
     ref = copy.deepcopy(retriever).eval().requires_grad_(False)  # frozen reference retriever
     retriever.requires_grad_(not r.generator_only)

@@ -62,9 +62,10 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed,
                              model_roots=settings.model_roots)
     if (init := spec.model.init_from) is not None:  # train on from an earlier checkpoint of the owner's
-        load_weights(reporter.init_checkpoint(init.job, init.step), model=model)
-        reporter.event("initialised", f"weights from job {init.job}, step {init.step}",
-                       data={"job": init.job, "step": init.step})
+        found = reporter.init_checkpoint(init.job, init.step)
+        load_weights(found.path, model=model)
+        reporter.event("initialised", f"weights from job {found.job}, step {found.step}",
+                       data={"job": found.job, "step": found.step})
     if device.type == "cpu" and settings.keep_freed_memory:
         allocator.release_freed_memory()  # what loading and converting the weights used
         allocator.keep_freed_memory()  # from here on, each step reuses the pages of the last one
@@ -85,7 +86,8 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     scorer = build_scorer(entries, settings=settings, device=spec.devices.policy, job_id=reporter.job_id,
                           on_failures=partial(warn_reward_failures, reporter))
     if task is None:
-        task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries])
+        task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
+                         fetch=reporter.data_file)
     return Setup(spec, model, tok, engine, ref, opt, sched, task, scorer, device, dict(extra or {}),
                  dict(extra_optimizers or {}))
 

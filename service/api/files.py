@@ -1,0 +1,113 @@
+"""Files: upload data (JSONL or Parquet) for training, evaluation or retrieval; list, read, delete.
+
+An upload streams to a temporary file (never whole in memory), is hashed and checked row by row
+for its purpose, and only then goes to the artifact store and gets a row: a refused file
+stores nothing. A file belongs to its owner: another owner's id is a 404 here and a 422 in a spec.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path as FsPath, PurePath
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, Form, HTTPException, Path, Query, Response, UploadFile
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from service.api.deps import OwnerDep, SessionDep, SettingsDep
+from service.api.errors import format_errors
+from service.api.schemas import FileOut, FilePage, error_responses
+from service.artifacts import file_key, open_store, sha256_of
+from service.datafiles import MAX_ERRORS, check_file
+from service.sources import owner_folder
+from service.specs import FILE_ID
+from service.store import files as files_q
+from service.store import jobs as jobs_q
+from service.store.models import new_file_id
+
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=error_responses(401, 422, 503))
+FileId = Annotated[str, Path(pattern=FILE_ID, description="A file id, `file-` and 24 hex digits.")]
+PurposeField = Literal["train", "eval", "corpus"]
+MEDIA = {"jsonl": "application/jsonl", "parquet": "application/vnd.apache.parquet"}
+
+
+def _refused(message: str) -> JSONResponse:
+    return JSONResponse(format_errors([{"loc": ("body", "file"), "msg": message, "type": "invalid_file"}]), 422)
+
+
+@router.post("", status_code=201, response_model=FileOut, responses=error_responses(413))
+def upload_file(
+    owner: OwnerDep, session: SessionDep, settings: SettingsDep,
+    file: Annotated[UploadFile, File(description="A JSONL or Parquet file. train/eval rows: {prompt, answer} or "
+                                     "{prompt|query, answers: [...], gold_doc_id?}; corpus rows: {id, text}.")],
+    purpose: Annotated[PurposeField, Form(description="What the file is for: train, eval or corpus.")],
+):
+    filename = PurePath((file.filename or "upload").replace("\\", "/")).name[:255] or "upload"
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=settings.data_dir, prefix="upload-", suffix=".part") as tmp:
+        shutil.copyfileobj(file.file, tmp, 1 << 20)
+        tmp.flush()
+        path = FsPath(tmp.name)
+        checked = check_file(path, purpose)
+        if checked.errors:
+            more = " (and perhaps more: checking stopped there)" if len(checked.errors) >= MAX_ERRORS else ""
+            return _refused(f"{filename} cannot be used for {purpose}: " + "; ".join(checked.errors) + more)
+        file_id = new_file_id()
+        key = file_key(owner_folder(owner), file_id)
+        with path.open("rb") as src:
+            open_store(settings).put_fileobj(key, src)
+        return files_q.add_file(session, file_id=file_id, owner=owner, purpose=purpose, filename=filename,
+                                format=checked.format, size=path.stat().st_size, rows=checked.rows,
+                                columns=checked.columns, sha256=sha256_of(path), key=key)
+
+
+@router.get("", response_model=FilePage)
+def list_files(owner: OwnerDep, session: SessionDep,
+               purpose: Annotated[PurposeField | None, Query(description="Only files of this purpose.")] = None,
+               after: Annotated[str | None, Query(pattern=FILE_ID, description="Cursor: `next_after` of the previous page.")] = None,
+               limit: Annotated[int, Query(ge=1, le=200)] = 50):
+    rows, has_more = files_q.list_files(session, owner=owner, purpose=purpose, after=after, limit=limit)
+    return FilePage(items=[FileOut.model_validate(r) for r in rows], has_more=has_more,
+                    next_after=rows[-1].id if has_more and rows else None)
+
+
+def _owned(session, owner: str, file_id: str):
+    f = files_q.get_file(session, file_id=file_id, owner=owner)
+    if f is None:  # another owner's file reads as missing
+        raise HTTPException(404, f"file {file_id} not found")
+    return f
+
+
+@router.get("/{file_id}", response_model=FileOut, responses=error_responses(404))
+def get_file(file_id: FileId, owner: OwnerDep, session: SessionDep):
+    return _owned(session, owner, file_id)
+
+
+@router.get("/{file_id}/content", response_class=StreamingResponse, responses={
+    200: {"content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA.values()},
+          "description": "The file as uploaded."}, **error_responses(404)})
+def file_content(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
+    f = _owned(session, owner, file_id)
+    src = open_store(settings).open(f.key)
+
+    def chunks():
+        with src:
+            while chunk := src.read(1 << 16):
+                yield chunk
+
+    return StreamingResponse(chunks(), media_type=MEDIA[f.format], headers={
+        "Content-Disposition": f'attachment; filename="{f.id}.{f.format}"', "Content-Length": str(f.bytes)})
+
+
+@router.delete("/{file_id}", status_code=204, response_class=Response, responses=error_responses(404, 409, 413))
+def delete_file(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep) -> Response:
+    f = _owned(session, owner, file_id)
+    users = [j.id for j in jobs_q.active_jobs(session, owner=owner)
+             if file_id in ((j.spec.get("dataset") or {}).get(k) for k in ("train_file", "val_file", "corpus_file"))]
+    if users:
+        raise HTTPException(409, f"file {file_id} is used by unfinished job(s) {', '.join(map(str, users))}: "
+                            "delete it once they have finished")
+    files_q.delete_file(session, file=f)
+    open_store(settings).delete(f.key)  # before the commit: if the store fails, the row stays (503, retry)
+    return Response(status_code=204)

@@ -49,7 +49,10 @@ def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int) -> 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    t.model.save_pretrained(tmp, safe_serialization=True)
+    if is_lora(t.model):  # embeddings are never resized here: no hub lookup of the base's config to check
+        t.model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+    else:
+        t.model.save_pretrained(tmp, safe_serialization=True)
     if t.tokenizer is not None:
         t.tokenizer.save_pretrained(tmp)
     for name, module in t.modules.items():

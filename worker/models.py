@@ -34,6 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TINY_PRESETS = ("tiny-random-llama", "tiny-random-qwen")
 PRESETS = ("smollm2-135m-instruct", *TINY_PRESETS)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the presets' public names
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -155,6 +156,8 @@ def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # LoRA A is randomly initialised: seed it for reproducibility
             model = apply_lora(model, spec.lora)
+        # What a downloaded adapter names as its base: the model's public name, never a server folder.
+        model.peft_config["default"].base_model_name_or_path = HUB_NAMES.get(spec.name, spec.name)
     return model.to(device), tokenizer
 
 

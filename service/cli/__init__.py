@@ -2,6 +2,7 @@
 
 - processes.py: start the service's processes (serve, worker, dev, demo);
 - client.py: talk to a running service's API (submit, status, watch);
+- files.py: data in and model out over the API (files upload|list|delete, download);
 - local.py: work in this process on this machine (run, db upgrade, keys).
 """
 
@@ -15,4 +16,4 @@ def main() -> None:
     """Train language models with GRPO as jobs."""
 
 
-from service.cli import client, local, processes  # noqa: E402,F401  (registers their commands)
+from service.cli import client, files, local, processes  # noqa: E402,F401  (registers their commands)

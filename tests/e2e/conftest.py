@@ -31,9 +31,10 @@ class Procs:
     def __init__(self, env: dict, log_dir: Path) -> None:
         self.env, self.log_dir, self.procs = env, log_dir, []
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """`grpo-jobs ARGS`, with `env` on top of the shared environment."""
         log = (self.log_dir / f"{name}.log").open("w")
-        p = subprocess.Popen([str(BIN), *args], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen([str(BIN), *args], env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append((name, p))
         return p
 

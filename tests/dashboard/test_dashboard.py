@@ -226,3 +226,53 @@ def test_a_100k_step_job_is_drawn_from_server_buckets(page, service):
     page.shot("zoomed")
     page.locator('.chart[data-title="Reward"] .u-over').dblclick()
     page.wait_for_function(f"() => document.querySelector('.chart[data-title=\"Reward\"]').dataset.points === '{api_points}'")
+
+
+def test_files_upload_insert_delete_and_checkpoint_download(page, service, tmp_path):
+    import json
+    import tarfile
+
+    sign_in(page, service)
+    page.click('a[data-nav="files"]')
+    page.wait_for_selector("#files-body")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    page.expected_errors.append("status of 422")
+    page.set_input_files("#file-input", str(bad))
+    page.click("#upload-btn")
+    assert "line 2: needs an 'answer'" in page.locator("#upload-error").inner_text()
+    good = tmp_path / "sums.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(50)))
+    page.set_input_files("#file-input", str(good))
+    page.select_option("#file-purpose", "train")
+    page.click("#upload-btn")
+    page.wait_for_selector("#upload-ok")
+    file_id = page.locator("#upload-ok code").inner_text()
+    assert service.client.get(f"/v1/files/{file_id}").json()["rows"] == 50
+    page.wait_for_selector(f'#files-body tr[data-file="{file_id}"]')
+    page.shot("files")
+    # the submit page offers it; "insert" writes its id at the cursor
+    page.click('a[data-nav="submit"]')
+    page.wait_for_selector(f'#files-panel tr[data-file="{file_id}"]')
+    page.fill("#spec-text", "kind: grpo\ndataset: {name: file, train_file: ")
+    page.evaluate("() => { const t = document.querySelector('#spec-text'); t.selectionStart = t.value.length; }")
+    page.click(f'#files-panel tr[data-file="{file_id}"] .insert-file')
+    assert page.input_value("#spec-text").endswith(f"train_file: {file_id}")
+    # delete it from the Files page
+    page.click('a[data-nav="files"]')
+    page.on("dialog", lambda d: d.accept())
+    page.click(f'#files-body tr[data-file="{file_id}"] .delete-file')
+    page.wait_for_selector(f'#files-body tr[data-file="{file_id}"]', state="detached")
+    assert service.client.get(f"/v1/files/{file_id}").status_code == 404
+    # a checkpoint's download button saves the archive
+    job = service.jobs["sparse"]
+    page.goto(f"{service.base}/#/jobs/{job['id']}")
+    page.wait_for_selector("#checkpoints-body .download-ckpt")
+    step = page.locator("#checkpoints-body .download-ckpt").last.get_attribute("data-step")
+    with page.expect_download() as info:
+        page.locator("#checkpoints-body .download-ckpt").last.click()
+    saved = tmp_path / "ckpt.tar.gz"
+    info.value.save_as(saved)
+    assert info.value.suggested_filename == f"job-{job['id']}-step-{step}.tar.gz"
+    with tarfile.open(saved) as tar:
+        assert f"job-{job['id']}-step-{step}/adapter_model.safetensors" in tar.getnames()

@@ -1,7 +1,8 @@
-// Hash router: #/login, #/jobs, #/jobs/ID, #/compare?ids=1,2&metric=reward/mean, #/submit.
+// Hash router: #/login, #/jobs, #/jobs/ID, #/compare?ids=1,2&metric=reward/mean, #/submit, #/files.
 import { auth } from "./api.js";
 import { clear } from "./dom.js";
 import { comparePage } from "./pages/compare.js";
+import { filesPage } from "./pages/files.js";
 import { jobPage } from "./pages/job.js";
 import { jobsPage } from "./pages/jobs.js";
 import { loginPage } from "./pages/login.js";
@@ -31,6 +32,7 @@ async function route() {
     else if (parts[0] === "jobs" && parts[1]) await jobPage(ctx, Number(parts[1]));
     else if (parts[0] === "compare") await comparePage(ctx);
     else if (parts[0] === "submit") await submitPage(ctx);
+    else if (parts[0] === "files") await filesPage(ctx);
     else await jobsPage(ctx);
   } catch (err) {
     if (err.status !== 401) {

@@ -1,5 +1,5 @@
 // The job page's report sections: TracIn selections, sparsity reports, samples, events, checkpoints.
-import { api, qs } from "../api.js";
+import { api, auth, qs } from "../api.js";
 import { categoryChart, heatmap, histogramChart } from "../charts.js";
 import { fmt, h, parseTime } from "../dom.js";
 
@@ -112,10 +112,32 @@ export function checkpointsSection(jobId) {
     const rows = await api(`/v1/jobs/${jobId}/checkpoints`);
     tbody.replaceChildren(...(rows.length ? rows.map((c) => h("tr", {},
       h("td", { class: "num" }, c.step), h("td", {}, c.format), h("td", { class: "num" }, `${fmt(c.size_bytes / 1e6, 1)} MB`),
-      h("td", {}, parseTime(c.created_at)?.toLocaleString() ?? "")))
-      : [h("tr", {}, h("td", { colspan: 4, class: "muted" }, "No checkpoints yet."))]));
+      h("td", {}, parseTime(c.created_at)?.toLocaleString() ?? ""),
+      h("td", {}, h("button", { class: "download-ckpt", "data-step": c.step, onclick: (e) => download(jobId, c.step, e.target) }, "download"))))
+      : [h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No checkpoints yet."))]));
   };
   reload();
   return { el: section("Checkpoints", "checkpoints",
-    h("table", {}, h("thead", {}, h("tr", {}, ["step", "format", "size", "saved"].map((c) => h("th", {}, c)))), tbody)), reload };
+    h("table", {}, h("thead", {}, h("tr", {}, ["step", "format", "size", "saved", ""].map((c) => h("th", {}, c)))), tbody)), reload };
+}
+
+// The archive needs the key in a header, so a plain link cannot fetch it: fetch, then save the blob.
+async function download(jobId, step, button) {
+  button.disabled = true;
+  button.textContent = "downloading…";
+  try {
+    const r = await fetch(`/v1/jobs/${jobId}/checkpoints/${step}/archive`, { headers: { Authorization: `Bearer ${auth.key}` } });
+    if (!r.ok) throw new Error((await r.json().catch(() => ({}))).detail || `HTTP ${r.status}`);
+    const url = URL.createObjectURL(await r.blob());
+    const a = h("a", { href: url, download: `job-${jobId}-step-${step}.tar.gz` });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60_000);
+    button.textContent = "download";
+  } catch (e) {
+    button.textContent = `failed: ${e.message}`;
+  } finally {
+    button.disabled = false;
+  }
 }

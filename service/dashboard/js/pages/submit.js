@@ -1,6 +1,7 @@
 // Paste or upload a YAML/JSON spec; errors appear under the lines of the fields they name.
 import { api } from "../api.js";
 import { h } from "../dom.js";
+import { listFiles } from "./files.js";
 
 const EXAMPLE = `kind: grpo
 name: my-first-job
@@ -63,8 +64,31 @@ export async function submitPage({ app }) {
       h("button", { class: "primary", id: "submit-btn", onclick: () => submit().catch((e) => status.replaceChildren(h("div", { class: "error-box" }, e.message))) }, "Submit")),
     status,
     h("div", { class: "submit-layout" }, text, annotated),
+    await filesPanel(text, render),
     await rewardsPanel(text, render));
   render();
+}
+
+const insertAt = (text, snippet) => {
+  const at = text.selectionStart ?? text.value.length;
+  text.value = text.value.slice(0, at) + snippet + text.value.slice(at);
+};
+
+// Your uploaded files: "insert" puts the id at the cursor (after `train_file: `, say).
+async function filesPanel(text, render) {
+  const files = await listFiles();
+  const field = { train: "train_file", eval: "val_file", corpus: "corpus_file" };
+  return h("section", { id: "files-panel" },
+    h("h2", {}, "Your files"),
+    h("p", { class: "muted" }, "Train on them with ", h("code", {}, "dataset: {name: file, train_file: <id>}"),
+      "; upload more on the ", h("a", { href: "#/files" }, "Files"), " page."),
+    files.length ? h("table", { class: "table" },
+      h("thead", {}, h("tr", {}, ...["id", "purpose", "name", "rows", ""].map((c) => h("th", {}, c)))),
+      h("tbody", {}, ...files.map((f) => h("tr", { "data-file": f.id },
+        h("td", {}, h("code", {}, f.id)), h("td", {}, `${f.purpose} (${field[f.purpose]})`), h("td", {}, f.filename),
+        h("td", { class: "num" }, f.rows),
+        h("td", {}, h("button", { class: "insert-file", onclick: () => { insertAt(text, f.id); render(); } }, "insert"))))))
+      : h("p", { class: "muted", id: "no-files" }, "No files uploaded yet."));
 }
 
 // The rewards this deployment offers (GET /v1/rewards); "insert" puts an entry at the cursor.
@@ -74,11 +98,7 @@ async function rewardsPanel(text, render) {
     const required = r.parameters.filter((p) => p.required).map((p) => `, ${p.name}: ${p.name === "url" && prefixes.length ? JSON.stringify(prefixes[0]) : '""'}`);
     return `  - {name: ${r.name}, weight: 1.0${required.join("")}}\n`;
   };
-  const insert = (r) => {
-    const at = text.selectionStart ?? text.value.length;
-    text.value = text.value.slice(0, at) + snippet(r) + text.value.slice(at);
-    render();
-  };
+  const insert = (r) => { insertAt(text, snippet(r)); render(); };
   const row = (r) => h("tr", { "data-reward": r.name },
     h("td", {}, h("code", {}, r.name)), h("td", {}, r.kind), h("td", {}, r.description),
     h("td", {}, r.parameters.map((p) => h("div", { title: p.description || "" }, h("code", {}, p.name),

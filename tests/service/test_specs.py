@@ -65,4 +65,4 @@ def test_names_known_to_the_worker():
     from worker.models import PRESETS
 
     assert set(PRESETS) == set(MODEL_PRESETS)
-    assert set(DATASETS) == {"arith", "jsonl", "persona-facts"}
+    assert set(DATASETS) == {"arith", "file", "jsonl", "persona-facts"}

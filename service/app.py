@@ -124,10 +124,12 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     # FastAPI answers a body that json.loads refused for other reasons than syntax (nested too
     # deep, a number too long) with a bare 400; it gets the shape of every other malformed body.
+    if exc.status_code == 400 and request.headers.get("content-type", "").startswith("multipart/"):
+        # Starlette's multipart parser refused the body (framing, a missing boundary, too many parts)
+        why = "" if exc.detail == "There was an error parsing the body" else f" ({exc.detail})"
+        return JSONResponse(format_errors([{"loc": ("body",), "type": "multipart_invalid",
+                                            "msg": f"not a valid multipart/form-data body{why}"}]), 422)
     if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-        if request.headers.get("content-type", "").startswith("multipart/"):
-            return JSONResponse(format_errors([{"loc": ("body",), "type": "multipart_invalid",
-                                                "msg": "not a valid multipart/form-data body"}]), 422)
         return JSONResponse(format_errors([{"loc": ("body",), "type": "json_invalid",
                                             "msg": "not valid JSON: nested too deeply or a number too long"}]), 422)
     return await http_exception_handler(request, exc)

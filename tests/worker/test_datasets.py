@@ -29,7 +29,7 @@ def test_jsonl_rows_and_errors(tmp_path, settings_factory):
     train, val = jsonl(DatasetSpec(name="jsonl", path="d.jsonl", num_val=3), settings)
     assert len(train) == 7 and len(val) == 3
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y", "answer": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    with pytest.raises(ValueError, match="bad.jsonl: line 1: needs an 'answer'"):
         jsonl(DatasetSpec(name="jsonl", path="bad.jsonl"), settings)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         jsonl(DatasetSpec(name="jsonl", path="missing.jsonl"), settings)

@@ -1,6 +1,5 @@
 import json
 
-import pytest
 
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q

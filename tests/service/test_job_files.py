@@ -15,7 +15,6 @@ from service.artifacts import open_store
 from service.store.db import session_scope
 from service.store.models import Checkpoint, Job, JobEvent, Metric, Sample, Selection, SparsityReport
 from tests.conftest import Api
-from worker import runner
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["cat", "dog", "sun", "map", "pen", "cup", "hat", "box", "jam", "fig", "owl", "bee"]

@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--reward", default="exact_match",
                     help="the job's reward, for its eval/reward_mean: a built-in name, or module:function")
     ap.add_argument("--system-prompt", default="", help="the job's dataset.system_prompt, if it set one")
+    ap.add_argument("--accuracy", default="exact_match", choices=("exact_match", "numeric_match"),
+                    help="the job's dataset.accuracy")
     args = ap.parse_args()
     model, tok = load(args.checkpoint, args.base)
     rows = [task_row(r) for _, r in read_rows(args.data, sniff(args.data))][: args.limit]
@@ -79,7 +81,7 @@ def main() -> None:
     else:
         reward = rewards.REGISTRY[args.reward].fn
     print(json.dumps({
-        "accuracy": sum(rewards.exact_match(c, r.answers) for c, r in zip(completions, rows)) / len(rows),
+        "accuracy": sum(rewards.REGISTRY[args.accuracy].fn(c, r.answers) for c, r in zip(completions, rows)) / len(rows),
         "reward_mean": sum(reward(c, r.answers) for c, r in zip(completions, rows)) / len(rows),
         "completions": completions}))
 

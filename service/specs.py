@@ -133,6 +133,14 @@ class DatasetSpec(_Section):
         "default: the task's own instruction."
     )
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template when it has one.")
+    accuracy: Literal["exact_match", "numeric_match"] | None = Field(
+        None, description="The check behind eval/accuracy: exact_match (the normalised answer equals a reference) "
+        "or numeric_match (the reply's last number equals a reference number); default: numeric_match for arith, "
+        "exact_match otherwise.")
+
+    @property
+    def accuracy_check(self) -> str:
+        return self.accuracy or ("numeric_match" if self.name == "arith" else "exact_match")
 
     @field_validator("path", "corpus_path")
     @classmethod

@@ -21,9 +21,9 @@ def greedy_completions(s: Setup, prompts: list[str]) -> list[str]:
 
 
 def score_completions(s: Setup, completions: list[str], examples: list[Example], *, step: int) -> dict[str, float]:
-    """eval/reward_mean (the job's weighted rewards) and eval/accuracy (numeric match on arith,
-    exact match elsewhere) of one completion per example."""
-    correct = rewards.numeric_match if s.spec.dataset.name == "arith" else rewards.exact_match
+    """eval/reward_mean (the job's weighted rewards) and eval/accuracy (dataset.accuracy's check)
+    of one completion per example."""
+    correct = rewards.REGISTRY[s.spec.dataset.accuracy_check].fn
     scored = s.scorer.score([rewards.Item(ex.question, c, tuple(ex.answers)) for c, ex in zip(completions, examples)],
                             step=step)
     finite = [v for v in scored.total if not math.isnan(v)]

@@ -87,6 +87,11 @@ class Settings(BaseSettings):
         description="Workers' local cache of what they download from an object store (files, checkpoints); "
         "default data_dir/cache.",
     )
+    artifact_retry_s: float = Field(
+        default=300.0, validation_alias="GRPO_ARTIFACT_RETRY_S",
+        description="How long a worker retries an unreachable artifact store (writing a checkpoint, fetching a "
+        "file) before it fails the job; training waits meanwhile.",
+    )
     max_file_bytes: int = Field(
         default=256 * 1024 * 1024, validation_alias="GRPO_MAX_FILE_BYTES",
         description="Largest accepted upload to POST /v1/files; bigger ones get 413.",

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
-from service.artifacts import COMPLETE, checkpoint_key, checkpoints_prefix, newest_step, open_store, sha256_of
+from service.artifacts import COMPLETE, ArtifactStoreError, checkpoint_key, checkpoints_prefix, newest_step, open_store, sha256_of
 from service.settings import Settings
 from service.store import events as events_q
 from service.store import jobs as jobs_q
@@ -138,7 +138,26 @@ class SqlReporter(Reporter):
     def sparsity(self, record):
         self._write(lambda s: records.put_sparsity(s, job_id=self.job_id, record=_clean(record)))
 
-    # -- checkpoints, through the artifact store ------------------------------------------------
+    # -- checkpoints and files, through the artifact store --------------------------------------
+    def _stored(self, fn: Callable[[], T]) -> T:
+        """Run an artifact-store call, retrying with backoff while the store is unreachable, for up
+        to GRPO_ARTIFACT_RETRY_S (a warning event says so once); then its ArtifactStoreError fails the job."""
+        delay, t0, warned = 1.0, time.monotonic(), False
+        while True:
+            self._check_lease()
+            try:
+                return fn()
+            except ArtifactStoreError as exc:
+                if time.monotonic() - t0 > self.settings.artifact_retry_s:
+                    raise
+                if not warned:
+                    warned = True
+                    self.event("warning", f"{exc}; retrying for up to {self.settings.artifact_retry_s:.0f} s",
+                               level="warning")
+                log.warning("job %s: %s; retrying in %.0f s", self.job_id, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
     def _local(self, key: str) -> Path:
         """Where `key` is on this machine: in the folder store itself, or in the worker's cache."""
         return self.store.local_path(key) or self.settings.cache_dir / key
@@ -149,19 +168,19 @@ class SqlReporter(Reporter):
         if not (local / COMPLETE).exists():
             if self.store.local:
                 raise FileNotFoundError(key)
-            self.store.get_dir(key, local)
+            self._stored(lambda: self.store.get_dir(key, local))
         return local
 
     def checkpoint(self, step, path: Path, format, size_bytes):
         key = checkpoint_key(self.uid, step)
         if not self.store.local:  # the folder store was written in place
-            self.store.put_dir(key, path)
+            self._stored(lambda: self.store.put_dir(key, path))
             shutil.rmtree(path)  # staged only: a resume downloads what it needs
         self._write(lambda s: records.put_checkpoint(s, job_id=self.job_id, step=step, path=key,
                                                      format=format, size_bytes=size_bytes))
 
     def resume_from(self) -> Path | None:
-        step = newest_step(self.store.list(checkpoints_prefix(self.uid)))
+        step = newest_step(self._stored(lambda: self.store.list(checkpoints_prefix(self.uid))))
         return None if step is None else self._fetch(checkpoint_key(self.uid, step))
 
     def init_checkpoint(self, job: int, step: int | None) -> InitWeights:
@@ -185,7 +204,7 @@ class SqlReporter(Reporter):
             return local
         if not (local.is_file() and local.stat().st_size == found.bytes):  # the cache keeps what was fetched
             try:
-                self.store.get_file(found.key, local)
+                self._stored(lambda: self.store.get_file(found.key, local))
             except FileNotFoundError:
                 raise FileNotFoundError(f"file {file_id}'s content is gone from the artifact store") from None
             if sha256_of(local) != found.sha256:

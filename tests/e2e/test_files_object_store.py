@@ -36,7 +36,9 @@ def test_upload_train_download_with_no_shared_disk(procs, pg_url, redis_url, tmp
             key = keys_q.create_key(s, owner=f"e2e-{uuid.uuid4().hex[:6]}")
         port = free_port()
         procs.start("api", "serve", "--port", str(port), env={"GRPO_DATA_DIR": str(tmp_path / "api")})
-        procs.start("worker", "worker", "--loglevel", "INFO", env={"GRPO_DATA_DIR": str(tmp_path / "worker")})
+        # a worker waits 8 s for a store that went away before failing the job
+        procs.start("worker", "worker", "--loglevel", "INFO",
+                    env={"GRPO_DATA_DIR": str(tmp_path / "worker"), "GRPO_ARTIFACT_RETRY_S": "8"})
         base = f"http://127.0.0.1:{port}"
         wait_http(f"{base}/readyz", procs)
         cli_env = {**procs.env, "GRPO_URL": base, "GRPO_API_KEY": key, "GRPO_DATA_DIR": str(tmp_path / "cli")}
@@ -73,6 +75,8 @@ def test_upload_train_download_with_no_shared_disk(procs, pg_url, redis_url, tmp
             assert r.status_code == 503 and "artifact store" in r.json()["detail"]
             third = wait_job(c, c.post("/v1/jobs", json=spec(file_id)).json()["id"], procs)
             assert third["status"] == "failed" and "ArtifactStoreError" in third["error"], third
+            warned = [e for e in c.get(f"/v1/jobs/{third['id']}/events").json() if e["type"] == "warning"]
+            assert warned and "retrying for up to 8 s" in warned[0]["message"]
             assert "s3://" in third["error"]  # names the store, never its credentials
     finally:
         s3.stop()

@@ -99,10 +99,14 @@ class ArtifactStore:
             return self.fs.find(base, detail=True)
 
         found = self._call(f"list {prefix}", find)
-        strip = len(self.fs._strip_protocol(base).rstrip("/")) + 1
-        out = [Stored(self.fs._strip_protocol(p)[strip:], int(info.get("size") or 0))
+        strip = len(base.rstrip("/")) + 1  # roots carry no protocol, so found paths start with base
+        out = [Stored(p[strip:], int(info.get("size") or 0))
                for p, info in found.items() if info.get("type", "file") == "file"]
         return sorted(out, key=lambda s: s.key)
+
+    def ping(self) -> None:
+        """One cheap call to the store; ArtifactStoreError when it cannot be reached."""
+        self._call("be reached", self.fs.exists, self.root)
 
     def exists(self, key: str) -> bool:
         return bool(self._call(f"look up {key}", self.fs.exists, self._path(key)))

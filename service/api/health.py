@@ -1,4 +1,4 @@
-"""Liveness, readiness (store and broker reachable) and Prometheus metrics."""
+"""Liveness, readiness (store, broker and artifact store reachable) and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from service import queue
 from service.api.deps import SettingsDep
+from service.artifacts import open_store
 from service.store.db import session_scope
 
 router = APIRouter(tags=["health"])
@@ -24,13 +25,14 @@ def healthz():
 
 class Readiness(BaseModel):
     ready: bool
-    checks: dict[str, str]  # store, broker: "ok" or what is wrong
+    checks: dict[str, str]  # store, broker, artifacts: "ok" or what is wrong
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready: "
                                                                   "`checks` says what is missing."}})
 def readyz(settings: SettingsDep, request: Request):
-    """Ready when the store is reachable and migrated and the broker is reachable; says what is missing."""
+    """Ready when the store is reachable and migrated, and the broker and the artifact store are reachable;
+    says what is missing."""
     checks = {}
     schema = request.app.state.schema
     try:
@@ -40,6 +42,11 @@ def readyz(settings: SettingsDep, request: Request):
     except Exception as exc:
         checks["store"] = f"unreachable: {type(exc).__name__}"
     checks["broker"] = "ok" if queue.broker_reachable(settings.broker) else "unreachable"
+    try:
+        open_store(settings).ping()
+        checks["artifacts"] = "ok"
+    except Exception as exc:  # the message names the store, never its credentials
+        checks["artifacts"] = f"unreachable: {exc.__cause__.__class__.__name__ if exc.__cause__ else type(exc).__name__}"
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
 

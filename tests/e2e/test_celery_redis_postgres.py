@@ -26,7 +26,7 @@ def test_job_over_http_on_redis_and_postgres(procs, pg_url, redis_url):
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", procs)  # 200 once `serve` has checked (and migrated) the store in the background
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
-        assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok"}
+        assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok", "artifacts": "ok"}
         r = c.post("/v1/jobs", json=TINY_JOB)
         assert r.status_code == 201, r.text
         job = wait_job(c, r.json()["id"], procs)

@@ -73,6 +73,8 @@ def test_upload_train_download_with_no_shared_disk(procs, pg_url, redis_url, tmp
             s3.stop()
             r = c.post("/v1/files", files={"file": ("w.jsonl", data.read_bytes())}, data={"purpose": "train"})
             assert r.status_code == 503 and "artifact store" in r.json()["detail"]
+            ready = c.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["checks"]["artifacts"].startswith("unreachable")
             third = wait_job(c, c.post("/v1/jobs", json=spec(file_id)).json()["id"], procs)
             assert third["status"] == "failed" and "ArtifactStoreError" in third["error"], third
             warned = [e for e in c.get(f"/v1/jobs/{third['id']}/events").json() if e["type"] == "warning"]

@@ -181,7 +181,7 @@ def test_stream_sends_status_metrics_events_and_end(api):
 def test_health_ready_and_prometheus(api):
     assert api.client.get("/healthz").json() == {"status": "ok"}
     r = api.client.get("/readyz")
-    assert r.status_code == 200 and r.json()["checks"] == {"store": "ok", "broker": "ok"}
+    assert r.status_code == 200 and r.json()["checks"] == {"store": "ok", "broker": "ok", "artifacts": "ok"}
     _submit(api)
     text = api.client.get("/metrics").text
     assert 'grpo_jobs{status="queued"} 1.0' in text

@@ -61,3 +61,10 @@ export function progress(step, total) {
 }
 
 export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+
+export function size(bytes) {
+  if (bytes < 1e3) return `${bytes} B`;
+  if (bytes < 1e6) return `${fmt(bytes / 1e3, 1)} kB`;
+  if (bytes < 1e9) return `${fmt(bytes / 1e6, 1)} MB`;
+  return `${fmt(bytes / 1e9, 2)} GB`;
+}

@@ -1,6 +1,6 @@
 // Files: upload data (JSONL or Parquet) with a progress bar, list and delete your files.
 import { ApiError, api, auth, qs } from "../api.js";
-import { fmt, h, parseTime } from "../dom.js";
+import { fmt, h, parseTime, size } from "../dom.js";
 
 // fetch() reports no upload progress; XMLHttpRequest does.
 function upload(file, purpose, onProgress) {
@@ -44,7 +44,7 @@ export async function filesPage({ app }) {
     const files = await listFiles();
     tbody.replaceChildren(...(files.length ? files.map((f) => h("tr", { "data-file": f.id },
       h("td", {}, h("code", {}, f.id)), h("td", {}, f.purpose), h("td", {}, f.filename), h("td", {}, f.format),
-      h("td", { class: "num" }, fmt(f.rows)), h("td", { class: "num" }, `${fmt(f.bytes / 1e6, 2)} MB`),
+      h("td", { class: "num" }, fmt(f.rows)), h("td", { class: "num" }, size(f.bytes)),
       h("td", {}, parseTime(f.created_at)?.toLocaleString() ?? ""),
       h("td", {}, h("button", { class: "danger delete-file", onclick: () => remove(f) }, "delete"))))
       : [h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No files yet."))]));

@@ -1,7 +1,7 @@
 // The job page's report sections: TracIn selections, sparsity reports, samples, events, checkpoints.
 import { api, auth, qs } from "../api.js";
 import { categoryChart, heatmap, histogramChart } from "../charts.js";
-import { fmt, h, parseTime } from "../dom.js";
+import { fmt, h, parseTime, size } from "../dom.js";
 
 const section = (title, id, ...children) => h("section", { id }, h("h2", {}, title), ...children);
 const stepSelect = (id, items, label, onchange) => h("select", { id, onchange: (e) => onchange(Number(e.target.value)) },
@@ -111,7 +111,7 @@ export function checkpointsSection(jobId) {
   const reload = async () => {
     const rows = await api(`/v1/jobs/${jobId}/checkpoints`);
     tbody.replaceChildren(...(rows.length ? rows.map((c) => h("tr", {},
-      h("td", { class: "num" }, c.step), h("td", {}, c.format), h("td", { class: "num" }, `${fmt(c.size_bytes / 1e6, 1)} MB`),
+      h("td", { class: "num" }, c.step), h("td", {}, c.format), h("td", { class: "num" }, size(c.size_bytes)),
       h("td", {}, parseTime(c.created_at)?.toLocaleString() ?? ""),
       h("td", {}, h("button", { class: "download-ckpt", "data-step": c.step, onclick: (e) => download(jobId, c.step, e.target) }, "download"))))
       : [h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No checkpoints yet."))]));

@@ -28,21 +28,20 @@ def s3_behind_proxy(cluster):
 
 
 def _cut_at_step_2(cluster, proxy, *, retry_s: str):
-    """serve + a worker that retries the store for `retry_s`; a job, and the store cut at its step 2.
-    (a client, the job id)"""
+    """serve + a worker that retries the store for `retry_s`; a job, and the store cut at its step 2."""
     cluster.serve()
     cluster.worker(GRPO_ARTIFACT_RETRY_S=retry_s)
-    c = cluster.client()
-    job_id = c.post("/v1/jobs", json=JOB).json()["id"]
-    reached_step(c, job_id, 2, cluster)
+    with cluster.client() as c:
+        job_id = c.post("/v1/jobs", json=JOB).json()["id"]
+        reached_step(c, job_id, 2, cluster)
     proxy.cut()
-    return c, job_id
+    return job_id
 
 
 def test_a_short_object_store_outage_is_waited_out(cluster, s3_behind_proxy):
     proxy, fields = s3_behind_proxy
-    c, job_id = _cut_at_step_2(cluster, proxy, retry_s="120")
-    with c:
+    job_id = _cut_at_step_2(cluster, proxy, retry_s="120")
+    with cluster.client() as c:
         time.sleep(3 * LEASE_S)  # longer than the lease and than boto's own retries: the heartbeat keeps the job
         assert job_state(c, job_id)["status"] == "running"
         proxy.restore()
@@ -58,8 +57,8 @@ def test_a_short_object_store_outage_is_waited_out(cluster, s3_behind_proxy):
 
 def test_a_long_object_store_outage_fails_the_job_readably(cluster, s3_behind_proxy):
     proxy, _ = s3_behind_proxy
-    c, job_id = _cut_at_step_2(cluster, proxy, retry_s="5")
-    with c:
+    job_id = _cut_at_step_2(cluster, proxy, retry_s="5")
+    with cluster.client() as c:
         job = finished(c, job_id, cluster, timeout=120)
         assert job["status"] == "failed", cluster.logs()
         assert job["error"].startswith("ArtifactStoreError: the artifact store (s3://") and "could not" in job["error"]

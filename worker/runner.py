@@ -67,7 +67,8 @@ def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: 
 
 def without_server_paths(message: str, settings: Settings) -> str:
     """A message for the API: the admin's folders named by their setting, not their path."""
-    roots = [(settings.artifacts_dir, "$GRPO_ARTIFACTS_ROOT"), (settings.datasets_dir, "$GRPO_DATASETS_ROOT"),
+    roots = [(settings.artifacts_dir, "$GRPO_ARTIFACTS_ROOT"), (settings.cache_dir, "$GRPO_CACHE_DIR"),
+             (settings.datasets_dir, "$GRPO_DATASETS_ROOT"),
              (settings.models_dir, "$GRPO_MODELS_ROOT"), (settings.shared_datasets_root, "$GRPO_SHARED_DATASETS"),
              *((root, "$GRPO_MODEL_ROOTS") for root in settings.model_roots), (settings.data_dir, "$GRPO_DATA_DIR")]
     for root, name in roots:  # the data dir last: it usually holds the others

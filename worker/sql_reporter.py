@@ -6,6 +6,10 @@ lost once it has gone unrenewed for nearly the lease timeout (another worker may
 over then). From that moment every call raises `LeaseLost`: the loop stops at once, writes no
 checkpoint, and the runner records nothing; the sweep of a live worker requeues the job and
 it resumes from its last checkpoint.
+
+Checkpoints and uploaded files go through the artifact store (service/artifacts.py): staged and
+cached under GRPO_CACHE_DIR on this machine, uploaded or fetched, and retried with backoff for
+GRPO_ARTIFACT_RETRY_S while the store is unreachable.
 """
 
 from __future__ import annotations

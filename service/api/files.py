@@ -7,7 +7,7 @@ stores nothing. A file belongs to its owner: another owner's id is a 404 here an
 
 from __future__ import annotations
 
-import shutil
+import hashlib
 import tempfile
 from pathlib import Path as FsPath, PurePath
 from typing import Annotated, Literal
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import FileOut, FilePage, error_responses
-from service.artifacts import file_key, open_store, sha256_of
+from service.artifacts import file_key, open_store
 from service.datafiles import MAX_ERRORS, check_file
 from service.sources import owner_folder
 from service.specs import FILE_ID
@@ -46,7 +46,10 @@ def upload_file(
     filename = PurePath((file.filename or "upload").replace("\\", "/")).name[:255] or "upload"
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=settings.data_dir, prefix="upload-", suffix=".part") as tmp:
-        shutil.copyfileobj(file.file, tmp, 1 << 20)
+        digest = hashlib.sha256()  # hashed as it is copied: one read of the upload fewer
+        while chunk := file.file.read(1 << 20):
+            digest.update(chunk)
+            tmp.write(chunk)
         tmp.flush()
         path = FsPath(tmp.name)
         checked = check_file(path, purpose)
@@ -59,7 +62,7 @@ def upload_file(
             open_store(settings).put_fileobj(key, src)
         return files_q.add_file(session, file_id=file_id, owner=owner, purpose=purpose, filename=filename,
                                 format=checked.format, size=path.stat().st_size, rows=checked.rows,
-                                columns=checked.columns, sha256=sha256_of(path), key=key)
+                                columns=checked.columns, sha256=digest.hexdigest(), key=key)
 
 
 @router.get("", response_model=FilePage)

@@ -156,7 +156,14 @@ def _reward_errors(spec, settings: Settings) -> list[dict]:
     return errors
 
 
-FILE_PURPOSES = {"train_file": ("train",), "val_file": ("eval",), "corpus_file": ("corpus",)}
+# dataset fields that name uploaded files -> the purpose their file must have
+FILE_FIELDS = {"train_file": "train", "val_file": "eval", "corpus_file": "corpus"}
+
+
+def files_named(spec: dict) -> set[str]:
+    """The uploaded file ids a stored spec names."""
+    dataset = spec.get("dataset") or {}
+    return {dataset[f] for f in FILE_FIELDS if dataset.get(f)}
 
 
 def unavailable_upload(field: str, file_id: str) -> str:
@@ -166,17 +173,17 @@ def unavailable_upload(field: str, file_id: str) -> str:
 def _file_errors(d: DatasetSpec, session: Session, owner: str) -> list[dict]:
     """Uploaded files a spec names: the owner's own, of the purpose the field needs."""
     errors = []
-    for field, purposes in FILE_PURPOSES.items():
+    for field, purpose in FILE_FIELDS.items():
         file_id = getattr(d, field)
         if file_id is None:
             continue
         f = files_q.get_file(session, file_id=file_id, owner=owner)
         if f is None:
             errors.append({"loc": ("dataset", field), "msg": unavailable_upload(field, file_id), "type": "unavailable"})
-        elif f.purpose not in purposes:
+        elif f.purpose != purpose:
             errors.append({"loc": ("dataset", field), "type": "wrong_purpose",
                            "msg": f"dataset.{field}: file {file_id} was uploaded for {f.purpose!r}; this field needs a "
-                           f"file of purpose {purposes[0]!r}"})
+                           f"file of purpose {purpose!r}"})
     return errors
 
 

@@ -20,7 +20,7 @@ from service.api.errors import format_errors
 from service.api.schemas import FileOut, FilePage, error_responses
 from service.artifacts import file_key, open_store
 from service.datafiles import MAX_ERRORS, check_file
-from service.sources import owner_folder
+from service.sources import files_named, owner_folder
 from service.specs import FILE_ID
 from service.store import files as files_q
 from service.store import jobs as jobs_q
@@ -106,8 +106,7 @@ def file_content(file_id: FileId, owner: OwnerDep, session: SessionDep, settings
 @router.delete("/{file_id}", status_code=204, response_class=Response, responses=error_responses(404, 409, 413))
 def delete_file(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep) -> Response:
     f = _owned(session, owner, file_id)
-    users = [j.id for j in jobs_q.active_jobs(session, owner=owner)
-             if file_id in ((j.spec.get("dataset") or {}).get(k) for k in ("train_file", "val_file", "corpus_file"))]
+    users = [j.id for j in jobs_q.active_jobs(session, owner=owner) if file_id in files_named(j.spec)]
     if users:
         raise HTTPException(409, f"file {file_id} is used by unfinished job(s) {', '.join(map(str, users))}: "
                             "delete it once they have finished")

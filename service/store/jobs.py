@@ -225,10 +225,8 @@ def active_jobs(session: Session, *, owner: str) -> list[Job]:
     return list(session.scalars(select(Job).where(Job.owner == owner, Job.status.not_in(TERMINAL))))
 
 
-def delete_job(session: Session, *, job: Job) -> dict[str, int]:
-    """Delete a job and every row it owns; how many rows of each table went."""
-    counts = {}
+def delete_job(session: Session, *, job: Job) -> None:
+    """Delete a job and every row it owns."""
     for table in (JobEvent, Metric, Sample, Selection, SparsityReport, Checkpoint):
-        counts[table.__tablename__] = session.execute(delete(table).where(table.job_id == job.id)).rowcount
+        session.execute(delete(table).where(table.job_id == job.id))
     session.delete(job)
-    return counts

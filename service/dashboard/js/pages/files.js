@@ -2,6 +2,9 @@
 import { ApiError, api, auth, qs } from "../api.js";
 import { fmt, h, parseTime, size } from "../dom.js";
 
+// The dataset field of a spec that names a file of each purpose.
+export const FIELD_OF = { train: "train_file", eval: "val_file", corpus: "corpus_file" };
+
 // fetch() reports no upload progress; XMLHttpRequest does.
 function upload(file, purpose, onProgress) {
   return new Promise((resolve, reject) => {
@@ -68,7 +71,7 @@ export async function filesPage({ app }) {
     try {
       const f = await upload(file, purpose.value, (p) => { bar.style.width = `${Math.round(100 * p)}%`; });
       status.replaceChildren(h("div", { class: "ok-box", id: "upload-ok" }, `Uploaded ${f.filename}: `, h("code", {}, f.id),
-        ` (${f.rows} rows). Name it in a spec as dataset.${{ train: "train_file", eval: "val_file", corpus: "corpus_file" }[f.purpose]}.`));
+        ` (${f.rows} rows). Name it in a spec as dataset.${FIELD_OF[f.purpose]}.`));
       input.value = "";
     } catch (e) {
       status.replaceChildren(h("div", { class: "error-box", id: "upload-error" }, e.message));

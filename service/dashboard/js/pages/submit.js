@@ -1,7 +1,7 @@
 // Paste or upload a YAML/JSON spec; errors appear under the lines of the fields they name.
 import { api } from "../api.js";
 import { h } from "../dom.js";
-import { listFiles } from "./files.js";
+import { FIELD_OF, listFiles } from "./files.js";
 
 const EXAMPLE = `kind: grpo
 name: my-first-job
@@ -77,7 +77,6 @@ const insertAt = (text, snippet) => {
 // Your uploaded files: "insert" puts the id at the cursor (after `train_file: `, say).
 async function filesPanel(text, render) {
   const files = await listFiles();
-  const field = { train: "train_file", eval: "val_file", corpus: "corpus_file" };
   return h("section", { id: "files-panel" },
     h("h2", {}, "Your files"),
     h("p", { class: "muted" }, "Train on them with ", h("code", {}, "dataset: {name: file, train_file: <id>}"),
@@ -85,7 +84,7 @@ async function filesPanel(text, render) {
     files.length ? h("table", { class: "table" },
       h("thead", {}, h("tr", {}, ...["id", "purpose", "name", "rows", ""].map((c) => h("th", {}, c)))),
       h("tbody", {}, ...files.map((f) => h("tr", { "data-file": f.id },
-        h("td", {}, h("code", {}, f.id)), h("td", {}, `${f.purpose} (${field[f.purpose]})`), h("td", {}, f.filename),
+        h("td", {}, h("code", {}, f.id)), h("td", {}, `${f.purpose} (${FIELD_OF[f.purpose]})`), h("td", {}, f.filename),
         h("td", { class: "num" }, f.rows),
         h("td", {}, h("button", { class: "insert-file", onclick: () => { insertAt(text, f.id); render(); } }, "insert"))))))
       : h("p", { class: "muted", id: "no-files" }, "No files uploaded yet."));

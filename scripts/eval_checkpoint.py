@@ -26,6 +26,7 @@ from service.datafiles import read_rows, sniff, task_row  # noqa: E402
 from worker import rewards  # noqa: E402
 from worker.datasets import render_prompt  # noqa: E402
 from worker.models import TINY_PRESETS, tiny_model  # noqa: E402
+from worker.rollout import eos_token_ids  # noqa: E402
 
 
 def load(checkpoint: Path, base: str):
@@ -43,9 +44,7 @@ def load(checkpoint: Path, base: str):
 
 @torch.no_grad()
 def greedy(model, tok, prompts: list[str], *, max_new_tokens: int, batch: int) -> list[str]:
-    eos = sorted({tok.eos_token_id, *([model.generation_config.eos_token_id]
-                                      if isinstance(model.generation_config.eos_token_id, int)
-                                      else model.generation_config.eos_token_id or [])} - {None})
+    eos = sorted(eos_token_ids(tok, model))  # where the service's rollouts end a completion
     out = []
     for i in range(0, len(prompts), batch):
         enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)

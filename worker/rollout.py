@@ -123,6 +123,13 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[: min(ends)] if ends else text
 
 
+def eos_token_ids(tokenizer, model: torch.nn.Module) -> set[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation config's."""
+    gen_eos = model.generation_config.eos_token_id if hasattr(model, "generation_config") else None
+    ids = {tokenizer.eos_token_id} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos})
+    return ids - {None}
+
+
 class RolloutEngine:
     """Frozen copy of the policy used for sampling and old log-probs."""
 
@@ -136,10 +143,7 @@ class RolloutEngine:
         self.model = copy.deepcopy(policy, memo).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        eos = tokenizer.eos_token_id
-        gen_eos = policy.generation_config.eos_token_id if hasattr(policy, "generation_config") else None
-        self.eos_ids = {eos} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos} if gen_eos is not None else set())
-        self.eos_ids.discard(None)
+        self.eos_ids = eos_token_ids(tokenizer, policy)
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:

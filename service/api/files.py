@@ -92,7 +92,10 @@ def get_file(file_id: FileId, owner: OwnerDep, session: SessionDep):
           "description": "The file as uploaded."}, **error_responses(404)})
 def file_content(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     f = _owned(session, owner, file_id)
-    src = open_store(settings).open(f.key)
+    try:
+        src = open_store(settings).open(f.key)
+    except FileNotFoundError:  # the row outlived its bytes (removed from the store by hand)
+        raise HTTPException(404, f"the content of file {file_id} is gone from the artifact store") from None
 
     def chunks():
         with src:

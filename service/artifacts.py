@@ -14,6 +14,7 @@ A store that cannot be reached raises `ArtifactStoreError` with a message naming
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,10 +61,8 @@ def checkpoint_key(uid: str, step: int) -> str:
 
 def newest_step(files: list[Stored]) -> int | None:
     """The newest complete checkpoint among files listed under a checkpoints prefix."""
-    steps = [int(f.key.split("/")[0][5:]) for f in files
-             if f.key.endswith("/" + COMPLETE) and f.key.count("/") == 1 and f.key[5:].split("/")[0].isdigit()
-             and f.key.startswith("step-")]
-    return max(steps, default=None)
+    done = (re.fullmatch(r"step-(\d+)/" + re.escape(COMPLETE), f.key) for f in files)
+    return max((int(m.group(1)) for m in done if m), default=None)
 
 
 class ArtifactStore:

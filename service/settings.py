@@ -126,6 +126,11 @@ class Settings(BaseSettings):
         default=3, validation_alias="GRPO_MAX_ATTEMPTS",
         description="Deliveries of one job before it is failed for good.",
     )
+    max_processes: int = Field(
+        default=8, validation_alias="GRPO_MAX_PROCESSES",
+        description="The most processes (`resources.processes`) one job may run as on a worker: "
+        "one GPU each where the worker has GPUs, a share of its CPU cores otherwise.",
+    )
     keep_freed_memory: bool = Field(
         default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
         description="Training on a CPU: keep freed memory in the worker for the next step instead of "

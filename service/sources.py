@@ -199,6 +199,10 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
         if name not in presets and model_path(name, settings.model_roots) is None:
             errors.append({"loc": loc, "msg": unavailable_model(what, name, presets), "type": "unavailable"})
     errors += _reward_errors(spec, settings)
+    if spec.resources.processes > settings.max_processes:
+        errors.append({"loc": ("resources", "processes"), "type": "unavailable",
+                       "msg": f"resources.processes: {spec.resources.processes} is more than this deployment "
+                       f"allows a job ({settings.max_processes}, GRPO_MAX_PROCESSES)"})
     d: DatasetSpec = spec.dataset
     errors += _file_errors(d, session, owner)
     for field in ("path", "corpus_path"):

@@ -245,6 +245,13 @@ class DevicesSpec(_Section):
         return v
 
 
+class ResourcesSpec(_Section):
+    processes: int = Field(1, ge=1, le=64, description="Processes (ranks) the job runs as on one worker, data "
+                           "parallel over torch.distributed: each samples, scores and trains on its share of "
+                           "the step's prompts, and the gradients are summed. One GPU each where the worker "
+                           "has that many, a share of its CPU cores otherwise.")
+
+
 class SparsityQualitySpec(_Section):
     enabled: bool = Field(False, description="Also run the sparse-update quality analysis (extra forward passes).")
     probe_size: int = Field(4, ge=1, le=256, description="Validation sequences in the fixed probe batch.")
@@ -338,6 +345,7 @@ class _JobBase(_Section):
     )
     grpo: GRPOSpec = Field(default_factory=GRPOSpec)
     devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     sparsity: SparsitySpec | None = Field(None, description="Parameter-update sparsity reports; omit to skip.")
 
     def reward_specs(self) -> list[RewardSpec]:
@@ -353,6 +361,14 @@ class _JobBase(_Section):
         if dup := sorted({k for k in keys if keys.count(k) > 1}):
             raise ValueError(f"rewards: two entries named {', '.join(dup)}: give each a different `tag` "
                              "(it names the entry's metric reward/<tag>/mean)")
+        if (n := self.resources.processes) > 1:
+            if self.grpo.prompts_per_step % n:
+                raise ValueError(f"grpo.prompts_per_step ({self.grpo.prompts_per_step}) must be divisible by "
+                                 f"resources.processes ({n}): each process takes an equal share of the prompts")
+            if self.devices.rollout is not None or ":" in self.devices.policy:
+                raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
+                                 "each where there are enough, else the CPU): leave devices.policy 'cpu' or "
+                                 "'cuda' and devices.rollout unset")
         return self
 
 

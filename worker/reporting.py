@@ -127,3 +127,69 @@ class FileReporter(Reporter):
 
     def checkpoint(self, step, path, format, size_bytes):
         self._append("checkpoints.jsonl", {"step": step, "path": str(path), "format": format, "size_bytes": size_bytes})
+
+
+class RankReporter(Reporter):
+    """One rank's view of a job's reporter when the job spans several processes: rank 0 records
+    through the real one, the other ranks record nothing, and what every rank needs to know
+    (stop now? resume from where? which files?) is asked by rank 0 and broadcast, so all ranks
+    act on the same answer at the same point of the loop."""
+
+    def __init__(self, inner: Reporter | None, ranks) -> None:
+        self.inner, self.ranks = (inner if ranks.main else Reporter()), ranks
+        self.job_id = getattr(inner, "job_id", None)
+        self.checkpoint_root = getattr(inner, "checkpoint_root", None)
+
+    def _main(self, name: str, *args) -> None:
+        if self.ranks.main:
+            getattr(self.inner, name)(*args)
+
+    def _shared(self, name: str, *args):
+        """Rank 0's answer (or its exception) on every rank."""
+        answer = error = None
+        if self.ranks.main:
+            try:
+                answer = getattr(self.inner, name)(*args)
+            except Exception as exc:  # every rank raises it, so none waits for the others
+                error = exc
+        answer, error = self.ranks.broadcast((answer, error))
+        if error is not None:
+            raise error
+        return answer
+
+    def event(self, type, message="", *, level="info", data=None):
+        if self.ranks.main:
+            self.inner.event(type, message, level=level, data=data)
+
+    def metrics(self, step, values):
+        self._main("metrics", step, values)
+
+    def samples(self, step, rows):
+        self._main("samples", step, rows)
+
+    def selection(self, record):
+        self._main("selection", record)
+
+    def sparsity(self, record):
+        self._main("sparsity", record)
+
+    def checkpoint_dir(self, step):
+        return self.inner.checkpoint_dir(step) if self.ranks.main else None
+
+    def checkpoint(self, step, path, format, size_bytes):
+        self._main("checkpoint", step, path, format, size_bytes)
+
+    def progress(self, step):
+        self._main("progress", step)
+
+    def should_stop(self) -> bool:
+        return self._shared("should_stop")
+
+    def resume_from(self):
+        return self._shared("resume_from")
+
+    def init_checkpoint(self, job, step):
+        return self._shared("init_checkpoint", job, step)
+
+    def data_file(self, file_id):
+        return self._shared("data_file", file_id)

@@ -5,6 +5,10 @@ adapter with LoRA), optionally on its own device. It samples with Hugging Face `
 then recomputes log-probs from raw logits scaled by the sampler's temperature, never from the
 processed scores generate returns (top-k/top-p would change them), so that the policy's
 log-probs before its first update equal `old_logp` and the importance ratio is exactly 1.
+
+Every sampled row draws from its own generator, seeded by the caller per prompt (`RowSampler`):
+a row's completion depends on its seed and its prompt, not on the rest of the batch, so a step
+split over several processes samples exactly what one process would.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from worker.algos.losses import entropy_from_logits
 from worker.algos.lora import is_lora
+from worker.distributed import row_seed
 
 
 @dataclass
@@ -97,6 +103,28 @@ def sequence_logprobs(
     return logp, ent
 
 
+class RowSampler(LogitsProcessor):
+    """Samples each row's next token with the row's own generator and leaves only that token
+    possible, so greedy decoding emits it. Temperature, top-k and top-p are transformers' own
+    warpers, in the order transformers' sampling applies them."""
+
+    def __init__(self, seeds: list[int], params: SamplingParams, device: torch.device) -> None:
+        self.gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+        self.warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+        if params.top_k:
+            self.warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(params.top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
+        picks = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.gens)])  # [B]
+        only = torch.full_like(scores, float("-inf"))
+        return only.scatter_(1, picks[:, None], 0.0)
+
+
 def _completion_lengths(tokenizer, rows: torch.Tensor, eos_ids: set[int], stop: tuple[str, ...]):
     """Per row: (number of tokens that count, ended_properly) from EOS or the first stop string."""
     lengths, ended = [], []
@@ -155,18 +183,25 @@ class RolloutEngine:
                 p.copy_(q.to(p.device))
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, *, greedy: bool = False) -> RolloutBatch:
-        """Sample num_generations completions per prompt, prompt-major: [P*G] rows."""
+    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+                 greedy: bool = False) -> RolloutBatch:
+        """Sample num_generations completions per prompt, prompt-major: [P*G] rows. Sampling needs
+        one seed per prompt; its G rows draw from generators seeded by (seed, g)."""
         tok, sp = self.tokenizer, self.params
+        if not prompts:
+            empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+            return RolloutBatch(empty, empty, empty, empty, torch.zeros(0, dtype=torch.bool, device=self.device), [])
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
         mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
         kwargs = dict(max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
                       eos_token_id=sorted(self.eos_ids))
-        if greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if not greedy:
+            if seeds is None or len(seeds) != len(prompts):
+                raise ValueError("sampling needs one seed per prompt")
+            rows = [row_seed(s, g) for s in seeds for g in range(num_generations)]
+            kwargs["logits_processor"] = LogitsProcessorList([RowSampler(rows, sp, self.device)])
         if sp.stop:
             kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
         out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
@@ -184,7 +219,7 @@ class RolloutEngine:
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
         """old_logp [N, T] under the rollout weights, in micro-batches."""
-        parts = []
+        parts = [torch.zeros(0, batch.completion_ids.shape[1], device=self.device)]
         for i in range(0, len(batch), micro_batch_size):
             mb = batch.select(list(range(i, min(i + micro_batch_size, len(batch))))).to(self.device)
             parts.append(sequence_logprobs(self.model, mb, self.params.temperature)[0])

@@ -15,19 +15,27 @@ import socket
 import uuid
 from typing import Literal
 
+from collections.abc import Callable
+from functools import partial
+
 from pydantic import TypeAdapter, ValidationError
 
+from service import queue
 from service.settings import Settings
 from service.sources import for_owner
 from service.specs import TERMINAL, JobSpec
 from service.store import jobs as jobs_q
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
+from worker.distributed import Ranks
+from worker.launch import LauncherStopped, RanksFailed, launch
+from worker.reporting import LoopResult, RankReporter, Reporter
 from worker.sql_reporter import LeaseLost, SqlReporter
 
 log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
-Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost"]
+# requeued: a process of a multi-process job was killed; the job is queued again and resumes
+Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued"]
 _SPEC = TypeAdapter(JobSpec)
 
 
@@ -77,6 +85,35 @@ def without_server_paths(message: str, settings: Settings) -> str:
     return message
 
 
+def loop_on_ranks(spec: JobSpec, settings: Settings, make_reporter: Callable[[], Reporter], *, ranks: Ranks) -> LoopResult:
+    """One rank of a job that spans several processes: its loop, recording through rank 0's reporter."""
+    return loop_for(spec.kind)(spec, RankReporter(make_reporter() if ranks.main else None, ranks), settings=settings,
+                               ranks=ranks)
+
+
+def _ranks_failed(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings, exc: RanksFailed) -> Outcome:
+    """A rank killed (out of memory, by hand) fails the attempt: queued again, it resumes from the
+    last checkpoint. A rank's own error fails the job, with that error."""
+    if exc.message.startswith("LeaseLost"):
+        raise LeaseLost(f"job {lease.job_id}: {exc}")
+    if exc.killed:
+        message = (f"attempt {lease.attempt} failed: {exc}; the other ranks were stopped. Queued again, it resumes "
+                   "from its last checkpoint")
+        with session_scope(settings.store_url) as s:
+            uid = jobs_q.requeue(s, job_id=lease.job_id, holder=reporter.holder, message=message)
+        if uid is None:
+            raise LeaseLost(f"job {lease.job_id}: lease lost")
+        try:
+            queue.enqueue(lease.job_id, uid, broker_url=settings.broker)
+        except Exception as err:  # the sweep enqueues a queued job nobody takes
+            log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
+        return "requeued"
+    log.error("job %s failed on %s", lease.job_id, exc)
+    message = without_server_paths(str(exc), settings)
+    reporter.finish("failed", message, error=message, data={"error_type": exc.message.split(":")[0], "rank": exc.rank})
+    return "failed"
+
+
 def _not_leased(session, *, job_id: int, uid: str | None) -> Outcome:
     job = jobs_q.get_job(session, job_id=job_id)
     if job is None or (uid is not None and job.uid != uid):
@@ -102,10 +139,21 @@ def _run(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         message = f"stored spec is no longer valid: {exc.error_count()} errors, first: {exc.errors()[0]['msg']}"
         reporter.finish("failed", message, error=message)
         return "failed"
-    try:  # the job sees its owner's data folder, nobody else's
-        result = loop_for(spec.kind)(spec, reporter, settings=for_owner(settings, lease.owner))
+    owner_settings = for_owner(settings, lease.owner)  # the job sees its owner's data folder, nobody else's
+    try:
+        if spec.resources.processes == 1:
+            result = loop_for(spec.kind)(spec, reporter, settings=owner_settings)
+        else:  # the ranks record through their own reporter; this process holds the lease meanwhile
+            rank_reporter = partial(SqlReporter, lease.job_id, uid=lease.uid, owner=lease.owner, holder=reporter.holder,
+                                    settings=owner_settings)
+            result = launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
+                            run_id=f"job-{lease.uid}-{lease.attempt}")[0]
     except LeaseLost:
         raise
+    except LauncherStopped as exc:  # the worker is shutting down: like a killed worker, the sweep requeues it
+        raise LeaseLost(f"job {lease.job_id}: {exc}") from exc
+    except RanksFailed as exc:
+        return _ranks_failed(lease, reporter, settings, exc)
     except Exception as exc:
         if is_unreachable(exc):
             raise LeaseLost(f"job {lease.job_id}: store unreachable") from exc

@@ -111,12 +111,22 @@ def run(spec_file: Path, out: Path) -> None:
         spec = TypeAdapter(JobSpec).validate_python(load_spec_file(spec_file))
     except ValidationError as exc:
         raise click.ClickException(f"{spec_file}: invalid job spec\n{exc}") from exc
+    from functools import partial
+
+    from worker.launch import RanksFailed, launch
     from worker.reporting import FileReporter
-    from worker.runner import loop_for
+    from worker.runner import loop_for, loop_on_ranks
 
     reporter = FileReporter(out, echo=click.echo)
     try:
-        result = loop_for(spec.kind)(spec, reporter, settings=get_settings())
+        if spec.resources.processes == 1:
+            result = loop_for(spec.kind)(spec, reporter, settings=get_settings())
+        else:  # rank 0 appends to the same files
+            result = launch(loop_on_ranks, (spec, get_settings(), partial(FileReporter, out, echo=click.echo)),
+                            processes=spec.resources.processes)[0]
+    except RanksFailed as exc:
+        reporter.event("failed", str(exc), level="error")
+        raise click.ClickException(f"job failed: {exc}") from exc
     except Exception as exc:
         reporter.event("failed", f"{type(exc).__name__}: {exc}", level="error")
         raise click.ClickException(f"job failed: {type(exc).__name__}: {exc}") from exc

@@ -170,6 +170,23 @@ def finish_job(session: Session, *, job_id: int, holder: str | None, status: str
     return True
 
 
+def requeue(session: Session, *, job_id: int, holder: str, message: str) -> str | None:
+    """An attempt that ended without an outcome of its own (a process of it was killed): back to
+    `queued` with a warning event, while `holder` holds the lease. Returns the job's uid to
+    enqueue again, or None if the lease was no longer ours."""
+    row = session.execute(
+        update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == "running")
+        .values(status="queued", lease_owner=None, heartbeat_at=None, updated_at=utcnow())
+        .returning(Job.uid).execution_options(synchronize_session=False)
+    ).first()
+    if row is None:
+        session.rollback()
+        return None
+    session.add(JobEvent(job_id=job_id, type="requeued", level="warning", message=message))
+    session.commit()
+    return row[0]
+
+
 @dataclass(frozen=True)
 class Swept:
     """What one sweep did: jobs to enqueue again, and stranded jobs it cancelled."""

@@ -1,4 +1,5 @@
-"""Greedy evaluation on the validation split: eval/reward_mean and eval/accuracy."""
+"""Greedy evaluation on the validation split: eval/reward_mean and eval/accuracy. With several
+processes each answers its share of the examples and the sums are reduced."""
 
 from __future__ import annotations
 
@@ -20,18 +21,28 @@ def greedy_completions(s: Setup, prompts: list[str]) -> list[str]:
     return [c for i in range(0, len(prompts), bs) for c in s.engine.generate(prompts[i:i + bs], 1, greedy=True).completions]
 
 
-def score_completions(s: Setup, completions: list[str], examples: list[Example], *, step: int) -> dict[str, float]:
+def score_completions(s: Setup, completions: list[str], examples: list[Example], *, step: int,
+                      extra: dict[str, float] | None = None) -> dict[str, float]:
     """eval/reward_mean (the job's weighted rewards) and eval/accuracy (dataset.accuracy's check)
-    of one completion per example."""
+    of one completion per example, over every rank's share; `extra` sums (over examples) are
+    reduced alongside and returned as means."""
     correct = rewards.REGISTRY[s.spec.dataset.accuracy_check].fn
     scored = s.scorer.score([rewards.Item(ex.question, c, tuple(ex.answers)) for c, ex in zip(completions, examples)],
                             step=step)
     finite = [v for v in scored.total if not math.isnan(v)]
-    return {"eval/reward_mean": sum(finite) / max(1, len(finite)),
-            "eval/accuracy": sum(correct(c, ex.answers) for c, ex in zip(completions, examples)) / max(1, len(examples))}
+    t = s.ranks.sum({**(extra or {}), "reward": sum(finite), "scored": len(finite), "n": len(examples),
+                     "correct": sum(correct(c, ex.answers) for c, ex in zip(completions, examples))})
+    n = max(1.0, t["n"])
+    return {"eval/reward_mean": t["reward"] / max(1.0, t["scored"]), "eval/accuracy": t["correct"] / n,
+            **{k: t[k] / n for k in extra or {}}}
+
+
+def shard(s: Setup, examples: list[Example]) -> list[Example]:
+    """This rank's share of the examples."""
+    return [examples[i] for i in s.ranks.share(len(examples))]
 
 
 def evaluate(s: Setup, step: int) -> dict[str, float]:
     """The first grpo.eval_prompts validation examples, answered greedily, after `step`."""
-    examples = s.task.val[: s.spec.grpo.eval_prompts]
+    examples = shard(s, s.task.val[: s.spec.grpo.eval_prompts])
     return score_completions(s, greedy_completions(s, [prompt_for(s, ex) for ex in examples]), examples, step=step)

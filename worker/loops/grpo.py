@@ -23,14 +23,15 @@ from service.specs import GRPOJob
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
+from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything
 
 
-def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
+def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = SINGLE) -> LoopResult:
     g = spec.grpo
     seed_everything(g.seed)
-    s = build(spec, settings, reporter)
+    s = build(spec, settings, reporter, ranks=ranks)
     run = skeleton.start(s, reporter, partial(evaluation.evaluate, s))
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):

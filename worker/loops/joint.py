@@ -44,6 +44,7 @@ from worker.datasets import Example, load_retrieval_task, rag_question, render_p
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts
 from worker.loops.setup import Setup, build
+from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.retriever import DualEncoder, load_retriever
 from worker.rollout import RolloutBatch
@@ -177,7 +178,7 @@ def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[
     return out
 
 
-def run(spec: JointJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
+def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = SINGLE) -> LoopResult:
     g, r = spec.grpo, spec.retriever
     seed_everything(g.seed)
     task, corpus = load_retrieval_task(spec.dataset, settings=settings, fetch=reporter.data_file)

@@ -13,6 +13,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,6 +22,7 @@ from service.store.records import SampleRow
 from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
 from worker.datasets import Example, render_prompt
+from worker.distributed import SINGLE, Ranks, row_seed
 from worker.loops.setup import Setup
 from worker.reporting import Reporter
 from worker.rollout import RolloutBatch
@@ -30,16 +32,26 @@ U = TypeVar("U")  # what a loop needs back about each unit: the Example, or a jo
 
 @dataclass(frozen=True)
 class Drawn(Generic[U]):
-    """One generate call's groups, unit-major: groups_per_unit consecutive groups per unit."""
+    """One generate call's groups, unit-major: groups_per_unit consecutive groups per unit. With
+    several processes, this rank's share of the units drawn in one round."""
 
     batch: RolloutBatch  # [n_groups * G] completions, group-major
     examples: list[Example]  # [n_groups] what each group is scored against
     prompts: list[str]  # [n_groups] the text each group was sampled from
     units: list[U]  # [n_units]
+    keys: list[tuple[int, int]]  # [n_units] (round, index among the round's units on every rank)
     groups_per_unit: int = 1
 
 
-Draw = Callable[[int], Drawn[U]]  # n_units -> their groups, sampled
+Draw = Callable[[int, int], Drawn[U]]  # (round, n_units on every rank) -> this rank's share, sampled
+
+
+def unit_draws(rng: random.Random, pool: list, n: int, ranks: Ranks) -> tuple[list, list[int]]:
+    """n units drawn (with replacement) from `pool` by every rank alike; this rank's share and
+    their indices among the n."""
+    drawn = [pool[rng.randrange(len(pool))] for _ in range(n)]
+    mine = ranks.share(n)
+    return [drawn[i] for i in mine], list(mine)
 
 
 @dataclass(frozen=True)
@@ -60,33 +72,65 @@ class Rollouts(Generic[U]):
     frac_zero_std: float  # tied groups among the first round's
     refill_rounds: int  # generate calls beyond the first
     reward_s: float  # wall time spent scoring, every round
+    keys: list[tuple[int, int, int, int]]  # [N] (round, unit, group in unit, g): a row's place in the whole step
+    ranks: Ranks = SINGLE
 
     def __len__(self) -> int:
+        """Rows on this rank."""
         return len(self.batch)
 
+    @cached_property
+    def positions(self) -> list[int]:
+        """[N] each of this rank's rows' index in the whole step's batch (all ranks' rows, in the
+        order one process would hold them)."""
+        every = sorted(k for keys in self.ranks.gather(self.keys) for k in keys)
+        where = {k: i for i, k in enumerate(every)}
+        return [where[k] for k in self.keys]
+
+    @property
+    def total(self) -> int:
+        """Rows on every rank."""
+        return int(self.ranks.sum({"n": len(self)})["n"])
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor [N, ...] of every rank, in the whole step's order."""
+        out = self.ranks.cat(values)
+        order = torch.tensor([p for ps in self.ranks.gather(self.positions) for p in ps], dtype=torch.long)
+        return out[torch.argsort(order)]
+
     def metrics(self) -> dict[str, float]:
-        r = self.rewards
-        m = {"reward/mean": float(r.mean()), "reward/std": float(r.std()) if len(r) > 1 else 0.0,
-             "frac_reward_zero_std": self.frac_zero_std, "advantage/abs_mean": float(self.advantages.abs().mean()),
-             "completions/mean_length": float(self.batch.completion_mask.sum(1).float().mean()),
-             "completions/clipped_ratio": float(self.batch.truncated.float().mean()),
-             "rollout/refill_rounds": float(self.refill_rounds), "time/reward_s": self.reward_s}
+        """Reward, advantage and completion statistics of the whole step (every rank's rows)."""
+        r, lengths = self.rewards.double(), self.batch.completion_mask.sum(1).double()
+        sums = {"n": len(r), "r": float(r.sum()), "r2": float((r * r).sum()), "adv": float(self.advantages.abs().sum()),
+                "len": float(lengths.sum()), "trunc": float(self.batch.truncated.sum()), "reward_s": self.reward_s}
         for name, vals in self.per_fn.items():
             finite = [v for v in vals if not math.isnan(v)]
-            if finite:
-                m[f"reward/{name}/mean"] = sum(finite) / len(finite)
+            sums[f"fn/{name}"], sums[f"fn_n/{name}"] = sum(finite), len(finite)
+        t = self.ranks.sum(sums)
+        n = max(t["n"], 1.0)
+        mean = t["r"] / n
+        var = (t["r2"] - n * mean * mean) / (n - 1) if t["n"] > 1 else 0.0
+        m = {"reward/mean": mean, "reward/std": math.sqrt(max(var, 0.0)), "frac_reward_zero_std": self.frac_zero_std,
+             "advantage/abs_mean": t["adv"] / n, "completions/mean_length": t["len"] / n,
+             "completions/clipped_ratio": t["trunc"] / n, "rollout/refill_rounds": float(self.refill_rounds),
+             "time/reward_s": t["reward_s"] / self.ranks.world}
+        for name in self.per_fn:
+            if t[f"fn_n/{name}"]:
+                m[f"reward/{name}/mean"] = t[f"fn/{name}"] / t[f"fn_n/{name}"]
         return m
 
     def sample_rows(self, n: int, *, influence: list[float] | None = None, selected: list[bool] | None = None,
                     extra: Callable[[int], dict[str, Any]] | None = None) -> list[SampleRow]:
-        """The first n completions as records; `extra(group)` adds what a kind knows about a group."""
+        """The whole step's first n completions as records (gathered from every rank); `extra(group)`
+        adds what a kind knows about one of this rank's groups."""
         G = self.group_size
-        return [SampleRow(index=i, prompt=self.prompts[i // G], completion=self.batch.completions[i],
+        mine = [SampleRow(index=p, prompt=self.prompts[i // G], completion=self.batch.completions[i],
                           reward=float(self.rewards[i]), advantage=float(self.advantages[i]),
                           influence=None if influence is None else float(influence[i]),
                           selected=None if selected is None else bool(selected[i]),
                           extra=None if extra is None else extra(i // G))
-                for i in range(min(n, len(self.batch)))]
+                for i, p in enumerate(self.positions) if p < n]
+        return sorted((row for rows in self.ranks.gather(mine) for row in rows), key=lambda row: row.index)
 
 
 @dataclass
@@ -105,7 +149,8 @@ class _Scored:
         rows = torch.arange(len(d.batch)).view(-1, G)[groups].reshape(-1)
         g_idx = groups.nonzero().flatten().tolist()
         kept = replace(d, batch=d.batch.select(rows), examples=[d.examples[i] for i in g_idx],
-                       prompts=[d.prompts[i] for i in g_idx], units=[u for u, k in zip(d.units, keep) if k])
+                       prompts=[d.prompts[i] for i in g_idx], units=[u for u, k in zip(d.units, keep) if k],
+                       keys=[u for u, k in zip(d.keys, keep) if k])
         r = rows.tolist()
         return _Scored(kept, self.rewards[rows], self.excluded[rows], {n: [v[i] for i in r] for n, v in self.per_fn.items()})
 
@@ -130,13 +175,15 @@ def score_groups(s: Setup, completions: list[str], examples: list[Example], G: i
 
 
 def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
-    """Units are prompts drawn (with replacement, seeded by `seed_tag`) from `pool`; one group each."""
+    """Units are prompts drawn (with replacement, seeded by `seed_tag`) from `pool`; one group each,
+    sampled with seeds from (seed_tag, round, unit)."""
     rng = random.Random(seed_tag)
 
-    def draw(n: int) -> Drawn[Example]:
-        examples = [pool[rng.randrange(len(pool))] for _ in range(n)]
+    def draw(round: int, n: int) -> Drawn[Example]:
+        examples, idx = unit_draws(rng, pool, n, s.ranks)
         prompts = [prompt_for(s, ex) for ex in examples]
-        return Drawn(s.engine.generate(prompts, G), examples, prompts, examples)
+        batch = s.engine.generate(prompts, G, seeds=[row_seed(seed_tag, round, i) for i in idx])
+        return Drawn(batch, examples, prompts, examples, [(round, i) for i in idx])
 
     return draw
 
@@ -153,24 +200,28 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     kept: list[_Scored] = []
     frac_zero: float | None = None
     need, rounds, reward_s = units, 0, 0.0
-    while need > 0:
-        d = draw(need)
+    while need > 0:  # `need` is the same on every rank: each round draws and keeps over all of them
+        d = draw(rounds, need)
         if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
             raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                                f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
         r, excluded, scored = score_groups(s, d.batch.completions, d.examples, G, step)
         reward_s += scored.seconds
         tied = zero_std_groups(r, G)  # [n_groups]
-        frac_zero = float(tied.float().mean()) if frac_zero is None else frac_zero
         keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
+        counts = s.ranks.sum({"tied": float(tied.sum()), "groups": len(tied), "kept": float(keep.sum())})
+        if frac_zero is None:
+            frac_zero = counts["tied"] / max(counts["groups"], 1.0)
         if keep.any():
             kept.append(_Scored(d, r, excluded, scored.per_fn).keep_units(keep, G))
-        need -= int(keep.sum())
+        need -= int(counts["kept"])
         rounds += 1
         if need > 0 and rounds > g.max_refill_rounds:
             break
-    if not kept:
+    if need == units:  # nothing kept on any rank
         return None
+    if not kept:  # this rank kept nothing; the others did
+        kept.append(_Scored(d, r, excluded, scored.per_fn).keep_units(torch.zeros(len(d.units), dtype=torch.bool), G))
     batch = RolloutBatch.cat([k.drawn.batch for k in kept], s.tokenizer.pad_token_id)
     r = torch.cat([k.rewards for k in kept])  # [N]
     excluded = torch.cat([k.excluded for k in kept])  # [N]
@@ -187,10 +238,11 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     reporter.event("groups", f"first groups of step {step}", level="debug", data={
         "rewards": r.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
     first = kept[0].drawn
+    keys = [(*key, j, g) for k in kept for key in k.drawn.keys for j in range(k.drawn.groups_per_unit) for g in range(G)]
     return Rollouts(batch, [ex for k in kept for ex in k.drawn.examples], [p for k in kept for p in k.drawn.prompts],
                     [u for k in kept for u in k.drawn.units], first.groups_per_unit, G, r, adv, loss_mask,
                     {name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn}, train_rows,
-                    frac_zero or 0.0, rounds - 1, reward_s)
+                    frac_zero or 0.0, rounds - 1, reward_s, keys, s.ranks)
 
 
 def collect_train_rollouts(s: Setup, step: int, reporter: Reporter) -> Rollouts[Example] | None:

@@ -20,6 +20,7 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task
+from worker.distributed import SINGLE, Ranks
 from worker.models import load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
@@ -45,6 +46,7 @@ class Setup:
     device: torch.device
     extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
     extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/distributed.py)
 
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
@@ -52,14 +54,20 @@ class Setup:
                           {"policy": self.scheduler}, dict(self.extra))
 
 
+def policy_device(spec: AnySpec, ranks: Ranks) -> str:
+    """devices.policy, or with several processes each rank's own (its GPU, or the CPU)."""
+    return ranks.device if ranks.world > 1 else spec.devices.policy
+
+
 def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskData | None = None,
           extra: dict[str, torch.nn.Module] | None = None,
-          extra_optimizers: dict[str, torch.optim.Optimizer] | None = None) -> Setup:
+          extra_optimizers: dict[str, torch.optim.Optimizer] | None = None, ranks: Ranks = SINGLE) -> Setup:
     """Load the policy (and `model.init_from`'s weights), the rollout copy, the reference, the
     optimizer and schedule, and the task (unless the loop loaded its own)."""
     g = spec.grpo
-    device = torch.device(spec.devices.policy)
-    model, tok = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=g.seed,
+    dev = policy_device(spec, ranks)
+    device = torch.device(dev)
+    model, tok = load_policy(spec.model, models_root=settings.models_dir, device=dev, seed=g.seed,
                              model_roots=settings.model_roots)
     if (init := spec.model.init_from) is not None:  # train on from an earlier checkpoint of the owner's
         found = reporter.init_checkpoint(init.job, init.step)
@@ -75,7 +83,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None})
     params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                             top_k=g.top_k, stop=tuple(g.stop))
-    engine = RolloutEngine(model, tok, spec.devices.rollout or spec.devices.policy, params)
+    engine = RolloutEngine(model, tok, spec.devices.rollout or dev, params)
     ref = None
     if g.with_reference and not is_lora(model):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -83,13 +91,13 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,
                            total=g.steps * g.epochs_per_rollout_batch)
     entries = spec.reward_specs()
-    scorer = build_scorer(entries, settings=settings, device=spec.devices.policy, job_id=reporter.job_id,
+    scorer = build_scorer(entries, settings=settings, device=dev, job_id=reporter.job_id,
                           on_failures=partial(warn_reward_failures, reporter))
     if task is None:
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
     return Setup(spec, model, tok, engine, ref, opt, sched, task, scorer, device, dict(extra or {}),
-                 dict(extra_optimizers or {}))
+                 dict(extra_optimizers or {}), ranks)
 
 
 def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:

@@ -52,7 +52,7 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
     """Resume from the last checkpoint if there is one; else evaluate before the first step (step 0)."""
     resumed = resume(s, reporter)
     run = Run(s, reporter, evaluate, resumed.step, resumed.opt_steps)
-    if s.spec.sparsity is not None:
+    if s.spec.sparsity is not None and s.ranks.main:  # every rank holds the same weights: rank 0 measures
         run.tracker = SparsityTracker(s.spec.sparsity, s, reporter, start_step=run.opt_steps)
     if run.start_step == 0:
         run.last_eval = evaluate(0)
@@ -61,7 +61,10 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
 
 
 def save(run: Run, step: int) -> None:
-    """Checkpoint folder step-N, its row in the store, and an event."""
+    """Checkpoint folder step-N, its row in the store, and an event (by rank 0: every rank holds
+    the same weights)."""
+    if not run.s.ranks.main:
+        return
     path = run.reporter.checkpoint_dir(step)
     fmt, size = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps)
     run.reporter.checkpoint(step, path, fmt, size)
@@ -115,9 +118,11 @@ def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer
 
 def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTimer, tokens: float,
                 samples: Sequence[SampleRow] = ()) -> None:
-    """The end of every step: sparsity, evaluation when due, timings, samples, progress, checkpoint."""
+    """The end of every step: sparsity, evaluation when due, timings, samples, progress, checkpoint.
+    `tokens`: this rank's completion tokens."""
     g = run.s.spec.grpo
     metrics = dict(metrics)
+    tokens = run.s.ranks.sum({"tokens": tokens})["tokens"]
     if run.tracker is not None:
         metrics.update(run.tracker.pop_metrics())
     if g.eval_every and step % g.eval_every == 0 or step == g.steps:

@@ -39,6 +39,7 @@ from worker.loops.rollouts import (
     draw_prompts,
 )
 from worker.loops.setup import Setup, build
+from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything, step_seed
 
@@ -86,7 +87,7 @@ def apply_recovered_gradient(run: skeleton.Run, hooks: GhostHooks) -> dict[str, 
     return {"grad_norm": update.optimizer_step(run), "lr": run.s.scheduler.get_last_lr()[0]}
 
 
-def run(spec: TracInJob, reporter: Reporter, *, settings: Settings) -> LoopResult:
+def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = SINGLE) -> LoopResult:
     g, t = spec.grpo, spec.tracin
     seed_everything(g.seed)
     s = build(spec, settings, reporter)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from worker.algos.losses import Normaliser, TokenStats, sample_losses
+from worker.distributed import Ranks
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.loops.skeleton import Run
@@ -24,13 +25,24 @@ def micro_batches(rows: list[int], size: int, *, shuffle_seed: int | None = None
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
+def batch_normaliser(s: Setup, mask: torch.Tensor) -> Normaliser:
+    """The normaliser of the whole batch whose rows on this rank have loss mask `mask` [N, T]:
+    token and sequence counts summed over ranks, the longest completion of any rank."""
+    local = Normaliser.of(mask, s.spec.grpo.loss_agg)
+    if s.ranks.world == 1:
+        return local
+    t = s.ranks.sum({"tokens": local.tokens, "sequences": local.sequences})
+    return replace(local, tokens=t["tokens"], sequences=int(t["sequences"]),
+                   max_len=int(s.ranks.max({"T": local.max_len})["T"]))
+
+
 def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
     """ref_logp [N, T] under the frozen reference (the base model with the adapter disabled, or a
     copy), or None when KL is neither in the loss nor asked for."""
     if not s.spec.grpo.with_reference:
         return None
     g = s.spec.grpo
-    parts = []
+    parts = [torch.zeros(0, batch.completion_ids.shape[1], device=s.device)]
     with torch.no_grad():
         for rows in micro_batches(list(range(len(batch))), g.micro_batch_size):
             mb = batch.select(rows).to(s.device)
@@ -57,6 +69,7 @@ def optimizer_step(run: Run) -> float:
     Returns the gradient norm before clipping."""
     s = run.s
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
+    s.ranks.reduce_gradients(params)  # every rank's share of the batch's gradient, summed
     max_norm = s.spec.grpo.max_grad_norm
     norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
     s.optimizer.step()
@@ -83,6 +96,14 @@ class PassTotals:
         self.tokens += other.tokens
         self.entropy_sum += other.entropy_sum
         return self
+
+    def reduced(self, ranks: Ranks) -> "PassTotals":
+        """The totals of every rank's share of the batch."""
+        t = ranks.sum({"loss": self.loss, "policy": self.policy, "kl": self.kl or 0.0, "tokens": self.tokens.tokens,
+                       "ratio_sum": self.tokens.ratio_sum, "clipped": self.tokens.clipped, "entropy": self.entropy_sum})
+        ratio_max = ranks.max({"ratio_max": self.tokens.ratio_max})["ratio_max"]
+        return PassTotals(t["loss"], t["policy"], None if self.kl is None else t["kl"],
+                          TokenStats(t["tokens"], t["ratio_sum"], ratio_max, t["clipped"]), t["entropy"])
 
     def metrics(self) -> dict[str, float]:
         out = {"loss/total": self.loss, "loss/policy": self.policy, **self.tokens.metrics(),
@@ -136,7 +157,7 @@ def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
     Losses are the mean over epochs; ratio, clip and entropy statistics over every epoch's tokens."""
     s, g = run.s, run.s.spec.grpo
     rows = ro.train_rows if rows is None else rows
-    norm = Normaliser.of(ro.loss_mask[norm_rows if norm_rows is not None else rows], g.loss_agg)
+    norm = batch_normaliser(s, ro.loss_mask[norm_rows if norm_rows is not None else rows])
     s.model.train()
     epochs = PassTotals()  # summed over epochs; losses reported as their mean
     norms = []
@@ -147,7 +168,7 @@ def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
                                 ref_logp, step)
         norms.append(optimizer_step(run))
     n = g.epochs_per_rollout_batch
-    out = epochs.metrics()
+    out = epochs.reduced(s.ranks).metrics()
     out.update({k: out[k] / n for k in ("loss/total", "loss/policy", "kl") if k in out})
     out.update({"grad_norm": sum(norms) / len(norms), "lr": s.scheduler.get_last_lr()[0]})
     return out

@@ -1,0 +1,114 @@
+"""Running a function as N processes (ranks) of one job on this machine, through torch.distributed's
+elastic launch API (what `torchrun` runs): one rank per GPU with NCCL where there are enough
+GPUs, gloo ranks sharing the CPU cores otherwise.
+
+The launcher's agent runs in the calling process and watches the ranks: when one fails (an
+exception, or killed by a signal) it stops the others, so no rank is left waiting in a
+collective, and `launch` raises `RanksFailed` naming the rank and what happened to it. Each
+rank also dies with the process that launched it (PR_SET_PDEATHSIG), so a killed worker leaves
+no orphan ranks behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from worker.distributed import Ranks
+
+log = logging.getLogger(__name__)
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a slow rank (evaluation, a checkpoint)
+# What a rank raises when a peer went away: a consequence, never the cause, of a failed attempt.
+_PEER_GONE = ("DistBackendError", "DistNetworkError", "DistStoreError", "RuntimeError: [")
+
+
+@dataclass(frozen=True)
+class RanksFailed(Exception):
+    """A rank failed. `killed`: by a signal (out of memory, killed by hand), not by an error of its own."""
+
+    rank: int
+    message: str
+    killed: bool
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.message}"
+
+
+class LauncherStopped(Exception):
+    """The launching process was told to stop (SIGTERM, SIGINT): the ranks were stopped with it."""
+
+
+def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: str | None = None) -> dict[int, Any]:
+    """`entry(*args, ranks=Ranks(...))` in `processes` ranks; each rank's return value by rank."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=run_id or uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          monitor_interval=0.5, start_method="spawn", shutdown_timeout=10)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        return elastic_launch(config, _rank_main)(entry, args)
+    except ChildFailedError as exc:
+        raise _cause(exc) from None
+    except SignalException as exc:  # the agent stopped the ranks before re-raising
+        raise LauncherStopped(f"the worker was told to stop ({exc.sigval.name})") from None
+    finally:
+        for s, h in handlers.items():  # the agent installs its own; give the caller's back
+            signal.signal(s, h)
+
+
+def _cause(exc: ChildFailedError) -> RanksFailed:
+    """The failure that caused the others: a killed rank, else an error that is not a peer gone."""
+    failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    for rank, f in failures:
+        if f.exitcode < 0:
+            return RanksFailed(rank, f"killed by {f.signal_name()}", killed=True)
+    for rank, f in failures:
+        if not str(f.message).startswith(_PEER_GONE):
+            return RanksFailed(rank, str(f.message), killed=False)
+    rank, f = failures[0]
+    return RanksFailed(rank, str(f.message), killed=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent (the launching worker) dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the call above
+            os._exit(1)
+
+
+@record  # an exception's message reaches the launcher in the rank's error file
+def _rank_main(entry: Callable[..., Any], args: tuple) -> Any:
+    _die_with_parent()
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        torch.cuda.set_device(local)
+        backend, device = "nccl", f"cuda:{local}"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+        backend, device = "gloo", "cpu"
+    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        return entry(*args, ranks=Ranks(rank, world, device))
+    finally:
+        dist.destroy_process_group()

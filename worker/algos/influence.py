@@ -155,21 +155,26 @@ class GhostHooks:
             self.subset[p].view(-1).addmv_(per.reshape(per.shape[0], -1).T, w)  # += sum_i w_i grad_i
         self.factors.clear()
 
-    def gram(self) -> torch.Tensor:
+    def gram(self, gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """[N, N] inner products <grad_i, grad_j> of the training samples over the LoRA weights, from
-        the kept per-sample rank-r gradients (all of them: call before `fold`), one layer at a time."""
+        the kept per-sample rank-r gradients (all of them: call before `fold`), one layer at a time.
+        `gather` maps this process's per-sample rows [n, d] to the whole batch's [N, d] (data parallel)."""
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed for the Gram matrix")
         n = self.scores.numel()
         per_layer: dict[tuple[int, str], list] = {}
         for i, rows, which, per in self.factors:
             per_layer.setdefault((i, which), []).append((rows, per))
-        gram = torch.zeros(n, n, dtype=torch.float64)
-        for parts in per_layer.values():
-            grads = torch.zeros(n, parts[0][1][0].numel(), dtype=parts[0][1].dtype, device=parts[0][1].device)
-            for rows, per in parts:
-                grads[rows.to(grads.device)] = per.reshape(len(rows), -1)
-            gram += (grads @ grads.T).double().cpu()
+        gram = None
+        for key, layer in self.val_grads.items():  # every layer, also where this process has no rows
+            for which, g in zip("AB", layer):
+                grads = torch.zeros(n, g.numel(), dtype=g.dtype, device=g.device)
+                for rows, per in per_layer.get((key, which), []):
+                    grads[rows.to(grads.device)] = per.reshape(len(rows), -1).to(grads.dtype)
+                if gather is not None:
+                    grads = gather(grads)
+                part = (grads @ grads.T).double().cpu()
+                gram = part if gram is None else gram + part
         return gram
 
 

@@ -30,7 +30,6 @@ from service.specs import TracInJob
 from service.store.records import SelectionRecord
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
-from worker.algos.losses import Normaliser
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -41,7 +40,7 @@ from worker.loops.rollouts import (
 from worker.loops.setup import Setup, build
 from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
-from worker.training import seed_everything, step_seed
+from worker.training import seed_everything, step_seed, trainable
 
 
 def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, step: int,
@@ -55,13 +54,13 @@ def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, s
         hooks.rows = torch.tensor(rows)
 
     p = update.backward_pass(s, ro, update.micro_batches(list(range(len(ro))), g.micro_batch_size),
-                             Normaliser.of(ro.loss_mask, g.loss_agg), None, ref_logp, step, with_entropy=with_entropy,
+                             update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step, with_entropy=with_entropy,
                              before=place if hooks is not None else None, after=after_micro_batch)
-    return p.metrics()
+    return p.reduced(s.ranks).metrics()
 
 
-def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int) -> torch.Tensor:
-    """bool [N]: the samples tracin.selection keeps."""
+def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int, ro: Rollouts) -> torch.Tensor:
+    """bool [N]: the samples of the whole batch (every rank's) that tracin.selection keeps."""
     t = spec.tracin
     if t.selection == "positive":
         return sel.positive(scores)
@@ -69,7 +68,7 @@ def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int) 
         return sel.top_fraction(scores, t.fraction)
     if t.selection == "random":
         return sel.random_subset(scores.numel(), t.fraction, torch.Generator().manual_seed(step_seed(spec.grpo.seed, step)))
-    return sel.greedy(scores, hooks.gram(), t.fraction, eta=spec.grpo.learning_rate)
+    return sel.greedy(scores, hooks.gram(ro.gather), t.fraction, eta=spec.grpo.learning_rate)
 
 
 def selection_record(step: int, policy: str, scores: torch.Tensor, chosen: torch.Tensor) -> SelectionRecord:
@@ -90,7 +89,7 @@ def apply_recovered_gradient(run: skeleton.Run, hooks: GhostHooks) -> dict[str, 
 def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = SINGLE) -> LoopResult:
     g, t = spec.grpo, spec.tracin
     seed_everything(g.seed)
-    s = build(spec, settings, reporter)
+    s = build(spec, settings, reporter, ranks=ranks)
     run = skeleton.start(s, reporter, partial(evaluation.evaluate, s))
     one_epoch = g.epochs_per_rollout_batch == 1
     # One epoch and a per-sample rule: a micro-batch's selected samples are folded into the update
@@ -119,13 +118,13 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
                                {**val_stats, "frac_reward_zero_std": 1.0, "tracin/num_selected": 0.0}, timer=timer)
             continue
         if val_ro is None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
-            n = len(ro)
+            n, mine = ro.total, len(ro)
             reporter.selection(selection_record(step, t.selection, torch.zeros(n), torch.zeros(n, dtype=torch.bool)))
             skeleton.skip_step(run, step, "every validation group's rewards tied (no signal)",
                                {**ro.metrics(), **val_stats, "tracin/mean_ip": 0.0, "tracin/num_selected": 0.0,
                                 "tracin/selection_ratio": 0.0}, timer=timer,
-                               samples=ro.sample_rows(n if g.samples_per_step else 0, influence=[0.0] * n,
-                                                      selected=[False] * n))
+                               samples=ro.sample_rows(n if g.samples_per_step else 0, influence=[0.0] * mine,
+                                                      selected=[False] * mine))
             continue
         old_logp = update.old_logprobs(s, ro)
         ref_logp = update.reference_logprobs(s, ro.batch)
@@ -136,26 +135,30 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
         s.optimizer.zero_grad(set_to_none=True)
         with GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy") as hooks:
             backward_per_sample(s, val_ro, val_ref, step, with_entropy=False)
+            s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch
             hooks.capture_validation_gradient()
             t_val = time.perf_counter() - t1
             hooks.start_scoring(len(ro), "cpu")
             fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
             stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
 
-        # 4. selection (on the float64 scores, the ones the streamed fold used)
+        # 4. selection over the whole batch (on the float64 scores, the ones the streamed fold used)
         t2 = time.perf_counter()
-        chosen = select(spec, hooks.scores, hooks, step)  # bool [N]
-        scores = hooks.scores.float()  # [N]
+        every = ro.gather(hooks.scores)  # [N over all ranks], in the whole batch's order
+        chosen_all = select(spec, every, hooks, step, ro)  # bool [N over all ranks]
+        chosen = chosen_all[ro.positions]  # bool [this rank's rows]
+        scores = hooks.scores.float()  # [this rank's rows]
         rows = chosen.nonzero().flatten().tolist()
+        n_selected = int(chosen_all.sum())
         t_select = time.perf_counter() - t2
-        reporter.selection(selection_record(step, t.selection, scores, chosen))
+        reporter.selection(selection_record(step, t.selection, every.float(), chosen_all))
 
         # 5. update on the selected samples only
         metrics = {**ro.metrics(), **val_stats, **stats}
-        if not rows:
+        if not n_selected:
             s.optimizer.zero_grad(set_to_none=True)
             reporter.event("no_selection", f"step {step}: no sample had positive influence; no update",
-                           level="warning", data={"max_influence": float(scores.max())})
+                           level="warning", data={"max_influence": float(every.max())})
         elif one_epoch:
             # Selected samples keep the weight they have in the whole batch's loss; the rest get 0.
             # (AdamW is invariant to a constant loss scale, so this is a definition, not a step size.)
@@ -170,9 +173,9 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
         hooks.subset.clear()
         timer.train_s = time.perf_counter() - t1
 
-        metrics.update({"tracin/mean_ip": float(scores.mean()), "tracin/num_selected": float(len(rows)),
-                        "tracin/selection_ratio": len(rows) / len(scores), "tracin/time_s": t_val + t_select})
+        metrics.update({"tracin/mean_ip": float(every.mean()), "tracin/num_selected": float(n_selected),
+                        "tracin/selection_ratio": n_selected / len(every), "tracin/time_s": t_val + t_select})
         skeleton.finish_step(run, step, metrics, timer=timer, tokens=float(ro.batch.completion_mask.sum()),
-                             samples=ro.sample_rows(len(ro) if g.samples_per_step else 0, influence=scores.tolist(),
+                             samples=ro.sample_rows(len(every) if g.samples_per_step else 0, influence=scores.tolist(),
                                                     selected=chosen.tolist()))
     return skeleton.finish(run)

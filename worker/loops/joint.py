@@ -42,26 +42,29 @@ from worker.algos.retrieval import (
 )
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
 from worker.loops import evaluation, skeleton, update
-from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts
-from worker.loops.setup import Setup, build
-from worker.distributed import SINGLE, Ranks
+from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts, unit_draws
+from worker.loops.setup import Setup, build, policy_device
+from worker.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import LoopResult, Reporter
 from worker.retriever import DualEncoder, load_retriever
 from worker.rollout import RolloutBatch
-from worker.training import make_optimizer, seed_everything, step_seed
+from worker.training import make_optimizer, seed_everything
 
 
 class Index:
     """Document embeddings of the whole corpus under the current document tower, encoded on first
     use (after a resume has restored the retriever) and again on every `refresh`."""
 
-    def __init__(self, retriever: DualEncoder, corpus: list[tuple[str, str]]) -> None:
+    def __init__(self, retriever: DualEncoder, corpus: list[tuple[str, str]], ranks: Ranks) -> None:
         self.retriever, self.ids, self.texts = retriever, [c[0] for c in corpus], [c[1] for c in corpus]
+        self.ranks = ranks
         self.emb: torch.Tensor | None = None  # [D, h]
 
     @torch.no_grad()
     def refresh(self) -> None:
-        self.emb = self.retriever.documents(self.texts)  # [D, h]
+        """Each process encodes its share of the corpus; every one gets the whole index."""
+        share = self.ranks.share(len(self.texts))
+        self.emb = self.ranks.cat(self.retriever.documents([self.texts[i] for i in share]))  # [D, h]
 
     def candidates(self, q: torch.Tensor, n: int) -> torch.Tensor:
         """The n best documents for each query embedding. q: [P, h] -> [P, n]."""
@@ -88,15 +91,19 @@ class Retrieval:
 
 
 def retrieve(spec: JointJob, retriever: DualEncoder, ref: DualEncoder, index: Index, queries: list[Example],
-             gen: torch.Generator, *, greedy: bool) -> list[Retrieval]:
-    """Per query: candidate pool, logits over it (with grad), the k picks and their old log-probs."""
+             seeds: list[int], *, greedy: bool) -> list[Retrieval]:
+    """Per query: candidate pool, logits over it (with grad), the k picks (drawn with the query's
+    seed) and their old log-probs."""
     r = spec.retriever
+    if not queries:
+        return []
     q = retriever.queries([ex.question for ex in queries])  # [P, h]
     out = []
-    for ex, q_i, pool in zip(queries, q, index.candidates(q, r.candidates)):
+    for ex, q_i, pool, seed in zip(queries, q, index.candidates(q, r.candidates), seeds):
         texts = [index.texts[j] for j in pool.tolist()]
         logits = retriever.scores(q_i, retriever.documents(texts)) / r.temperature  # [C]
-        picks = torch.arange(r.k) if greedy else sample_without_replacement(logits, r.k, gen)  # positions in pool
+        picks = (torch.arange(r.k) if greedy else  # positions in pool
+                 sample_without_replacement(logits, r.k, torch.Generator().manual_seed(seed)))
         with torch.no_grad():
             ref_logits = ref.scores(ref.queries([ex.question])[0], ref.documents(texts)) / r.temperature
         out.append(Retrieval(ex, pool, logits, picks, ref_logits, sequential_logprobs(logits.detach(), picks)))
@@ -109,51 +116,62 @@ def rag_prompt(s: Setup, question: str, document: str) -> str:
 
 
 def draw_queries(s: Setup, retriever: DualEncoder, ref: DualEncoder, index: Index, step: int):
-    """Units are training queries; each yields k groups, one per retrieved document."""
-    spec, g = s.spec, s.spec.grpo
-    rng = random.Random(f"queries-{g.seed}-{step}")
-    gen = torch.Generator().manual_seed(step_seed(g.seed, step))
+    """Units are training queries; each yields k groups, one per retrieved document. A query's
+    draw of documents and its answers are seeded by (seed, step, round, query)."""
+    spec, g, k = s.spec, s.spec.grpo, s.spec.retriever.k
+    tag = f"queries-{g.seed}-{step}"
+    rng = random.Random(tag)
 
-    def draw(n: int) -> Drawn[Retrieval]:
-        queries = [s.task.train[rng.randrange(len(s.task.train))] for _ in range(n)]
-        picks = retrieve(spec, retriever, ref, index, queries, gen, greedy=spec.retriever.generator_only)
-        examples = [p.query for p in picks for _ in range(spec.retriever.k)]
+    def draw(round: int, n: int) -> Drawn[Retrieval]:
+        queries, idx = unit_draws(rng, s.task.train, n, s.ranks)
+        picks = retrieve(spec, retriever, ref, index, queries, [row_seed(tag, round, i) for i in idx],
+                         greedy=spec.retriever.generator_only)
+        examples = [p.query for p in picks for _ in range(k)]
         prompts = [rag_prompt(s, p.query.question, index.texts[j]) for p in picks for j in p.documents]
-        batch = RolloutBatch.cat([s.engine.generate(prompts[i:i + g.micro_batch_size], g.num_generations)
-                                  for i in range(0, len(prompts), g.micro_batch_size)], s.tokenizer.pad_token_id)
-        return Drawn(batch, examples, prompts, picks, groups_per_unit=spec.retriever.k)
+        seeds = [row_seed(tag, round, i, j) for i in idx for j in range(k)]
+        batch = RolloutBatch.cat([s.engine.generate(prompts[i:i + g.micro_batch_size], g.num_generations,
+                                                    seeds=seeds[i:i + g.micro_batch_size])
+                                  for i in range(0, max(len(prompts), 1), g.micro_batch_size)], s.tokenizer.pad_token_id)
+        return Drawn(batch, examples, prompts, picks, [(round, i) for i in idx], groups_per_unit=k)
 
     return draw
 
 
 def retriever_step(spec: JointJob, ro: Rollouts[Retrieval], optimizer: torch.optim.Optimizer,
                    retriever: DualEncoder, index: Index) -> dict[str, float]:
-    """Document rewards and advantages within each query's k; the PPO-clipped update when trained."""
-    r, G = spec.retriever, ro.group_size
+    """Document rewards and advantages within each query's k; the PPO-clipped update when trained.
+    The loss is the mean over every process's queries: each sums its own and divides by their count."""
+    r, G, ranks = spec.retriever, ro.group_size, ro.ranks
     picks = ro.units
     doc_rewards = ro.rewards.view(len(picks), r.k, G).mean(-1)  # [P, k]
     doc_adv = group_advantages(doc_rewards.reshape(-1), r.k).view(len(picks), r.k)  # [P, k]
-    stats = {"retriever/reward_mean": float(doc_rewards.mean()),
-             "retriever/advantage_abs_mean": float(doc_adv.abs().mean()),
-             "retriever/entropy": float(sum(categorical_entropy(p.logits.detach()) for p in picks) / len(picks))}
     gold = [p.query.meta.get("gold_doc_id") for p in picks]
-    if all(gid is not None for gid in gold):
-        stats["retriever/gold_recall"] = sum(gid in {index.ids[j] for j in p.documents}
-                                             for gid, p in zip(gold, picks)) / len(picks)
+    sums = ranks.sum({"P": len(picks), "reward": float(doc_rewards.sum()), "adv": float(doc_adv.abs().sum()),
+                      "entropy": float(sum(categorical_entropy(p.logits.detach()) for p in picks)),
+                      "no_gold": sum(gid is None for gid in gold),
+                      "recall": sum(gid in {index.ids[j] for j in p.documents} for gid, p in zip(gold, picks))})
+    P = sums["P"]
+    stats = {"retriever/reward_mean": sums["reward"] / (P * r.k), "retriever/advantage_abs_mean": sums["adv"] / (P * r.k),
+             "retriever/entropy": sums["entropy"] / P}
+    if not sums["no_gold"]:
+        stats["retriever/gold_recall"] = sums["recall"] / P
     if r.generator_only:
         return stats
     optimizer.zero_grad(set_to_none=True)
-    losses, kls = [], []
+    loss, kl = torch.zeros(()), 0.0
     for p, a in zip(picks, doc_adv):
-        loss, st = retriever_loss(sequential_logprobs(p.logits, p.picks), p.old_logp, a, clip_eps=r.clip_eps,
-                                  logits=p.logits, ref_logits=p.ref_logits, kl_coef=r.kl_coef)
-        losses.append(loss)
-        kls.append(float(st["retriever/kl"]))
-    loss = torch.stack(losses).mean()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(retriever.parameters(), spec.grpo.max_grad_norm or float("inf"))
+        loss_i, st = retriever_loss(sequential_logprobs(p.logits, p.picks), p.old_logp, a, clip_eps=r.clip_eps,
+                                    logits=p.logits, ref_logits=p.ref_logits, kl_coef=r.kl_coef)
+        loss = loss + loss_i / P
+        kl += float(st["retriever/kl"])
+    if loss.requires_grad:
+        loss.backward()
+    params = list(retriever.parameters())
+    ranks.reduce_gradients(params)
+    torch.nn.utils.clip_grad_norm_(params, spec.grpo.max_grad_norm or float("inf"))
     optimizer.step()
-    return {**stats, "retriever/loss": float(loss.detach()), "retriever/kl": sum(kls) / len(kls)}
+    t = ranks.sum({"loss": float(loss.detach()), "kl": kl})
+    return {**stats, "retriever/loss": t["loss"], "retriever/kl": t["kl"] / P}
 
 
 def document_of(ro: Rollouts[Retrieval], index: Index, group: int) -> dict[str, str | None]:
@@ -166,15 +184,17 @@ def document_of(ro: Rollouts[Retrieval], index: Index, group: int) -> dict[str, 
 @torch.no_grad()
 def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[str, float]:
     """Greedy: the top-1 document, then a greedy answer. Recall@1 where gold documents are known."""
-    val = s.task.val[: s.spec.grpo.eval_prompts]
-    top1 = index.candidates(retriever.queries([ex.question for ex in val]), 1)[:, 0].tolist()
+    val = evaluation.shard(s, s.task.val[: s.spec.grpo.eval_prompts])
+    top1 = index.candidates(retriever.queries([ex.question for ex in val]), 1)[:, 0].tolist() if val else []
     completions = evaluation.greedy_completions(s, [rag_prompt(s, ex.question, index.texts[j])
                                                     for ex, j in zip(val, top1)])
-    out = evaluation.score_completions(s, completions, val, step=step)
-    out["eval/token_f1"] = sum(rewards.token_f1(c, ex.answers) for c, ex in zip(completions, val)) / max(1, len(val))
     hits = [index.ids[j] == ex.meta.get("gold_doc_id") for ex, j in zip(val, top1) if "gold_doc_id" in ex.meta]
-    if hits:
-        out["eval/retriever_recall_at_1"] = sum(hits) / len(hits)
+    out = evaluation.score_completions(s, completions, val, step=step, extra={
+        "eval/token_f1": sum(rewards.token_f1(c, ex.answers) for c, ex in zip(completions, val)),
+        "hits": sum(hits), "with_gold": len(hits)})
+    hits, with_gold = out.pop("hits"), out.pop("with_gold")  # both as means over examples: their ratio is recall
+    if with_gold:
+        out["eval/retriever_recall_at_1"] = hits / with_gold
     return out
 
 
@@ -182,13 +202,15 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks 
     g, r = spec.grpo, spec.retriever
     seed_everything(g.seed)
     task, corpus = load_retrieval_task(spec.dataset, settings=settings, fetch=reporter.data_file)
-    retriever = load_retriever(r, device=spec.devices.policy, seed=g.seed, model_roots=settings.model_roots)
+    retriever = load_retriever(r, device=policy_device(spec, ranks), seed=g.seed, model_roots=settings.model_roots)
     ref = copy.deepcopy(retriever).eval().requires_grad_(False)  # frozen reference retriever
-    retriever.requires_grad_(not r.generator_only)
+    # Dropout off, as in the policy: the retriever's log-probs at training time must be those it
+    # sampled with (PPO's ratio), and every process must encode the corpus alike.
+    retriever.eval().requires_grad_(not r.generator_only)
     ret_opt = make_optimizer(retriever.parameters(), lr=r.learning_rate, weight_decay=0.0, betas=g.betas)
     s = build(spec, settings, reporter, task=task, extra={"retriever": retriever},
-              extra_optimizers={} if r.generator_only else {"retriever": ret_opt})
-    index = Index(retriever, corpus)
+              extra_optimizers={} if r.generator_only else {"retriever": ret_opt}, ranks=ranks)
+    index = Index(retriever, corpus, ranks)
     reporter.event("corpus_indexed", f"{len(corpus)} documents; {r.k} x {g.num_generations} generations per query",
                    data={"documents": len(corpus), "generations_per_step": g.prompts_per_step * r.k * g.num_generations})
     run = skeleton.start(s, reporter, partial(evaluate, s, retriever, index))
@@ -200,7 +222,6 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks 
             index.refresh()
 
         # 1-3. retrieve k documents per query, G answers per document, advantages per document group
-        retriever.train(not r.generator_only)
         ro = collect_rollouts(s, step, reporter, draw_queries(s, retriever, ref, index, step),
                               units=g.prompts_per_step, group_size=g.num_generations)
         timer.rollouts_done()

@@ -4,6 +4,7 @@ where they do not."""
 from __future__ import annotations
 
 import os
+import sys
 import socket
 import uuid
 from pathlib import Path
@@ -113,6 +114,32 @@ def digit_reward(monkeypatch):
 
     monkeypatch.setitem(R.REGISTRY, "digit_share", R.RewardInfo(_digit_share))
     monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "digit_share", "share of digits in the completion (tests)")
+
+
+@pytest.fixture
+def digit_plugin(tmp_path, monkeypatch):
+    """`digit_share` as an installed reward plugin (an entry point in grpo_jobs.rewards) on
+    PYTHONPATH, so processes this test starts (ranks, workers) find it too."""
+    from service.reward_specs import plugins
+
+    site = tmp_path / "site"
+    (site / "digit_reward").mkdir(parents=True)
+    (site / "digit_reward" / "__init__.py").write_text(
+        "def digit_share(completion, answers):\n"
+        "    return sum(c.isdigit() for c in completion) / max(1, len(completion))\n")
+    dist = site / "digit_reward-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: digit-reward\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[grpo_jobs.rewards]\ndigit_share = digit_reward:digit_share\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    plugins.cache_clear()
+    yield site
+    plugins.cache_clear()
+    from worker.rewards import REGISTRY
+
+    REGISTRY.pop("digit_share", None)
+    sys.modules.pop("digit_reward", None)
 
 
 from fastapi.testclient import TestClient  # noqa: E402

@@ -77,10 +77,17 @@ def _cause(exc: ChildFailedError) -> RanksFailed:
         if f.exitcode < 0:
             return RanksFailed(rank, f"killed by {f.signal_name()}", killed=True)
     for rank, f in failures:
-        if not str(f.message).startswith(_PEER_GONE):
-            return RanksFailed(rank, str(f.message), killed=False)
+        if not _text(f.message).startswith(_PEER_GONE):
+            return RanksFailed(rank, _text(f.message), killed=False)
     rank, f = failures[0]
-    return RanksFailed(rank, str(f.message), killed=False)
+    return RanksFailed(rank, _text(f.message), killed=False)
+
+
+def _text(message: str | dict) -> str:
+    """The `Type: message` line of a rank's error file (nested when the entry point is wrapped twice)."""
+    while isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message)
 
 
 def _free_port() -> int:
@@ -108,7 +115,8 @@ def _rank_main(entry: Callable[..., Any], args: tuple) -> Any:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
         backend, device = "gloo", "cpu"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        return entry(*args, ranks=Ranks(rank, world, device))
-    finally:
-        dist.destroy_process_group()
+    # On an error the group is left to the process's exit: closing it first would let the other
+    # ranks fail on the closed connection before this rank's error file says what happened.
+    out = entry(*args, ranks=Ranks(rank, world, device))
+    dist.destroy_process_group()
+    return out

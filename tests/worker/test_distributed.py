@@ -1,0 +1,147 @@
+"""Data parallel over torch.distributed (gloo, on CPU): a job run as 2 processes makes the same
+updates and reports the same metrics as 1 process on the same global batch and seed."""
+
+import json
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+from pydantic import TypeAdapter
+from safetensors.torch import load_file
+
+from service.specs import JobSpec
+from worker.distributed import Ranks
+from worker.launch import RanksFailed, launch
+from worker.reporting import FileReporter
+from worker.runner import loop_for, loop_on_ranks
+
+STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
+         "eval_prompts": 3, "seed": 3, "samples_per_step": 48}
+CASES = {
+    "grpo-lora": {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+                  "grpo": {**STEPS, "learning_rate": 1e-2, "kl_coef": 0.05}},
+    # two epochs (old log-probs, shuffled micro-batches), Dr. GRPO's constant, refilled tied groups
+    "grpo-full": {"kind": "grpo", "model": {"name": "tiny-random-llama"},
+                  "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
+                           "loss_agg": "dr_grpo", "drop_zero_std_groups": True, "max_refill_rounds": 2}},
+    "tracin-positive": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+                        "tracin": {"val_prompts": 3, "val_generations": 4},
+                        "grpo": {**STEPS, "learning_rate": 1e-2}},
+    "tracin-greedy": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+                      "tracin": {"selection": "greedy", "fraction": 0.5, "val_prompts": 3, "val_generations": 4},
+                      "grpo": {**STEPS, "learning_rate": 1e-2}},
+    "joint": {"kind": "joint", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+              "retriever": {"name": "tiny-random-bert", "k": 3, "candidates": 6, "learning_rate": 1e-2, "kl_coef": 0.1},
+              "dataset": {"name": "persona-facts", "corpus_size": 12, "num_val": 6},
+              "grpo": {**STEPS, "num_generations": 3, "eval_prompts": 5, "drop_zero_std_groups": True,
+                       "max_refill_rounds": 1}},
+}
+
+
+def _spec(case: str, processes: int):
+    d = {"dataset": {"name": "arith", "num_train": 50, "num_val": 6}, **CASES[case],
+         "rewards": [{"name": "digit_share"}], "resources": {"processes": processes}}
+    return TypeAdapter(JobSpec).validate_python(d)
+
+
+def _run(case, out, settings, processes):
+    spec = _spec(case, processes)
+    if processes == 1:
+        return loop_for(spec.kind)(spec, FileReporter(out), settings=settings)
+    return launch(loop_on_ranks, (spec, settings, partial(FileReporter, out)), processes=processes)[0]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin):
+    settings = settings_factory()
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _run(case, one, settings, 1).status == "succeeded"
+    assert _run(case, two, settings, 2).status == "succeeded"
+
+    # the same weights after 3 steps (Adam's first steps magnify float noise in near-zero gradients)
+    for f in sorted((one / "checkpoints" / "step-3").glob("*.safetensors")):
+        a, b = load_file(f), load_file(two / "checkpoints" / "step-3" / f.name)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-3 if f.name == "retriever.safetensors" else 2e-5)
+
+    # the same metrics, reported once per step
+    m1, m2 = _lines(one / "metrics.jsonl"), _lines(two / "metrics.jsonl")
+    assert [m["step"] for m in m1] == [m["step"] for m in m2] == [0, 1, 2, 3]
+    for a, b in zip(m1, m2):
+        kept = {k for k in a["metrics"] if not k.startswith(("time/", "throughput/", "tracin/time_s"))}
+        assert kept == {k for k in b["metrics"] if not k.startswith(("time/", "throughput/", "tracin/time_s"))}
+        for k in kept:
+            assert b["metrics"][k] == pytest.approx(a["metrics"][k], rel=1e-4, abs=1e-5), (a["step"], k)
+    assert any(m["metrics"].get("grad_norm", 0) > 0 for m in m1)  # something was learned from
+
+    # the same samples, from both ranks, in the same order
+    s1, s2 = _lines(one / "samples.jsonl"), _lines(two / "samples.jsonl")
+    assert len(s1) == len(s2) > 0
+    assert [(s["step"], s["index"], s["completion"]) for s in s1] == [(s["step"], s["index"], s["completion"]) for s in s2]
+    if case.startswith("tracin"):
+        sel1, sel2 = _lines(one / "selections.jsonl"), _lines(two / "selections.jsonl")
+        assert [s["selected"] for s in sel1] == [s["selected"] for s in sel2]
+        for a, b in zip(sel1, sel2):
+            assert [c for _, _, c in b["scores"]] == [c for _, _, c in a["scores"]]
+            assert [v for _, v, _ in b["scores"]] == pytest.approx([v for _, v, _ in a["scores"]], rel=1e-4, abs=1e-7)
+        assert 0 < sum(s["selected"] for s in sel1) < sum(s["total"] for s in sel1)
+    # one checkpoint folder per save, written by rank 0 alone
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-3"]
+
+
+def test_shares_are_contiguous_and_cover_everything():
+    for world in (1, 2, 3, 4):
+        for n in (0, 1, 5, 8):
+            shares = [Ranks(r, world).share(n) for r in range(world)]
+            assert [i for s in shares for i in s] == list(range(n))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def _raises_on_rank_1(*, ranks):
+    torch.distributed.barrier()
+    if ranks.rank == 1:
+        raise FloatingPointError("loss is nan at step 2")
+    torch.distributed.barrier()  # rank 0 waits for a peer that is gone
+    return "unreachable"
+
+
+def _killed_on_rank_1(pid_file, *, ranks):
+    with open(f"{pid_file}.{ranks.rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if ranks.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    torch.distributed.barrier()
+    return "unreachable"
+
+
+def test_a_rank_error_stops_every_rank_and_names_itself():
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        launch(_raises_on_rank_1, (), processes=2)
+    assert info.value.rank == 1 and not info.value.killed
+    assert info.value.message.startswith("FloatingPointError: loss is nan at step 2")
+    assert time.monotonic() - t0 < 60  # rank 0 did not wait out the collective's timeout
+
+
+def test_a_killed_rank_is_reported_as_killed_and_leaves_no_rank_behind(tmp_path):
+    with pytest.raises(RanksFailed) as info:
+        launch(_killed_on_rank_1, (str(tmp_path / "pid"),), processes=2)
+    assert info.value.killed and info.value.rank == 1 and "SIGKILL" in info.value.message
+    pid0 = int((tmp_path / "pid.0").read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid0, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("rank 0 outlived the failed launch")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.process import AuthenticationString
 from typing import Any
 
 import torch
@@ -59,6 +61,13 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.5, start_method="spawn", shutdown_timeout=10)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    # A Celery pool process is daemonic, and multiprocessing refuses children to daemons (so that
+    # none outlives it); the ranks instead die with it (PR_SET_PDEATHSIG), so let it start them.
+    # Its authkey is billiard's, which refuses to be pickled for a spawned child: hand it on as
+    # multiprocessing's own.
+    me = multiprocessing.current_process()
+    saved = dict(me._config)
+    me._config.update(daemon=False, authkey=AuthenticationString(bytes(me.authkey)))
     try:
         return elastic_launch(config, _rank_main)(entry, args)
     except ChildFailedError as exc:
@@ -66,6 +75,7 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
     except SignalException as exc:  # the agent stopped the ranks before re-raising
         raise LauncherStopped(f"the worker was told to stop ({exc.sigval.name})") from None
     finally:
+        me._config.update(saved)
         for s, h in handlers.items():  # the agent installs its own; give the caller's back
             signal.signal(s, h)
 

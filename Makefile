@@ -46,6 +46,7 @@ bench: install
 	$(PY) bench/sparsity.py
 	$(PY) bench/tracin.py
 	$(PY) bench/rewards.py
+	$(PY) bench/distributed.py
 
 clean:
 	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,8 +77,9 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
         raise LauncherStopped(f"the worker was told to stop ({exc.sigval.name})") from None
     finally:
         me._config.update(saved)
-        for s, h in handlers.items():  # the agent installs its own; give the caller's back
-            signal.signal(s, h)
+        if threading.current_thread() is threading.main_thread():  # where the agent installs its own
+            for s, h in handlers.items():
+                signal.signal(s, h)
 
 
 def _cause(exc: ChildFailedError) -> RanksFailed:

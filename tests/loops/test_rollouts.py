@@ -7,6 +7,7 @@ import torch
 
 from service.specs import GRPOSpec
 from worker.datasets import Example
+from worker.distributed import SINGLE
 from worker.loops.rollouts import Drawn, collect_rollouts
 from worker.reporting import Reporter
 from worker.rewards import FunctionComponent, Scorer, lookup
@@ -25,19 +26,20 @@ def _batch(texts: list[str]) -> RolloutBatch:
 def _setup(**grpo) -> SimpleNamespace:
     scorer = Scorer([FunctionComponent("digit_share", 1.0, lookup("digit_share").fn)])
     return SimpleNamespace(spec=SimpleNamespace(grpo=GRPOSpec(**grpo)), scorer=scorer,
-                           tokenizer=SimpleNamespace(pad_token_id=0))
+                           tokenizer=SimpleNamespace(pad_token_id=0), ranks=SINGLE)
 
 
 def _drawer(units: list[list[list[str]]]):
     """Hands out the given units in order: each a list of K groups of G completions."""
     queue, calls = list(units), []
 
-    def draw(n: int) -> Drawn[str]:
+    def draw(round: int, n: int) -> Drawn[str]:
         taken = [queue.pop(0) for _ in range(n)]
         calls.append(n)
         groups = [grp for unit in taken for grp in unit]
         return Drawn(_batch([c for grp in groups for c in grp]), [Example("q", ["a"]) for _ in groups],
-                     [f"p{len(calls)}" for _ in groups], [str(u) for u in taken], groups_per_unit=K)
+                     [f"p{len(calls)}" for _ in groups], [str(u) for u in taken], [(round, i) for i in range(n)],
+                     groups_per_unit=K)
 
     return draw, calls
 

@@ -116,21 +116,26 @@ def digit_reward(monkeypatch):
     monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "digit_share", "share of digits in the completion (tests)")
 
 
+def install_reward_plugin(site: Path, dist_name: str, module: str, source: str, name: str) -> None:
+    """A package `module` (with `source`) whose entry point in grpo_jobs.rewards names `name`,
+    installed in folder `site` (put it on the path to load it)."""
+    (site / module).mkdir(parents=True)
+    (site / module / "__init__.py").write_text(source)
+    dist = site / f"{module}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[grpo_jobs.rewards]\n{name} = {module}:{name}\n")
+
+
 @pytest.fixture
 def digit_plugin(tmp_path, monkeypatch):
-    """`digit_share` as an installed reward plugin (an entry point in grpo_jobs.rewards) on
-    PYTHONPATH, so processes this test starts (ranks, workers) find it too."""
+    """`digit_share` as an installed reward plugin on PYTHONPATH, so processes this test starts
+    (ranks, workers) find it too."""
     from service.reward_specs import plugins
 
     site = tmp_path / "site"
-    (site / "digit_reward").mkdir(parents=True)
-    (site / "digit_reward" / "__init__.py").write_text(
-        "def digit_share(completion, answers):\n"
-        "    return sum(c.isdigit() for c in completion) / max(1, len(completion))\n")
-    dist = site / "digit_reward-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: digit-reward\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[grpo_jobs.rewards]\ndigit_share = digit_reward:digit_share\n")
+    install_reward_plugin(site, "digit-reward", "digit_reward", "def digit_share(completion, answers):\n"
+                          "    return sum(c.isdigit() for c in completion) / max(1, len(completion))\n", "digit_share")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     plugins.cache_clear()

@@ -23,6 +23,10 @@ def test_dev_runs_a_job_end_to_end(procs):
         r = c.post("/v1/jobs", json=TINY_JOB)
         assert r.status_code == 201, r.text
         check_finished_job(c, wait_job(c, r.json()["id"], procs))
+        # the same job as two processes, on the same worker
+        r = c.post("/v1/jobs", json={**TINY_JOB, "resources": {"processes": 2}})
+        assert r.status_code == 201, r.text
+        check_finished_job(c, wait_job(c, r.json()["id"], procs))
         # a long job can be cancelled while it runs and keeps what it recorded
         long = {**TINY_JOB, "grpo": {**TINY_JOB["grpo"], "steps": 500, "checkpoint_every": 0}}
         jid = c.post("/v1/jobs", json=long).json()["id"]

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from service.specs import LoraSpec, ModelSpec
@@ -16,7 +17,7 @@ def test_first_epoch_ratio_is_exactly_one(tmp_path):
     # top-k/top-p shape sampling but must not enter the log-probs: only the temperature does
     params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=20, top_p=0.9)
     engine = RolloutEngine(model, tok, "cpu", params)
-    batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 4)
+    batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 4, seeds=[1, 2])
     old = engine.logprobs(batch, micro_batch_size=8)  # [8, T]
     model.train()
     parts = [sequence_logprobs(model, batch.select(list(range(i, i + 3))), 0.7)[0] for i in (0, 3)]
@@ -24,6 +25,20 @@ def test_first_epoch_ratio_is_exactly_one(tmp_path):
     logp = torch.cat(parts)  # other micro-batch sizes than the rollout's
     ratio = torch.exp(logp - old)[batch.completion_mask.bool()]
     assert (ratio - 1).abs().max().item() < 1e-5
+
+
+def test_a_rows_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
+    """What lets a step split over processes sample what one process would."""
+    model, tok = _policy(tmp_path)
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95))
+    together = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 3, seeds=[7, 8])
+    alone = engine.generate(["Hi"], 3, seeds=[8])
+    assert together.completions[3:] == alone.completions
+    assert len(set(together.completions[:3])) > 1  # the G rows of a prompt draw differently
+    again = engine.generate(["Hi"], 3, seeds=[9])
+    assert again.completions != alone.completions
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        engine.generate(["Hi"], 3)
 
 
 def test_rollout_copy_shares_frozen_base_and_syncs_adapter(tmp_path):

@@ -11,6 +11,8 @@ from service.settings import Settings
 from worker.rewards import Item, Scorer, build_scorer
 from worker.rewards.models import Judge, RewardModel, Similarity
 
+from tests.conftest import install_reward_plugin
+
 
 @pytest.fixture
 def classifier_root(tmp_path):
@@ -86,13 +88,8 @@ def test_an_installed_plugin_is_named_like_a_builtin(tmp_path, monkeypatch):
     from worker.rewards import REGISTRY
 
     site = tmp_path / "site"
-    (site / "shout_reward").mkdir(parents=True)
-    (site / "shout_reward" / "__init__.py").write_text(
-        "def shouting(completion, answers):\n    return sum(c.isupper() for c in completion) / max(1, len(completion))\n")
-    dist = site / "shout_reward-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shout-reward\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[grpo_jobs.rewards]\nshouting = shout_reward:shouting\n")
+    install_reward_plugin(site, "shout-reward", "shout_reward", "def shouting(completion, answers):\n"
+                          "    return sum(c.isupper() for c in completion) / max(1, len(completion))\n", "shouting")
     monkeypatch.syspath_prepend(str(site))
     plugins.cache_clear()
     try:

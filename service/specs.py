@@ -250,6 +250,9 @@ class ResourcesSpec(_Section):
                            "parallel over torch.distributed: each samples, scores and trains on its share of "
                            "the step's prompts, and the gradients are summed. One GPU each where the worker "
                            "has that many, a share of its CPU cores otherwise.")
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="'fsdp': full fine-tuning with the policy (and reference) sharded across the processes "
+        "by FSDP2, for a model that does not fit one device; 'none': every process holds the whole model.")
 
 
 class SparsityQualitySpec(_Section):
@@ -361,10 +364,25 @@ class _JobBase(_Section):
         if dup := sorted({k for k in keys if keys.count(k) > 1}):
             raise ValueError(f"rewards: two entries named {', '.join(dup)}: give each a different `tag` "
                              "(it names the entry's metric reward/<tag>/mean)")
+        if self.resources.sharding == "fsdp" and self.resources.processes < 2:
+            raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 to shard across")
         if (n := self.resources.processes) > 1:
             if self.grpo.prompts_per_step % n:
                 raise ValueError(f"grpo.prompts_per_step ({self.grpo.prompts_per_step}) must be divisible by "
                                  f"resources.processes ({n}): each process takes an equal share of the prompts")
+            if self.resources.sharding == "fsdp":
+                if self.kind != "grpo":
+                    raise ValueError(f"resources.sharding 'fsdp' is supported for kind 'grpo', not {self.kind!r}: "
+                                     "its processes each hold the whole model (sharding 'none')")
+                if self.model.lora is not None:
+                    raise ValueError("resources.sharding 'fsdp' shards a fully fine-tuned model: remove model.lora "
+                                     "(a LoRA job's trained weights are small; use sharding 'none')")
+                if self.grpo.drop_zero_std_groups:
+                    raise ValueError("resources.sharding 'fsdp' runs every process's forwards in lockstep, so each "
+                                     "takes the same number of prompts: grpo.drop_zero_std_groups (refills of "
+                                     "uneven size) is not supported with it")
+                if self.sparsity is not None:
+                    raise ValueError("sparsity reports are not supported with resources.sharding 'fsdp' yet")
             if self.devices.rollout is not None or ":" in self.devices.policy:
                 raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
                                  "each where there are enough, else the CPU): leave devices.policy 'cpu' or "

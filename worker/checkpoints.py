@@ -38,27 +38,53 @@ class Trainables:
     optimizers: dict[str, torch.optim.Optimizer]
     schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]
     modules: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules
+    sharded: bool = False  # the model is sharded across processes (FSDP2): its states are gathered
+
+
+@dataclass(frozen=True)
+class FullStates:
+    """A sharded model's whole weights and its optimizer's whole state, gathered on rank 0."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+
+
+def gather_states(t: Trainables) -> FullStates:
+    """A collective (every rank calls it): the full state dicts of the sharded policy and its
+    optimizer, through torch.distributed.checkpoint, on rank 0's CPU (empty elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return FullStates(get_model_state_dict(t.model, options=options),
+                      get_optimizer_state_dict(t.model, t.optimizers["policy"], options=options))
 
 
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int) -> tuple[str, int]:
-    """Write checkpoint folder `path`. Returns (format, size in bytes)."""
+def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int,
+                    full: FullStates | None = None) -> tuple[str, int]:
+    """Write checkpoint folder `path` (`full`: a sharded model's gathered states, written in the
+    same format as an unsharded one's). Returns (format, size in bytes)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     if is_lora(t.model):  # embeddings are never resized here: no hub lookup of the base's config to check
         t.model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
     else:
-        t.model.save_pretrained(tmp, safe_serialization=True)
+        t.model.save_pretrained(tmp, safe_serialization=True, state_dict=None if full is None else full.model)
     if t.tokenizer is not None:
         t.tokenizer.save_pretrained(tmp)
     for name, module in t.modules.items():
         save_model(module, str(tmp / f"{name}.safetensors"))
     torch.save({"step": step,
-                "optimizers": {k: o.state_dict() for k, o in t.optimizers.items()},
+                "optimizers": {k: full.optimizer if full is not None and k == "policy" else o.state_dict()
+                               for k, o in t.optimizers.items()},
                 "schedulers": {k: s.state_dict() for k, s in t.schedulers.items()},
                 "extra": {"opt_steps": opt_steps}}, tmp / STATE_FILE)
     if path.exists():
@@ -82,6 +108,8 @@ def load_weights(path: Path, *, model: torch.nn.Module) -> None:
 def load_checkpoint(path: Path, t: Trainables) -> SavedState:
     """Restore weights, other modules, optimizer and scheduler states from folder `path`."""
     path = Path(path)
+    if t.sharded:
+        return _load_sharded(path, t)
     load_weights(path, model=t.model)
     for name, module in t.modules.items():
         if (path / f"{name}.safetensors").exists():
@@ -93,6 +121,25 @@ def load_checkpoint(path: Path, t: Trainables) -> SavedState:
     for k, s in t.schedulers.items():
         if k in state["schedulers"]:
             s.load_state_dict(state["schedulers"][k])
+    return SavedState(int(state["step"]), state["extra"].get("opt_steps"))
+
+
+def _load_sharded(path: Path, t: Trainables) -> SavedState:
+    """Every rank reads the whole checkpoint and keeps its shards of it."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, strict=False)  # tied weights are saved once
+    set_model_state_dict(t.model, load_file(path / "model.safetensors"), options=options)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    set_optimizer_state_dict(t.model, t.optimizers["policy"], state["optimizers"]["policy"],
+                             options=StateDictOptions(full_state_dict=True))
+    for k, s in t.schedulers.items():
+        s.load_state_dict(state["schedulers"][k])
     return SavedState(int(state["step"]), state["extra"].get("opt_steps"))
 
 

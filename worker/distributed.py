@@ -110,3 +110,25 @@ class Ranks:
 
 
 SINGLE = Ranks()
+
+
+def shard(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
+    """FSDP2 (`fully_shard`): each decoder layer and the rest of the model sharded across the
+    ranks; a layer's weights are gathered for its forward and backward and freed after, and its
+    gradient is reduce-scattered, summed (not averaged: every rank's loss is its share of the
+    whole batch's loss). Parameters become DTensors; each rank keeps 1/world of them, of their
+    gradients and of the optimizer's state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(torch.device(ranks.device).type, (ranks.world,))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():  # each sharded module reduces its own gradients
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return model

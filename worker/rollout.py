@@ -159,10 +159,19 @@ def eos_token_ids(tokenizer, model: torch.nn.Module) -> set[int]:
 
 
 class RolloutEngine:
-    """Frozen copy of the policy used for sampling and old log-probs."""
+    """Frozen copy of the policy used for sampling and old log-probs.
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams) -> None:
-        self.tokenizer, self.params, self.device = tokenizer, params, torch.device(device)
+    `sharded`: the policy is sharded across processes (FSDP2) and is sampled from itself, with
+    every process's forward in lockstep; old log-probs are taken before the step's first update,
+    when its weights are the rollout weights, so no copy is needed."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
+                 sharded: bool = False) -> None:
+        self.tokenizer, self.params, self.device, self.sharded = tokenizer, params, torch.device(device), sharded
+        self.eos_ids = eos_token_ids(tokenizer, policy)
+        if sharded:
+            self.model = policy
+            return
         same_device = next(policy.parameters()).device == self.device
         memo = {}
         if is_lora(policy) and same_device:
@@ -171,7 +180,6 @@ class RolloutEngine:
         self.model = copy.deepcopy(policy, memo).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.eos_ids = eos_token_ids(tokenizer, policy)
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
@@ -204,6 +212,8 @@ class RolloutEngine:
             kwargs["logits_processor"] = LogitsProcessorList([RowSampler(rows, sp, self.device)])
         if sp.stop:
             kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
+        if self.sharded:  # a process whose rows are done keeps taking part in the others' forwards
+            kwargs["synced_gpus"] = True
         out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         completion = out[:, ids.shape[1]:]  # [N, T]
         lengths, ended = _completion_lengths(tok, completion, self.eos_ids, sp.stop)

@@ -27,6 +27,10 @@ CASES = {
     "grpo-full": {"kind": "grpo", "model": {"name": "tiny-random-llama"},
                   "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
                            "loss_agg": "dr_grpo", "drop_zero_std_groups": True, "max_refill_rounds": 2}},
+    # FSDP2 for the 2-process run: the policy and reference sharded, gathered to the usual checkpoint
+    "grpo-fsdp": {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "sharding": "fsdp",
+                  "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
+                           "loss_agg": "dr_grpo", "checkpoint_every": 2}},
     "tracin-positive": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                         "tracin": {"val_prompts": 3, "val_generations": 4},
                         "grpo": {**STEPS, "learning_rate": 1e-2}},
@@ -44,14 +48,27 @@ CASES = {
 def _spec(case: str, processes: int):
     d = {"dataset": {"name": "arith", "num_train": 50, "num_val": 6}, **CASES[case],
          "rewards": [{"name": "digit_share"}], "resources": {"processes": processes}}
+    if (sharding := d.pop("sharding", None)) and processes > 1:
+        d["resources"]["sharding"] = sharding
     return TypeAdapter(JobSpec).validate_python(d)
 
 
-def _run(case, out, settings, processes):
+class StopsAfter(FileReporter):
+    """Asks the loop to stop once `after` steps are recorded (a cancel)."""
+
+    def __init__(self, out, after):
+        super().__init__(out)
+        self.after = after
+
+    def should_stop(self):
+        return sum(m["step"] > 0 for m in _lines(self.out / "metrics.jsonl")) >= self.after
+
+
+def _run(case, out, settings, processes, *, reporter=FileReporter):
     spec = _spec(case, processes)
     if processes == 1:
-        return loop_for(spec.kind)(spec, FileReporter(out), settings=settings)
-    return launch(loop_on_ranks, (spec, settings, partial(FileReporter, out)), processes=processes)[0]
+        return loop_for(spec.kind)(spec, reporter(out), settings=settings)
+    return launch(loop_on_ranks, (spec, settings, partial(reporter, out)), processes=processes)[0]
 
 
 def _lines(path):
@@ -94,7 +111,26 @@ def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin)
             assert [v for _, v, _ in b["scores"]] == pytest.approx([v for _, v, _ in a["scores"]], rel=1e-4, abs=1e-7)
         assert 0 < sum(s["selected"] for s in sel1) < sum(s["total"] for s in sel1)
     # one checkpoint folder per save, written by rank 0 alone
-    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-3"]
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == sorted(p.name for p in (one / "checkpoints").iterdir())
+
+
+def test_a_sharded_job_resumes_from_its_gathered_checkpoint(tmp_path, settings_factory, digit_plugin):
+    """FSDP2: cancelled after step 2 and resumed (weights and AdamW's state scattered back to the
+    shards), it ends where a straight run ends; its checkpoint is a plain transformers folder."""
+    from transformers import AutoModelForCausalLM
+
+    settings = settings_factory()
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _run("grpo-fsdp", straight, settings, 2).status == "succeeded"
+    assert _run("grpo-fsdp", split, settings, 2, reporter=partial(StopsAfter, after=2)).status == "cancelled"
+    assert _run("grpo-fsdp", split, settings, 2).status == "succeeded"
+    assert "resumed" in [e["type"] for e in _lines(split / "events.jsonl")]
+    a = load_file(straight / "checkpoints" / "step-3" / "model.safetensors")
+    b = load_file(split / "checkpoints" / "step-3" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=2e-5)
+    model = AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "step-3")
+    torch.testing.assert_close(model.state_dict()["model.norm.weight"], a["model.norm.weight"])
 
 
 def test_shares_are_contiguous_and_cover_everything():

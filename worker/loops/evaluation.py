@@ -14,11 +14,17 @@ from worker.loops.setup import Setup
 
 
 @torch.no_grad()
-def greedy_completions(s: Setup, prompts: list[str]) -> list[str]:
-    """One greedy completion per prompt from the rollout copy, synced with the policy first."""
+def greedy_completions(s: Setup, prompts: list[str], *, filler: str) -> list[str]:
+    """One greedy completion per prompt from the rollout copy, synced with the policy first. A
+    sharded policy's processes must run the same forwards: each pads its share with `filler` to
+    the longest share and drops those answers."""
     s.engine.sync(s.model)
+    n = len(prompts)
+    if s.sharded:
+        prompts = prompts + [filler] * (int(s.ranks.max({"n": n})["n"]) - n)
     bs = max(1, s.spec.grpo.micro_batch_size * 2)
-    return [c for i in range(0, len(prompts), bs) for c in s.engine.generate(prompts[i:i + bs], 1, greedy=True).completions]
+    out = [c for i in range(0, len(prompts), bs) for c in s.engine.generate(prompts[i:i + bs], 1, greedy=True).completions]
+    return out[:n]
 
 
 def score_completions(s: Setup, completions: list[str], examples: list[Example], *, step: int,
@@ -44,5 +50,7 @@ def shard(s: Setup, examples: list[Example]) -> list[Example]:
 
 def evaluate(s: Setup, step: int) -> dict[str, float]:
     """The first grpo.eval_prompts validation examples, answered greedily, after `step`."""
-    examples = shard(s, s.task.val[: s.spec.grpo.eval_prompts])
-    return score_completions(s, greedy_completions(s, [prompt_for(s, ex) for ex in examples]), examples, step=step)
+    every = s.task.val[: s.spec.grpo.eval_prompts]
+    examples = shard(s, every)
+    completions = greedy_completions(s, [prompt_for(s, ex) for ex in examples], filler=prompt_for(s, every[0]))
+    return score_completions(s, completions, examples, step=step)

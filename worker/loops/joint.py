@@ -184,10 +184,12 @@ def document_of(ro: Rollouts[Retrieval], index: Index, group: int) -> dict[str, 
 @torch.no_grad()
 def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[str, float]:
     """Greedy: the top-1 document, then a greedy answer. Recall@1 where gold documents are known."""
-    val = evaluation.shard(s, s.task.val[: s.spec.grpo.eval_prompts])
+    every = s.task.val[: s.spec.grpo.eval_prompts]
+    val = evaluation.shard(s, every)
     top1 = index.candidates(retriever.queries([ex.question for ex in val]), 1)[:, 0].tolist() if val else []
     completions = evaluation.greedy_completions(s, [rag_prompt(s, ex.question, index.texts[j])
-                                                    for ex, j in zip(val, top1)])
+                                                    for ex, j in zip(val, top1)],
+                                                filler=rag_prompt(s, every[0].question, index.texts[0]))
     hits = [index.ids[j] == ex.meta.get("gold_doc_id") for ex, j in zip(val, top1) if "gold_doc_id" in ex.meta]
     out = evaluation.score_completions(s, completions, val, step=step, extra={
         "eval/token_f1": sum(rewards.token_f1(c, ex.answers) for c, ex in zip(completions, val)),

@@ -20,7 +20,7 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task
-from worker.distributed import SINGLE, Ranks
+from worker.distributed import SINGLE, Ranks, shard
 from worker.models import load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
@@ -47,11 +47,12 @@ class Setup:
     extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
     extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
     ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/distributed.py)
+    sharded: bool = False  # the policy is sharded across the processes (FSDP2)
 
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
         return Trainables(self.model, self.tokenizer, {"policy": self.optimizer, **self.extra_optimizers},
-                          {"policy": self.scheduler}, dict(self.extra))
+                          {"policy": self.scheduler}, dict(self.extra), self.sharded)
 
 
 def policy_device(spec: AnySpec, ranks: Ranks) -> str:
@@ -83,10 +84,15 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None})
     params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                             top_k=g.top_k, stop=tuple(g.stop))
-    engine = RolloutEngine(model, tok, spec.devices.rollout or dev, params)
     ref = None
     if g.with_reference and not is_lora(model):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
+    sharded = spec.resources.sharding == "fsdp"
+    if sharded:  # FSDP2: each rank keeps its shard of the policy, the reference, their gradients and AdamW's state
+        shard(model, ranks)
+        if ref is not None:
+            shard(ref, ranks)
+    engine = RolloutEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,
                            total=g.steps * g.epochs_per_rollout_batch)
@@ -97,7 +103,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
     return Setup(spec, model, tok, engine, ref, opt, sched, task, scorer, device, dict(extra or {}),
-                 dict(extra_optimizers or {}), ranks)
+                 dict(extra_optimizers or {}), ranks, sharded)
 
 
 def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from service.store.records import SampleRow
-from worker.checkpoints import save_checkpoint
+from worker.checkpoints import gather_states, save_checkpoint
 from worker.loops.setup import Setup, resume
 from worker.reporting import LoopResult, Reporter
 from worker.sparsity_hook import SparsityTracker
@@ -61,12 +61,13 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
 
 
 def save(run: Run, step: int) -> None:
-    """Checkpoint folder step-N, its row in the store, and an event (by rank 0: every rank holds
-    the same weights)."""
+    """Checkpoint folder step-N, its row in the store, and an event, by rank 0 (every rank holds
+    the same weights; sharded ones are gathered first, by every rank)."""
+    full = gather_states(run.s.trainables()) if run.s.sharded else None
     if not run.s.ranks.main:
         return
     path = run.reporter.checkpoint_dir(step)
-    fmt, size = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps)
+    fmt, size = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full)
     run.reporter.checkpoint(step, path, fmt, size)
     run.reporter.event("checkpoint", f"checkpoint at step {step} ({size / 1e6:.1f} MB)",
                        data={"step": step, "format": fmt, "size_bytes": size})

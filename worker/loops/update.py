@@ -69,9 +69,13 @@ def optimizer_step(run: Run) -> float:
     Returns the gradient norm before clipping."""
     s = run.s
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
-    s.ranks.reduce_gradients(params)  # every rank's share of the batch's gradient, summed
     max_norm = s.spec.grpo.max_grad_norm
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
+    if s.sharded:  # FSDP2 summed each backward's gradient into this rank's shards; the norm is over all of them
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")).full_tensor()
+        norm = float(norm)
+    else:
+        s.ranks.reduce_gradients(params)  # every rank's share of the batch's gradient, summed
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
     s.optimizer.step()
     s.scheduler.step()
     run.after_optimizer_step()

@@ -20,9 +20,11 @@ from worker.runner import loop_for, loop_on_ranks
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
          "eval_prompts": 3, "seed": 3, "samples_per_step": 48}
+TIMES = ("time/", "throughput/", "tracin/time_s", "sparsity/time_s")  # wall clock, not results
 CASES = {
     "grpo-lora": {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
-                  "grpo": {**STEPS, "learning_rate": 1e-2, "kl_coef": 0.05}},
+                  "grpo": {**STEPS, "learning_rate": 1e-2, "kl_coef": 0.05},
+                  "sparsity": {"measure_interval": 1, "quality": {"enabled": True, "probe_size": 2}}},
     # two epochs (old log-probs, shuffled micro-batches), Dr. GRPO's constant, refilled tied groups
     "grpo-full": {"kind": "grpo", "model": {"name": "tiny-random-llama"},
                   "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
@@ -93,8 +95,8 @@ def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin)
     m1, m2 = _lines(one / "metrics.jsonl"), _lines(two / "metrics.jsonl")
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [0, 1, 2, 3]
     for a, b in zip(m1, m2):
-        kept = {k for k in a["metrics"] if not k.startswith(("time/", "throughput/", "tracin/time_s"))}
-        assert kept == {k for k in b["metrics"] if not k.startswith(("time/", "throughput/", "tracin/time_s"))}
+        kept = {k for k in a["metrics"] if not k.startswith(TIMES)}
+        assert kept == {k for k in b["metrics"] if not k.startswith(TIMES)}
         for k in kept:
             assert b["metrics"][k] == pytest.approx(a["metrics"][k], rel=1e-4, abs=1e-5), (a["step"], k)
     assert any(m["metrics"].get("grad_norm", 0) > 0 for m in m1)  # something was learned from
@@ -103,6 +105,12 @@ def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin)
     s1, s2 = _lines(one / "samples.jsonl"), _lines(two / "samples.jsonl")
     assert len(s1) == len(s2) > 0
     assert [(s["step"], s["index"], s["completion"]) for s in s1] == [(s["step"], s["index"], s["completion"]) for s in s2]
+    if "sparsity" in CASES[case]:  # measured by rank 0 over the whole (identical) weights
+        r1, r2 = _lines(one / "sparsity.jsonl"), _lines(two / "sparsity.jsonl")
+        assert len(r1) == len(r2) >= 3
+        for a, b in zip(r1, r2):
+            assert (a["step"], a["from_step"], a["scope"]) == (b["step"], b["from_step"], b["scope"])
+            assert b["sparsity"] == pytest.approx(a["sparsity"], abs=1e-3)
     if case.startswith("tracin"):
         sel1, sel2 = _lines(one / "selections.jsonl"), _lines(two / "selections.jsonl")
         assert [s["selected"] for s in sel1] == [s["selected"] for s in sel2]

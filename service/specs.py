@@ -381,8 +381,9 @@ class _JobBase(_Section):
                     raise ValueError("resources.sharding 'fsdp' runs every process's forwards in lockstep, so each "
                                      "takes the same number of prompts: grpo.drop_zero_std_groups (refills of "
                                      "uneven size) is not supported with it")
-                if self.sparsity is not None:
-                    raise ValueError("sparsity reports are not supported with resources.sharding 'fsdp' yet")
+                if self.sparsity is not None and self.sparsity.quality.enabled:
+                    raise ValueError("sparsity.quality is not supported with resources.sharding 'fsdp': its probe "
+                                     "rewrites the weights, which are sharded")
             if self.devices.rollout is not None or ":" in self.devices.policy:
                 raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
                                  "each where there are enough, else the CPU): leave devices.policy 'cpu' or "

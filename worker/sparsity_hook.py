@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from service.specs import SparsitySpec
 from service.store.records import SparsityRecord
@@ -27,6 +28,8 @@ from worker.reporting import Reporter
 
 
 def _cpu32(p: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor):  # sharded (FSDP2): gathered whole, a collective every rank calls
+        p = p.full_tensor()
     return p.detach().to("cpu", torch.float32, copy=True)
 
 
@@ -35,7 +38,9 @@ class SparsityTracker:
         """setup: the loop's Setup (model, tokenizer, task, spec); start_step: optimizer steps already taken."""
         self.spec, self.s, self.reporter = spec, setup, reporter
         self.params = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
-        self.start = {n: _cpu32(p) for n, p in self.params}
+        # A sharded model's ranks all gather each snapshot; rank 0 alone keeps it and reports.
+        self.keeps = setup.ranks.main
+        self.start = self._snapshot()
         self.prev = self.start  # the same tensors until the first measurement
         self.start_step = self.prev_step = start_step
         self.lora_modules = [(layer.name, layer.module) for layer in lora_layers(setup.model)]
@@ -43,6 +48,15 @@ class SparsityTracker:
         self.prev_merged = self.start_merged
         self.pending: dict[str, float] = {}
         self.probe = self._probe_batch()
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """The trained parameters as float32 CPU copies (on rank 0; gathered by every rank)."""
+        out = {}
+        for n, p in self.params:
+            t = _cpu32(p)
+            if self.keeps:
+                out[n] = t
+        return out
 
     # -- LoRA merged view ----------------------------------------------------------------------
     def _merged(self, module, snapshot: dict[str, torch.Tensor], mname: str) -> torch.Tensor:
@@ -83,7 +97,9 @@ class SparsityTracker:
     def measure(self, step: int) -> None:
         t0 = time.perf_counter()
         sp = self.spec
-        after = {n: _cpu32(p) for n, p in self.params}
+        after = self._snapshot()
+        if not self.keeps:
+            return
         kw = dict(thresholds=sp.thresholds, rtol=sp.rtol, primary=sp.primary_threshold)
         window = diff_report(((n, self.prev[n], after[n]) for n, _ in self.params), **kw)
         cumulative = diff_report(((n, self.start[n], after[n]) for n, _ in self.params), **kw)

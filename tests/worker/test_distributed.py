@@ -32,7 +32,8 @@ CASES = {
     # FSDP2 for the 2-process run: the policy and reference sharded, gathered to the usual checkpoint
     "grpo-fsdp": {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "sharding": "fsdp",
                   "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
-                           "loss_agg": "dr_grpo", "checkpoint_every": 2}},
+                           "loss_agg": "dr_grpo", "checkpoint_every": 2},
+                  "sparsity": {"measure_interval": 2}},
     "tracin-positive": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                         "tracin": {"val_prompts": 3, "val_generations": 4},
                         "grpo": {**STEPS, "learning_rate": 1e-2}},

@@ -23,10 +23,14 @@ def _events(c, job_id) -> list[dict]:
     return c.get(f"/v1/jobs/{job_id}/events").json()
 
 
+def _pool_pid(c, job_id) -> int:
+    """The worker's pool process that holds the job (the holder names it)."""
+    return int([e for e in _events(c, job_id) if e["type"] == "started"][-1]["data"]["holder"].split(":")[1])
+
+
 def _ranks_of(c, job_id) -> list[int]:
     """The rank processes of a running job: the spawned children of the pool process holding it."""
-    holder = [e for e in _events(c, job_id) if e["type"] == "started"][-1]["data"]["holder"]
-    pool_pid = int(holder.split(":")[1])
+    pool_pid = _pool_pid(c, job_id)
     ranks = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -76,6 +80,20 @@ def test_a_worker_runs_two_process_jobs_and_a_killed_rank_is_retried_from_its_ch
         assert "rank 1: killed by SIGKILL" in requeued["message"] and requeued["level"] == "warning"
         resumed = next(e for e in events if e["type"] == "resumed")
         assert 4 <= resumed["data"]["step"] < 40  # the last checkpoint (every 2 steps) before the kill
+
+
+def test_a_killed_worker_process_takes_its_ranks_with_it_and_the_job_resumes(cluster):
+    cluster.serve()
+    cluster.worker()
+    with cluster.client() as c:
+        job_id = c.post("/v1/jobs", json=TWO).json()["id"]
+        reached_step(c, job_id, 3, cluster)
+        ranks = wait_for(lambda: len(r := _ranks_of(c, job_id)) == 2 and r, "two ranks", cluster, timeout=30)
+        os.kill(_pool_pid(c, job_id), signal.SIGKILL)  # the process holding the lease, not its ranks
+        wait_for(lambda: _gone(ranks), "its ranks to die with it", cluster, timeout=30)
+        job = finished(c, job_id, cluster, timeout=300)  # the lease expires, the sweep requeues, it resumes
+        assert job["status"] == "succeeded" and job["attempt"] == 2, cluster.logs()
+        assert_every_step_once(c, job_id, 40)
 
 
 def test_a_cancel_stops_every_rank(cluster):

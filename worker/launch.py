@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import uuid
@@ -59,7 +58,7 @@ class LauncherStopped(Exception):
 def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: str | None = None) -> dict[int, Any]:
     """`entry(*args, ranks=Ranks(...))` in `processes` ranks; each rank's return value by rank."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=run_id or uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,  # 0: any free port
                           monitor_interval=0.5, start_method="spawn", shutdown_timeout=10)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     # A Celery pool process is daemonic, and multiprocessing refuses children to daemons (so that
@@ -100,12 +99,6 @@ def _text(message: str | dict) -> str:
     while isinstance(message, dict):
         message = message.get("message", "")
     return str(message)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

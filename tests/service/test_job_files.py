@@ -32,7 +32,7 @@ def spec(train, val, **grpo):
             "rewards": [{"name": "digit_share"}],  # dense even for a random model
             "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8,
                      "micro_batch_size": 4, "eval_prompts": 4, "checkpoint_every": 1, "samples_per_step": 8,
-                     "learning_rate": 1e-2, **grpo},
+                     "learning_rate": 1e-3, **grpo},
             "sparsity": {"measure_interval": 1}}
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from worker.distributed import Ranks

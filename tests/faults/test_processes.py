@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import LONG_JOB, assert_every_step_once, finished, reached_step, wait_for
+from tests.faults.conftest import (
+    LONG_JOB,
+    assert_every_step_once,
+    finished,
+    reached_step,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.faults]
 
@@ -82,13 +88,18 @@ def test_a_worker_runs_two_process_jobs_and_a_killed_rank_is_retried_from_its_ch
         assert 4 <= resumed["data"]["step"] < 40  # the last checkpoint (every 2 steps) before the kill
 
 
+def _two_ranks_at_step_3(cluster, c) -> tuple[int, list[int]]:
+    """A 2-process job, once it has done 3 steps, and its rank processes."""
+    job_id = c.post("/v1/jobs", json=TWO).json()["id"]
+    reached_step(c, job_id, 3, cluster)
+    return job_id, wait_for(lambda: len(r := _ranks_of(c, job_id)) == 2 and r, "two ranks", cluster, timeout=30)
+
+
 def test_a_killed_worker_process_takes_its_ranks_with_it_and_the_job_resumes(cluster):
     cluster.serve()
     cluster.worker()
     with cluster.client() as c:
-        job_id = c.post("/v1/jobs", json=TWO).json()["id"]
-        reached_step(c, job_id, 3, cluster)
-        ranks = wait_for(lambda: len(r := _ranks_of(c, job_id)) == 2 and r, "two ranks", cluster, timeout=30)
+        job_id, ranks = _two_ranks_at_step_3(cluster, c)
         os.kill(_pool_pid(c, job_id), signal.SIGKILL)  # the process holding the lease, not its ranks
         wait_for(lambda: _gone(ranks), "its ranks to die with it", cluster, timeout=30)
         job = finished(c, job_id, cluster, timeout=300)  # the lease expires, the sweep requeues, it resumes
@@ -100,9 +111,7 @@ def test_a_cancel_stops_every_rank(cluster):
     cluster.serve()
     cluster.worker()
     with cluster.client() as c:
-        job_id = c.post("/v1/jobs", json=TWO).json()["id"]
-        reached_step(c, job_id, 3, cluster)
-        ranks = wait_for(lambda: len(r := _ranks_of(c, job_id)) == 2 and r, "two ranks", cluster, timeout=30)
+        job_id, ranks = _two_ranks_at_step_3(cluster, c)
         t0 = time.monotonic()
         assert c.post(f"/v1/jobs/{job_id}/cancel").json()["cancel_requested"]
         job = finished(c, job_id, cluster)

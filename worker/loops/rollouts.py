@@ -80,12 +80,17 @@ class Rollouts(Generic[U]):
         return len(self.batch)
 
     @cached_property
+    def _layout(self) -> list[list[int]]:
+        """Per rank, its rows' indices in the whole step's batch (all ranks' rows, in the order one
+        process would hold them): one gather of every rank's row keys, once per step."""
+        every_rank = self.ranks.gather(self.keys)
+        where = {k: i for i, k in enumerate(sorted(k for keys in every_rank for k in keys))}
+        return [[where[k] for k in keys] for keys in every_rank]
+
+    @property
     def positions(self) -> list[int]:
-        """[N] each of this rank's rows' index in the whole step's batch (all ranks' rows, in the
-        order one process would hold them)."""
-        every = sorted(k for keys in self.ranks.gather(self.keys) for k in keys)
-        where = {k: i for i, k in enumerate(every)}
-        return [where[k] for k in self.keys]
+        """[N] each of this rank's rows' index in the whole step's batch."""
+        return self._layout[self.ranks.rank]
 
     @property
     def total(self) -> int:
@@ -95,7 +100,7 @@ class Rollouts(Generic[U]):
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """A per-row tensor [N, ...] of every rank, in the whole step's order."""
         out = self.ranks.cat(values)
-        order = torch.tensor([p for ps in self.ranks.gather(self.positions) for p in ps], dtype=torch.long)
+        order = torch.tensor([p for ps in self._layout for p in ps], dtype=torch.long)
         return out[torch.argsort(order)]
 
     def metrics(self) -> dict[str, float]:

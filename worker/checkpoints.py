@@ -108,15 +108,16 @@ def load_weights(path: Path, *, model: torch.nn.Module) -> None:
 def load_checkpoint(path: Path, t: Trainables) -> SavedState:
     """Restore weights, other modules, optimizer and scheduler states from folder `path`."""
     path = Path(path)
-    if t.sharded:
-        return _load_sharded(path, t)
-    load_weights(path, model=t.model)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    if t.sharded:  # the policy's weights and optimizer state go back to their shards
+        _load_sharded_policy(path, t, state["optimizers"]["policy"])
+    else:
+        load_weights(path, model=t.model)
     for name, module in t.modules.items():
         if (path / f"{name}.safetensors").exists():
             load_model(module, str(path / f"{name}.safetensors"))
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     for k, o in t.optimizers.items():
-        if k in state["optimizers"]:
+        if k in state["optimizers"] and not (t.sharded and k == "policy"):
             o.load_state_dict(state["optimizers"][k])
     for k, s in t.schedulers.items():
         if k in state["schedulers"]:
@@ -124,8 +125,8 @@ def load_checkpoint(path: Path, t: Trainables) -> SavedState:
     return SavedState(int(state["step"]), state["extra"].get("opt_steps"))
 
 
-def _load_sharded(path: Path, t: Trainables) -> SavedState:
-    """Every rank reads the whole checkpoint and keeps its shards of it."""
+def _load_sharded_policy(path: Path, t: Trainables, optimizer_state: dict) -> None:
+    """Every rank reads the whole weights and optimizer state and keeps its shards of them."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -135,12 +136,8 @@ def _load_sharded(path: Path, t: Trainables) -> SavedState:
 
     options = StateDictOptions(full_state_dict=True, strict=False)  # tied weights are saved once
     set_model_state_dict(t.model, load_file(path / "model.safetensors"), options=options)
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(t.model, t.optimizers["policy"], state["optimizers"]["policy"],
+    set_optimizer_state_dict(t.model, t.optimizers["policy"], optimizer_state,
                              options=StateDictOptions(full_state_dict=True))
-    for k, s in t.schedulers.items():
-        s.load_state_dict(state["schedulers"][k])
-    return SavedState(int(state["step"]), state["extra"].get("opt_steps"))
 
 
 def latest_checkpoint(root: Path) -> Path | None:

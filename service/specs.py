@@ -77,8 +77,9 @@ class ModelSpec(_Section):
         "under the admin's model roots (GRPO_MODEL_ROOTS), e.g. 'team/llama-1b', or a Hugging Face id "
         "already in the workers' local cache.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype of the trained policy."
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="Parameter dtype of the trained policy (float64: for numerical checks on the CPU; "
+        "log-probs and losses are computed in at least float32).",
     )
     lora: LoraSpec | None = Field(None, description="Train a LoRA adapter; omit for full fine-tuning.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
@@ -319,6 +320,8 @@ class RetrieverSpec(_Section):
     kl_coef: float = Field(0.01, ge=0.0, description="KL to the frozen reference retriever.")
     clip_eps: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip range of the retriever loss.")
     score_scale: float = Field(20.0, gt=0.0, description="Scale of the cosine score (score = scale * cos).")
+    dtype: Literal["float32", "float64"] = Field("float32", description="Parameter dtype of the encoders (float64: "
+                                                 "for numerical checks on the CPU).")
     generator_only: bool = Field(False, description="Freeze the retriever and take its top-k (baseline).")
 
     @field_validator("name")

@@ -98,7 +98,9 @@ class Ranks:
         if self.world == 1:
             return
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+        # summed in at least float32 (a float64 policy's gradients stay float64)
+        dtype = torch.promote_types(params[0].dtype, torch.float32)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
                           for p in params])
         torch.distributed.all_reduce(has)
         torch.distributed.all_reduce(flat)

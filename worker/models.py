@@ -30,7 +30,7 @@ from service.specs import MODEL_PRESETS, LoraSpec, ModelSpec
 hf_logging.disable_progress_bar()
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 TINY_PRESETS = ("tiny-random-llama", "tiny-random-qwen")
 PRESETS = ("smollm2-135m-instruct", *TINY_PRESETS)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -74,4 +74,5 @@ class DualEncoder(torch.nn.Module):
 def load_retriever(spec: RetrieverSpec, *, device: str, seed: int = 0, model_roots: list[Path] = ()) -> DualEncoder:
     encoder, tok = load_encoder(spec.name, seed, model_roots)
     doc_encoder = encoder if spec.shared_towers else copy.deepcopy(encoder)
-    return DualEncoder(encoder, doc_encoder, tok, spec.score_scale).to(device)
+    dtype = torch.float64 if spec.dtype == "float64" else torch.float32
+    return DualEncoder(encoder, doc_encoder, tok, spec.score_scale).to(device, dtype)

@@ -90,7 +90,8 @@ def sequence_logprobs(
     # Only the last T+1 positions need the LM head: the prompt's logits would be thrown away.
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
                 logits_to_keep=T + 1)
-    logits = out.logits[:, -(T + 1):-1, :].float()  # [N, T, V]: position P-1+t predicts token t
+    logits = out.logits[:, -(T + 1):-1, :]  # [N, T, V]: position P-1+t predicts token t
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32, float64 kept
     if temperature != 1.0:
         logits = logits / temperature
     # logit[token] - logsumexp(logits): no [N, T, V] log_softmax tensor is kept for backward

@@ -2,8 +2,8 @@
 parameters against the previous measurement (the window) and against the start (cumulative),
 and test whether the large-magnitude part of the window's update reproduces the updated model.
 
-Snapshots are float32 copies on CPU: the start, and the previous measurement (the two are one
-copy until the first measurement). With LoRA, the adapter factors are tracked, and so is the
+Snapshots are CPU copies in float32 (float64 for float64 weights): the start, and the previous
+measurement (the two are one copy until the first measurement). With LoRA, the adapter factors are tracked, and so is the
 effective merged weight W0 + s * B @ A of each adapted matrix, which is what the base model sees.
 """
 
@@ -27,10 +27,11 @@ from worker.datasets import render_prompt
 from worker.reporting import Reporter
 
 
-def _cpu32(p: torch.Tensor) -> torch.Tensor:
+def _cpu_copy(p: torch.Tensor) -> torch.Tensor:
+    """A CPU copy in at least float32: exact for float32 and float64 weights, so restoring one is exact."""
     if isinstance(p, DTensor):  # sharded (FSDP2): gathered whole, a collective every rank calls
         p = p.full_tensor()
-    return p.detach().to("cpu", torch.float32, copy=True)
+    return p.detach().to("cpu", torch.promote_types(p.dtype, torch.float32), copy=True)
 
 
 class SparsityTracker:
@@ -50,20 +51,20 @@ class SparsityTracker:
         self.probe = self._probe_batch()
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        """The trained parameters as float32 CPU copies (on rank 0; gathered by every rank)."""
+        """The trained parameters as CPU copies in at least float32 (on rank 0; gathered by every rank)."""
         out = {}
         for n, p in self.params:
-            t = _cpu32(p)
+            t = _cpu_copy(p)
             if self.keeps:
                 out[n] = t
         return out
 
     # -- LoRA merged view ----------------------------------------------------------------------
     def _merged(self, module, snapshot: dict[str, torch.Tensor], mname: str) -> torch.Tensor:
-        """W0 + s * B @ A in float32 on CPU for one adapted module, from a snapshot of A and B."""
+        """W0 + s * B @ A in at least float32 on CPU for one adapted module, from a snapshot of A and B."""
         a = snapshot[f"{mname}.lora_A.default.weight"]
         b = snapshot[f"{mname}.lora_B.default.weight"]
-        w0 = _cpu32(module.base_layer.weight)
+        w0 = _cpu_copy(module.base_layer.weight)
         return w0 + module.scaling["default"] * (b @ a)
 
     # -- probe batch ---------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class SparsityTracker:
                     res[kind] = logit_agreement(full, self._probe_logits(), mask)
                 rows.append({"threshold": t, "density": kept / max(total, 1), **res})
         finally:
-            for n, p in self.params:  # exact: `after` holds the weights' own values in float32
+            for n, p in self.params:  # exact: `after` holds the weights' own values
                 p.copy_(after[n].to(p.device, p.dtype))
             model.train(was_training)
         return rows

@@ -1,0 +1,123 @@
+"""Does a spec learn, over many seeds? Runs `grpo-jobs run` once per seed (grpo.seed: the prompt
+order, the per-row sampling streams and the LoRA initialisation) and prints each seed's greedy
+held-out `eval/accuracy` at steps 0, 5 and 10 (or whatever steps the spec evaluates at), its mean
+training `reward/mean`, and the mean ± standard error over seeds.
+
+    python bench/learning.py                                   # the demo spec and the matched spec, 6 seeds
+    python bench/learning.py --spec examples/demo-smollm2.yaml --seeds 3 --steps 6
+    python bench/learning.py --code ../other-checkout          # the same specs run by another checkout's code
+    python bench/learning.py --parallel 2                      # two seeds at once, one thread each
+
+`--code DIR` puts DIR first on PYTHONPATH, so an older commit (a `git worktree`) runs the same specs
+with this virtual environment; only fields that commit knows may be in the spec.
+Every seed is a separate process. A benchmark, never a test: ten steps on a 2-core CPU take minutes.
+Ends with one line per spec:
+RESULT spec=... seeds=... acc0_mean=... acc10_mean=... acc10_se=... gain_mean=... min_gain=... reward_mean=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPECS = (ROOT / "examples" / "demo-smollm2.yaml", ROOT / "bench" / "specs" / "matched-trl.yaml")
+RUN = "import sys; from service.cli import main; sys.argv[0] = 'grpo-jobs'; main()"
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """One seed's learning curve."""
+
+    seed: int
+    accuracy: dict[int, float]  # step -> eval/accuracy
+    reward_mean: float  # mean of reward/mean over the training steps
+    wall_s: float
+
+    def gain(self, last: int) -> float:
+        return self.accuracy[last] - self.accuracy[0]
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for a single value)."""
+    m = statistics.fmean(xs)
+    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
+
+
+def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path) -> SeedRun:
+    d = json.loads(json.dumps(spec))
+    d.setdefault("grpo", {})["seed"] = seed
+    d["grpo"]["samples_per_step"] = 0
+    d["grpo"]["checkpoint_every"] = 0
+    spec_file, out = work / f"seed-{seed}.yaml", work / f"seed-{seed}"
+    spec_file.write_text(yaml.safe_dump(d))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", RUN, "run", str(spec_file), "--out", str(out)], env=env,
+                          cwd=code, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"seed {seed} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    acc = {m["step"]: m["metrics"]["eval/accuracy"] for m in lines if "eval/accuracy" in m["metrics"]}
+    rewards = [m["metrics"]["reward/mean"] for m in lines if m["step"] > 0 and "reward/mean" in m["metrics"]]
+    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall)
+
+
+def bench_spec(path: Path, args: argparse.Namespace) -> None:
+    spec = yaml.safe_load(path.read_text())
+    if args.steps:
+        spec["grpo"]["steps"] = args.steps
+    steps = spec["grpo"]["steps"]
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
+        runs = list(pool.map(lambda s: run_seed(spec, s, code=args.code, threads=args.threads, work=Path(tmp)), seeds))
+    shown = sorted({step for r in runs for step in r.accuracy})
+    print(f"\n{path.name} ({steps} steps, code: {args.code})")
+    print("seed  " + "  ".join(f"acc@{s:<3}" for s in shown) + "  gain    reward  wall_s")
+    for r in runs:
+        print(f"{r.seed:<5} " + "  ".join(f"{r.accuracy.get(s, float('nan')):6.3f}" for s in shown)
+              + f"  {r.gain(steps):+6.3f}  {r.reward_mean:6.3f}  {r.wall_s:6.0f}")
+    per_step = {s: mean_se([r.accuracy[s] for r in runs if s in r.accuracy]) for s in shown}
+    print("mean  " + "  ".join(f"{per_step[s][0]:6.3f}" for s in shown))
+    print("se    " + "  ".join(f"{per_step[s][1]:6.3f}" for s in shown))
+    gains = [r.gain(steps) for r in runs]
+    gain_m, gain_se = mean_se(gains)
+    reward_m, _ = mean_se([r.reward_mean for r in runs])
+    print(f"RESULT spec={path.stem} seeds={len(runs)} acc0_mean={per_step[0][0]:.3f} "
+          f"acc{steps}_mean={per_step[steps][0]:.3f} acc{steps}_se={per_step[steps][1]:.3f} "
+          f"gain_mean={gain_m:.3f} gain_se={gain_se:.3f} min_gain={min(gains):.3f} reward_mean={reward_m:.3f}",
+          flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", type=Path, action="append", help="a spec file (repeatable); default: the demo and matched specs")
+    ap.add_argument("--seeds", type=int, default=6, help="how many seeds")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds run from this one up")
+    ap.add_argument("--steps", type=int, default=0, help="override grpo.steps (0: the spec's)")
+    ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code runs the specs")
+    ap.add_argument("--parallel", type=int, default=1, help="seeds run at once")
+    ap.add_argument("--threads", type=int, default=0, help="threads per seed (default: cores / parallel)")
+    args = ap.parse_args()
+    args.code = args.code.resolve()
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
+    for path in args.spec or DEFAULT_SPECS:
+        bench_spec(path, args)
+
+
+if __name__ == "__main__":
+    main()

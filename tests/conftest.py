@@ -71,17 +71,31 @@ def pg_url(pg_url_factory):
     return pg_url_factory()
 
 
+def _xdist_index(worker_id: str) -> int | None:
+    """pytest-xdist's worker number (gw3 -> 3), None when the suite runs in one process."""
+    return None if worker_id == "master" else int(worker_id.removeprefix("gw"))
+
+
 @pytest.fixture
-def redis_url():
+def redis_url(worker_id):
+    """The shared Redis; under pytest-xdist each worker process gets its own database (1, 2, ...),
+    so one test's Celery worker never takes another's task from the same queue."""
     require("Redis", "127.0.0.1", 6379)
-    return REDIS_URL
+    n = _xdist_index(worker_id)
+    return REDIS_URL if n is None else REDIS_URL.rsplit("/", 1)[0] + f"/{1 + n % 15}"
 
 
 @pytest.fixture(scope="session")
-def models_root(tmp_path_factory) -> Path:
-    """One model cache for the whole run (the bundled model converts once)."""
-    root = os.environ.get("GRPO_TEST_MODELS_ROOT")
-    return Path(root) if root else tmp_path_factory.mktemp("models")
+def models_root(tmp_path_factory, worker_id) -> Path:
+    """One model cache for the whole run (the bundled model converts once, under a file lock, even
+    when pytest-xdist's workers ask for it at the same time)."""
+    if root := os.environ.get("GRPO_TEST_MODELS_ROOT"):
+        return Path(root)
+    if _xdist_index(worker_id) is None:
+        return tmp_path_factory.mktemp("models")
+    shared = tmp_path_factory.getbasetemp().parent / "models"  # the run's folder, above each worker's own
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a
 _PEER_GONE = ("DistBackendError", "DistNetworkError", "DistStoreError", "RuntimeError: [")
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: raising sets __traceback__, which a context manager's exit assigns again
 class RanksFailed(Exception):
     """A rank failed. `killed`: by a signal (out of memory, killed by hand), not by an error of its own."""
 

@@ -203,3 +203,19 @@ def test_a_killed_rank_is_reported_as_killed_and_leaves_no_rank_behind(tmp_path)
         time.sleep(0.1)
     else:
         pytest.fail("rank 0 outlived the failed launch")
+
+
+def test_a_rank_failure_passes_through_a_context_manager_unchanged():
+    """A rank's error is an exception like any other: a `with` block (a generator context manager
+    re-raises it and sets its traceback) hands on the same error, not a FrozenInstanceError."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def around():
+        yield
+
+    err = RanksFailed(1, "FloatingPointError: loss is nan", killed=False)
+    with pytest.raises(RanksFailed) as caught:
+        with around():
+            raise err
+    assert caught.value is err and str(caught.value) == "rank 1: FloatingPointError: loss is nan"

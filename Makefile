@@ -7,6 +7,8 @@ TORCH  ?= torch==2.13.0
 PORT   ?= 8000
 
 CHROMIUM ?= /usr/bin/chromium
+# Test processes (pytest-xdist): many tests wait on leases, sweeps and servers, so two share two cores well.
+TEST_WORKERS ?= 2
 
 .PHONY: install browser demo dev test bench clean
 
@@ -37,7 +39,8 @@ dev: install
 	$(VENV)/bin/grpo-jobs dev --port $(PORT)
 
 test: install browser
-	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest
+	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
+	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --durations=30
 
 bench: install
 	$(PY) bench/step.py

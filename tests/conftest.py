@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Under pytest-xdist, each test process (and every process it starts) takes its share of the cores:
+# OpenMP threads spinning against another worker's on the same cores make a step several times slower.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
+    if "torch" in sys.modules:  # a plugin imported it before this file: its pool is sized already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 PG_ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"

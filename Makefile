@@ -40,7 +40,7 @@ dev: install
 
 test: install browser
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
-	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --durations=30
+	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30
 
 bench: install
 	$(PY) bench/step.py

@@ -18,6 +18,15 @@ if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
     if "torch" in sys.modules:  # a plugin imported it before this file: its pool is sized already
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_configure(config):
+    """GRPO_TEST_DETERMINISTIC=1 runs the suite with torch's deterministic algorithms (and warns
+    where an op has none): a tolerance that only holds for one kernel choice shows up as a failure."""
+    if os.environ.get("GRPO_TEST_DETERMINISTIC") == "1":
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
 PG_ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"

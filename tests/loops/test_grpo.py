@@ -60,7 +60,7 @@ def test_resume_equals_straight_run(tmp_path, settings_factory, lora):
     b = load_file(split / "checkpoints" / "step-6" / name)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)  # the same computation, resumed: bit for bit
     events = [json.loads(line)["type"] for line in (split / "events.jsonl").read_text().splitlines()]
     assert "resumed" in events
 

@@ -106,3 +106,28 @@ def test_stop_strings_cut_and_mask(tmp_path):
     assert batch.completions == ["abcd"]
     assert batch.completion_mask[0].sum().item() == 4
     assert not batch.truncated.any()
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.8, 0), (0.7, 5)])
+def test_per_row_sampling_draws_from_the_tempered_distribution(tmp_path, temperature, top_k):
+    """Seeding each row on its own changes which tokens are drawn, never their distribution: the
+    first tokens of 4,000 rows match softmax(logits / T) (restricted to the top k and renormalised)
+    within four standard errors for every token."""
+    model, tok = _policy(tmp_path)
+    with torch.no_grad():  # a peaked next-token distribution (a random model's is near uniform), so that
+        model.get_output_embeddings().weight.mul_(40)  # sampling at T=1 or 0.7 instead of 0.8 fails by >5 errors
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k)
+    engine = RolloutEngine(model, tok, "cpu", params)
+    prompt, n = "Question: 1+1?\nAnswer:", 4000
+    batch = engine.generate([prompt], n, seeds=[11])
+    ids = tok([prompt], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1].double() / temperature  # [V]
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
+    p = torch.softmax(logits, -1)  # [V]
+    freq = torch.bincount(batch.completion_ids[:, 0], minlength=len(p)).double() / n  # [V]
+    se = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 4 * se + 1e-9).all(), (freq - p).abs().max()
+    if top_k:
+        assert freq[p == 0].sum() == 0

@@ -50,6 +50,7 @@ bench: install
 	$(PY) bench/tracin.py
 	$(PY) bench/rewards.py
 	$(PY) bench/distributed.py
+	$(PY) bench/learning.py
 
 clean:
 	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

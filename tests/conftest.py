@@ -19,6 +19,10 @@ if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     if "torch" in sys.modules:  # a plugin imported it before this file: its pool is sized already
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+PG_ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
+
 
 def pytest_configure(config):
     """GRPO_TEST_DETERMINISTIC=1 runs the suite with torch's deterministic algorithms (and warns
@@ -27,9 +31,6 @@ def pytest_configure(config):
         import torch
 
         torch.use_deterministic_algorithms(True, warn_only=True)
-PG_ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 
 
 def _reachable(host: str, port: int) -> bool:

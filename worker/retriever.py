@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
 from service.sources import require_model_path
 from service.specs import RETRIEVER_PRESETS, RetrieverSpec
-from worker.models import char_tokenizer
+from worker.models import DTYPES, char_tokenizer
 
 
 def _minilm_dir() -> Path:
@@ -74,5 +74,4 @@ class DualEncoder(torch.nn.Module):
 def load_retriever(spec: RetrieverSpec, *, device: str, seed: int = 0, model_roots: list[Path] = ()) -> DualEncoder:
     encoder, tok = load_encoder(spec.name, seed, model_roots)
     doc_encoder = encoder if spec.shared_towers else copy.deepcopy(encoder)
-    dtype = torch.float64 if spec.dtype == "float64" else torch.float32
-    return DualEncoder(encoder, doc_encoder, tok, spec.score_scale).to(device, dtype)
+    return DualEncoder(encoder, doc_encoder, tok, spec.score_scale).to(device, DTYPES[spec.dtype])

@@ -3,8 +3,8 @@ parameters against the previous measurement (the window) and against the start (
 and test whether the large-magnitude part of the window's update reproduces the updated model.
 
 Snapshots are CPU copies in float32 (float64 for float64 weights): the start, and the previous
-measurement (the two are one copy until the first measurement). With LoRA, the adapter factors are tracked, and so is the
-effective merged weight W0 + s * B @ A of each adapted matrix, which is what the base model sees.
+measurement (the two are one copy until the first measurement). With LoRA, the adapter factors
+are tracked, and so is the effective merged weight W0 + s * B @ A of each adapted matrix, which is what the base model sees.
 """
 
 from __future__ import annotations

@@ -94,10 +94,10 @@ def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin)
     # in float64). AdamW divides by sqrt(v) + eps: an element whose gradient is near zero moves by up
     # to lr * rounding / eps per step. In float32 (rounding ~1e-7 of a gradient, eps 1e-8) that is up
     # to a whole learning rate, a machine-dependent flip; in float64 it is under lr * 1e-7 per step.
+    spec = _spec(case, 1)
     for f in sorted((one / "checkpoints" / "step-3").glob("*.safetensors")):
         a, b = load_file(f), load_file(two / "checkpoints" / "step-3" / f.name)
         assert a.keys() == b.keys()
-        spec = _spec(case, 1)
         lr = spec.retriever.learning_rate if f.name == "retriever.safetensors" else spec.grpo.learning_rate
         atol = STEPS["steps"] * lr * 1e-7  # the bound above; what two processes differ by is ~1e-14
         for k in a:

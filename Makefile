@@ -40,7 +40,8 @@ dev: install
 
 test: install browser
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
-	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30
+	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
+	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -m serial
 
 bench: install
 	$(PY) bench/step.py

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from service.grader_urls import parse_url
 from service.spec_base import _Section
 
 PLUGIN_GROUP = "grpo_jobs.rewards"
@@ -157,8 +158,9 @@ class HttpReward(_Entry):
     {scores: [float | null]} (null: cannot score; that completion is excluded)."""
 
     name: Literal["http"] = Field(description="The kind of this entry.")
-    url: str = Field(max_length=2000, description="Must start with one of the admin's allowed prefixes "
-                     "(GRPO_REWARD_URLS).")
+    url: str = Field(max_length=2000, description="Must lie under one of the admin's allowed URLs "
+                     "(GRPO_REWARD_URLS): the same scheme, host and port, and a path at or below the entry's; no "
+                     "userinfo, fragment or double percent-encoding.")
     timeout_s: float = Field(30.0, gt=0, le=600, description="Per request.")
     max_retries: int = Field(2, ge=0, le=10, description="Retries of a request that failed to connect, timed out "
                              "or got a 5xx answer, with exponential backoff.")
@@ -171,8 +173,7 @@ class HttpReward(_Entry):
     @field_validator("url")
     @classmethod
     def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
+        parse_url(v)  # UrlRefused is a ValueError: a 422 saying what is wrong with the URL
         return v
 
 
@@ -193,7 +194,3 @@ RewardSpec = Annotated[
 ]
 ENTRY_MODELS: dict[str, type[_Entry]] = {"function": FunctionReward, "reward_model": RewardModelReward,
                                          "judge": JudgeReward, "similarity": SimilarityReward, "http": HttpReward}
-
-
-def url_allowed(url: str, prefixes: list[str]) -> bool:
-    return any(url.startswith(p) for p in prefixes)

@@ -10,8 +10,14 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.grader_urls import GraderUrl, parse_allow_list
+
+
+def _split(v: str) -> list[str]:
+    return [u.strip() for u in v.split(",") if u.strip()]
 
 
 class Settings(BaseSettings):
@@ -45,7 +51,12 @@ class Settings(BaseSettings):
     )
     reward_urls_env: str = Field(
         default="", validation_alias="GRPO_REWARD_URLS",
-        description="Comma-separated URL prefixes an `http` reward may call; empty: no `http` rewards.",
+        description="Comma-separated URLs under which an `http` reward may call a grader, compared by scheme, "
+        "host, port and path segments (service/grader_urls.py); empty: no `http` rewards.",
+    )
+    reward_max_response_bytes: int = Field(
+        default=4 * 1024 * 1024, gt=0, validation_alias="GRPO_REWARD_MAX_RESPONSE_BYTES",
+        description="Largest answer read from an `http` grader; a longer one leaves its batch unscored.",
     )
     reward_auth_header: str = Field(
         default="Authorization", validation_alias="GRPO_REWARD_AUTH_HEADER",
@@ -153,9 +164,15 @@ class Settings(BaseSettings):
     def model_roots(self) -> list[Path]:
         return [Path(p) for p in self.model_roots_env.split(":") if p.strip()]
 
+    @field_validator("reward_urls_env")
+    @classmethod
+    def _reward_urls(cls, v: str) -> str:
+        parse_allow_list(_split(v))  # a bad entry stops the service at start-up, naming it
+        return v
+
     @property
-    def reward_urls(self) -> list[str]:
-        return [u.strip() for u in self.reward_urls_env.split(",") if u.strip()]
+    def reward_urls(self) -> list[GraderUrl]:
+        return parse_allow_list(_split(self.reward_urls_env))
 
     @property
     def models_dir(self) -> Path:

@@ -19,12 +19,12 @@ from pathlib import Path, PurePosixPath
 
 from sqlalchemy.orm import Session
 
+from service.grader_urls import UrlRefused, check_url
 from service.settings import Settings
 from service.store import jobs as jobs_q
 from service.store import files as files_q
 from service.store import records
 from service.store.models import Checkpoint, Job
-from service.reward_specs import url_allowed
 from service.specs import _HF_ID, MODEL_PRESETS, RETRIEVER_PRESETS, DatasetSpec, unavailable_model
 
 SHARED_PREFIX = "shared/"
@@ -149,10 +149,11 @@ def _reward_errors(spec, settings: Settings) -> list[dict]:
         if r.name in presets and r.model not in presets[r.name] and model_path(r.model, settings.model_roots) is None:
             errors.append({"loc": ("rewards", i, "model"), "type": "unavailable",
                            "msg": unavailable_model(f"{r.name} model", r.model, presets[r.name] or ("none",))})
-        if r.name == "http" and not url_allowed(r.url, settings.reward_urls):
-            allowed = ", ".join(settings.reward_urls) or "none: this deployment allows no http rewards"
-            errors.append({"loc": ("rewards", i, "url"), "type": "not_allowed",
-                           "msg": f"url is not on the admin's allow-list (GRPO_REWARD_URLS: {allowed})"})
+        if r.name == "http":
+            try:
+                check_url(r.url, settings.reward_urls)
+            except UrlRefused as exc:
+                errors.append({"loc": ("rewards", i, "url"), "type": "not_allowed", "msg": f"url {exc}"})
     return errors
 
 

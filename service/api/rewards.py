@@ -34,7 +34,7 @@ class RewardOut(BaseModel):
 
 class RewardsOut(BaseModel):
     items: list[RewardOut]
-    http_url_prefixes: list[str]  # where an `http` grader may be (GRPO_REWARD_URLS); empty: no http rewards
+    http_url_prefixes: list[str]  # the URLs an `http` grader may be under (GRPO_REWARD_URLS, canonical form); empty: none
 
 
 def _params(kind: str) -> list[RewardParam]:
@@ -63,4 +63,4 @@ def list_rewards(owner: OwnerDep, settings: SettingsDep) -> RewardsOut:
             continue
         doc = (ENTRY_MODELS[kind].__doc__ or "").strip()
         items.append(RewardOut(name=kind, kind=kind, description=" ".join(doc.split()), parameters=_params(kind)))
-    return RewardsOut(items=items, http_url_prefixes=settings.reward_urls)
+    return RewardsOut(items=items, http_url_prefixes=[str(u) for u in settings.reward_urls])

@@ -52,3 +52,33 @@ def test_good_entries_are_accepted(reward_api):
     r = reward_api.post("/v1/jobs", json={"kind": "grpo", "rewards": rewards})
     assert r.status_code == 201, r.text
     assert [e["name"] for e in r.json()["spec"]["rewards"]] == ["numeric_match", "http", "judge", "similarity"]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def issue_api(request, settings_factory):
+    """The allow-list an operator set in issue 25: one grader below /ok/, and a whole port."""
+    url = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    return Api(settings_factory(database_url=url, GRPO_REWARD_URLS="http://127.0.0.1:8791/ok/,http://127.0.0.1:8793"))
+
+
+@pytest.mark.parametrize("url,words", [
+    ("http://127.0.0.1:8791/ok/../other/score", "not on the admin's allow-list"),
+    ("http://127.0.0.1:8791/ok/%2e%2e/other/score", "not on the admin's allow-list"),
+    ("http://127.0.0.1:8793@127.0.0.2:8792/score", "userinfo"),
+    ("http://127.0.0.1:8791/okay/score", "not on the admin's allow-list"),
+    ("http://127.0.0.1:8791/ok/score#x", "fragment"),
+    ("http://127.0.0.1:8791\\ok/score", "backslash"),
+])
+def test_grader_urls_off_the_list_are_refused_at_submit(issue_api, url, words):
+    r = issue_api.post("/v1/jobs", json={"kind": "grpo", "rewards": [{"name": "http", "url": url}]})
+    assert r.status_code == 422, r.text
+    assert any(d["field"] == "rewards.0.url" and words in d["message"] for d in r.json()["detail"]), r.json()
+    assert issue_api.get("/v1/jobs").json()["items"] == []
+
+
+def test_grader_urls_under_the_list_are_accepted_as_written(issue_api):
+    urls = ["http://127.0.0.1:8791/ok/./grade", "HTTP://127.0.0.1:8793/x"]
+    r = issue_api.post("/v1/jobs", json={"kind": "grpo", "rewards": [
+        {"name": "http", "url": urls[0]}, {"name": "http", "url": urls[1], "tag": "second"}]})
+    assert r.status_code == 201, r.text
+    assert [e["url"] for e in r.json()["spec"]["rewards"]] == urls  # the worker calls their canonical forms

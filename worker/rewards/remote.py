@@ -5,21 +5,32 @@ Requests carry `batch_size` items each, `concurrency` at a time; a request that 
 out or gets a 5xx answer is retried with exponential backoff, `max_retries` times. A request that
 still fails, or whose answer is not the promised shape, leaves its items unscored (excluded, with a
 warning event). After `max_failed_steps` steps in a row with such a failure the job fails: a grader
-that stays down must not let a job train on nothing for hours. The URL was checked against the
-admin's allow-list at submit time; the auth header's secret comes from the worker's environment.
+that stays down must not let a job train on nothing for hours. A null, NaN or infinite score leaves
+just that item unscored.
+
+The URL was checked against the admin's allow-list at submit time and is checked again here
+(service/grader_urls.py), and the canonical form is what is called. Every request resolves the host
+once, refuses a link-local or metadata address, and connects to that very address (no second lookup
+that could answer otherwise). Redirects are never followed, and an answer is read up to
+`GRPO_REWARD_MAX_RESPONSE_BYTES`. The auth header's secret comes from the worker's environment and
+goes only to a URL that passed all of this.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import math
 import os
+import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from service.reward_specs import HttpReward, url_allowed
+from service.grader_urls import GraderUrl, UrlRefused, check_address, check_url
+from service.reward_specs import HttpReward
 from worker.rewards.scoring import Item, RewardFailure, RewardUnavailable, Scores
 
 
@@ -28,7 +39,8 @@ class GraderError(Exception):
 
 
 def parse_scores(body: object, n: int) -> list[float | None]:
-    """The `scores` of a grader's answer, checked: n numbers or nulls."""
+    """The `scores` of a grader's answer, checked: n numbers or nulls. A score that is not finite
+    (NaN, Infinity, 1e400) reads as null: that item cannot be scored."""
     scores = body.get("scores") if isinstance(body, dict) else None
     if not isinstance(scores, list):
         raise GraderError('answered without a "scores" list')
@@ -38,41 +50,99 @@ def parse_scores(body: object, n: int) -> list[float | None]:
     for v in scores:
         if v is None:
             out.append(None)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out.append(float(v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(_finite(v))
         else:
-            raise GraderError(f"answered a score that is not a finite number or null: {v!r:.40}")
+            raise GraderError(f"answered a score that is not a number or null: {v!r:.40}")
     return out
+
+
+def _finite(v: int | float) -> float | None:
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past float's range
+        return None
+    return f if math.isfinite(f) else None
+
+
+def non_finite(body: object) -> list[int]:
+    """Positions of the scores that were numbers but not finite (reported, then excluded)."""
+    scores = body.get("scores") if isinstance(body, dict) else None
+    return [i for i, v in enumerate(scores or ()) if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and _finite(v) is None]
+
+
+def resolve(url: GraderUrl) -> str:
+    """The one address this request connects to: the IP literal, or the host's first address."""
+    if (ip := url.ip()) is not None:
+        return str(ip)
+    try:
+        infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
+    except OSError as exc:  # as httpx reports a failed lookup: retried like any failed connection
+        raise httpx.ConnectError(f"cannot resolve {url.host} ({exc})") from None
+    ip = ipaddress.ip_address(infos[0][4][0])
+    try:
+        check_address(url, ip)
+    except UrlRefused as exc:
+        raise GraderError(f"url {exc}") from None
+    return str(ip)
 
 
 class HttpGrader:
     counts = True
 
     def __init__(self, spec: HttpReward, *, settings, job_id: int | None) -> None:
-        if not url_allowed(spec.url, settings.reward_urls):  # the allow-list may have changed since submit
-            raise RewardUnavailable(f"reward {spec.key}: {spec.url} is not on the allow-list (GRPO_REWARD_URLS)")
+        try:  # the allow-list may have changed since submit
+            self.url = check_url(spec.url, settings.reward_urls)
+        except UrlRefused as exc:
+            raise RewardUnavailable(f"reward {spec.key}: url {exc}") from None
         self.key, self.weight, self.spec, self.job_id = spec.key, spec.weight, spec, job_id
-        headers = {}
+        self.max_bytes = settings.reward_max_response_bytes
+        # identity: a compressed answer could expand far past max_bytes before it is counted
+        headers = {"Host": self.url.netloc, "Accept-Encoding": "identity"}
         if settings.reward_auth_env and (secret := os.environ.get(settings.reward_auth_env)):
             headers[settings.reward_auth_header] = secret
-        self.client = httpx.Client(timeout=spec.timeout_s, headers=headers, follow_redirects=False)
+        self.client = httpx.Client(timeout=spec.timeout_s, headers=headers, follow_redirects=False, trust_env=False)
         self.failed_steps: list[int] = []  # the steps in a row, up to now, with a failed request
 
-    def _post(self, payload: dict, n: int) -> list[float | None]:
+    def _read(self, r: httpx.Response) -> bytes:
+        declared = r.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            raise GraderError(f"answered {int(declared)} bytes, over {self.max_bytes} (GRPO_REWARD_MAX_RESPONSE_BYTES)")
+        body = bytearray()
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > self.max_bytes:
+                raise GraderError(f"answered more than {self.max_bytes} bytes (GRPO_REWARD_MAX_RESPONSE_BYTES)")
+        return bytes(body)
+
+    def _request(self, payload: dict) -> tuple[int, bytes]:
+        """(status, body) from the one checked address; a redirect is an error, never followed."""
+        target = httpx.URL(str(self.url)).copy_with(host=resolve(self.url))
+        extensions = {"sni_hostname": self.url.host} if self.url.scheme == "https" else {}
+        with self.client.stream("POST", target, json=payload, extensions=extensions) as r:
+            if r.is_redirect:
+                raise GraderError(f"answered HTTP {r.status_code} (a redirect): graders are called at their own "
+                                  "URL only, never redirected")
+            return r.status_code, self._read(r) if r.status_code < 400 else b""
+
+    def _post(self, payload: dict, n: int) -> tuple[list[float | None], list[int]]:
+        """The request's scores and the positions of its non-finite ones."""
         delay = 0.5
         for attempt in range(self.spec.max_retries + 1):
             try:
-                r = self.client.post(self.spec.url, json=payload)
+                status, raw = self._request(payload)
             except httpx.HTTPError as exc:
                 error = f"{type(exc).__name__} calling the grader"
             else:
-                if r.status_code < 400:
+                if status < 400:
                     try:
-                        return parse_scores(r.json(), n)
-                    except ValueError:
+                        body = json.loads(raw)
+                    except (ValueError, RecursionError):
                         raise GraderError("answered with a body that is not JSON") from None
-                error = f"the grader answered HTTP {r.status_code}"
-                if r.status_code < 500:
+                    return parse_scores(body, n), non_finite(body)
+                error = f"the grader answered HTTP {status}"
+                if status < 500:
                     raise GraderError(error)  # the request itself is wrong: retrying will not help
             if attempt < self.spec.max_retries:
                 time.sleep(delay)
@@ -83,21 +153,26 @@ class HttpGrader:
         size = self.spec.batch_size
         chunks = [range(i, min(i + size, len(items))) for i in range(0, len(items), size)]
 
-        def call(rows: range) -> list[float | None]:
+        def call(rows: range) -> tuple[list[float | None], list[int]]:
             payload = {"job_id": self.job_id, "step": step, "items": [
                 {"prompt": items[i].prompt, "completion": items[i].completion, "answer": items[i].answer,
                  "answers": list(items[i].answers)} for i in rows]}
             return self._post(payload, len(rows))
 
         out = Scores([None] * len(items))
+        failed = False
         with ThreadPoolExecutor(max_workers=min(self.spec.concurrency, len(chunks) or 1)) as pool:
             futures = [(rows, pool.submit(call, rows)) for rows in chunks]
             for rows, fut in futures:
                 try:
-                    out.values[rows.start:rows.stop] = fut.result()
+                    out.values[rows.start:rows.stop], bad = fut.result()
                 except GraderError as exc:
+                    failed = True
                     out.failures.append(RewardFailure(-1, self.key, f"items {rows.start}-{rows.stop - 1}: {exc}"))
-        self._count(step, failed=bool(out.failures))
+                else:  # the grader answered: a bad number excludes its item, not the step
+                    out.failures += [RewardFailure(rows.start + i, self.key, "the grader's score is not a finite "
+                                                   "number (NaN or infinite): excluded") for i in bad]
+        self._count(step, failed=failed)
         return out
 
     def _count(self, step: int, *, failed: bool) -> None:

@@ -1,16 +1,27 @@
 """A remote grader as users run one, served by uvicorn in the tests: POST /numeric scores with the
 built-in numeric match; /slow never answers in time; /error answers 500; /short returns one score
-too few; /auth checks the header the worker adds from its environment."""
+too few; /auth checks the header the worker adds from its environment; /redirect answers 302 to the
+URL in its query; /big answers more bytes than the worker reads; /nonfinite scores NaN, Infinity and
+1e400. /calls counts what arrived, and whether a secret came with it, per path."""
 
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from worker.rewards.functions import numeric_match
 
 app = FastAPI()
 CALLS: dict[str, int] = {}
+
+
+@app.middleware("http")
+async def count(request: Request, call_next):
+    """Every request, by path: off-list tests assert that none arrived."""
+    if request.url.path != "/calls":
+        key = request.url.path + (" with secret" if request.headers.get("x-grader-key") else "")
+        CALLS[key] = CALLS.get(key, 0) + 1
+    return await call_next(request)
 
 
 def _items(body: dict) -> list[dict]:
@@ -20,7 +31,6 @@ def _items(body: dict) -> list[dict]:
 @app.post("/numeric")
 async def numeric(request: Request):
     body = await request.json()
-    CALLS["numeric"] = CALLS.get("numeric", 0) + 1
     return {"scores": [None if "UNSCORABLE" in it["completion"] else numeric_match(it["completion"], it["answers"])
                        for it in _items(body)]}
 
@@ -52,6 +62,28 @@ async def short(request: Request):
 async def auth(request: Request):
     ok = request.headers.get("x-grader-key") == "s3cret"
     return {"scores": [1.0 if ok else 0.0 for _ in _items(await request.json())]}
+
+
+@app.post("/redirect")
+async def redirect(to: str):
+    return RedirectResponse(to, status_code=302)
+
+
+@app.post("/big")
+async def big(request: Request, chunked: bool = False):
+    """50 MB of valid JSON, with a Content-Length or (chunked) without one."""
+    n = len(_items(await request.json()))
+    head, pad = b'{"scores": [' + b"1.0," * (n - 1) + b"1.0]", b" " * 1_000_000
+    if chunked:
+        return StreamingResponse(iter([head, *[pad] * 50, b"}"]), media_type="application/json")
+    return Response(head + pad * 50 + b"}", media_type="application/json")
+
+
+@app.post("/nonfinite")
+async def nonfinite(request: Request):
+    n = len(_items(await request.json()))
+    return Response(b'{"scores": [NaN, Infinity, 1e400, -Infinity' + b", 0.5" * (n - 4) + b"]}",
+                    media_type="application/json")
 
 
 @app.get("/calls")

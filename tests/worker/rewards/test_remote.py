@@ -14,27 +14,45 @@ from worker.rewards import Item, RewardUnavailable, Scorer, numeric_match
 from worker.rewards.remote import HttpGrader
 
 
-@pytest.fixture(scope="module")
-def grader():
+def _serve(host: str):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "tests.worker.rewards.grader_app:app", "--port",
-                             str(port), "--log-level", "warning"])
-    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "tests.worker.rewards.grader_app:app", "--host", host,
+                             "--port", str(port), "--log-level", "warning"])
+    base = f"http://{host}:{port}"
     for _ in range(100):
         try:
             httpx.get(f"{base}/calls", timeout=1)
             break
         except httpx.HTTPError:
             time.sleep(0.1)
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def grader():
+    proc, base = _serve("127.0.0.1")
     yield base
     proc.terminate()
     proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def offlist():
+    """A second grader on another loopback address, on no allow-list: nothing may ever reach it."""
+    proc, base = _serve("127.0.0.2")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _settings(tmp_path, allow: str, **extra) -> Settings:
+    return Settings(GRPO_DATA_DIR=tmp_path, GRPO_REWARD_URLS=allow, GRPO_REWARD_AUTH_HEADER="X-Grader-Key",
+                    GRPO_REWARD_AUTH_ENV="TEST_GRADER_SECRET", **extra)
+
+
 def _grader(base, path, tmp_path, monkeypatch=None, **kw):
-    settings = Settings(GRPO_DATA_DIR=tmp_path, GRPO_REWARD_URLS=f"{base}/", GRPO_REWARD_AUTH_HEADER="X-Grader-Key",
-                        GRPO_REWARD_AUTH_ENV="TEST_GRADER_SECRET")
-    return HttpGrader(HttpReward(name="http", url=f"{base}/{path}", **kw), settings=settings, job_id=7)
+    return HttpGrader(HttpReward(name="http", url=f"{base}/{path}", **kw), settings=_settings(tmp_path, f"{base}/"),
+                      job_id=7)
 
 
 ITEMS = [Item("Tom has 3 eggs and gets 4 more.", c, ("7",)) for c in
@@ -137,3 +155,70 @@ def test_a_grader_that_stays_down_fails_the_job_with_a_readable_event(grader, se
     warnings = [e for e in events if e.type == "warning"]  # the first failure, in the evaluation at step 0
     assert len(warnings) == 1 and "HTTP 500" in warnings[0].data["failures"][0]["error"]
     assert "eval/reward_mean" in warnings[0].message
+
+
+# Issue 25's cases, as the worker meets them: a stored spec whose URL was never checked (or an
+# allow-list changed since submit). The allow-list is `{g}/ok/` (the real grader, below /ok/ only)
+# and `{a}` (a whole port on which nothing listens); `{o}` is the off-list grader.
+OFF_LIST = [
+    "{g}/ok/../numeric",
+    "{g}/ok/%2e%2e/numeric",
+    "http://{a_netloc}@{o_netloc}/numeric",
+    "{o}/ok/numeric",
+]
+
+
+@pytest.mark.parametrize("url", OFF_LIST)
+def test_the_worker_calls_no_url_off_the_list(grader, offlist, tmp_path, monkeypatch, url):
+    monkeypatch.setenv("TEST_GRADER_SECRET", "s3cret")
+    allowed_port = f"127.0.0.1:{free_port()}"
+    url = url.format(g=grader, o=offlist, a_netloc=allowed_port, o_netloc=offlist.split("//")[1])
+    before = httpx.get(f"{offlist}/calls").json()
+    spec = HttpReward.model_construct(**{**HttpReward(name="http", url=f"{grader}/ok/x").model_dump(), "url": url})
+    with pytest.raises(RewardUnavailable, match="not on the admin's allow-list|userinfo"):
+        HttpGrader(spec, settings=_settings(tmp_path, f"{grader}/ok/,http://{allowed_port}"), job_id=7)
+    assert httpx.get(f"{offlist}/calls").json() == before
+
+
+def test_a_redirect_off_the_list_is_not_followed(grader, offlist, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEST_GRADER_SECRET", "s3cret")
+    before = httpx.get(f"{offlist}/calls").json()
+    g = _grader(grader, f"redirect?to={offlist}/numeric", tmp_path)
+    out = Scorer([g]).score(ITEMS, step=1)
+    assert all(v != v for v in out.total)
+    assert "a redirect" in out.failures[0].error and "HTTP 302" in out.failures[0].error
+    assert httpx.get(f"{offlist}/calls").json() == before
+    # the secret went to the allowed grader only
+    assert httpx.get(f"{grader}/calls").json().get("/redirect with secret", 0) >= 1
+
+
+@pytest.mark.parametrize("path,words", [("big", "answered 50000037 bytes, over 1000000"),
+                                        ("big?chunked=true", "answered more than 1000000 bytes")])
+def test_an_answer_past_the_cap_is_not_read(grader, tmp_path, path, words):
+    g = HttpGrader(HttpReward(name="http", url=f"{grader}/{path}", max_retries=0),
+                   settings=_settings(tmp_path, f"{grader}/", GRPO_REWARD_MAX_RESPONSE_BYTES=1_000_000), job_id=7)
+    t0 = time.perf_counter()
+    out = Scorer([g]).score(ITEMS, step=1)
+    assert f"{words} (GRPO_REWARD_MAX_RESPONSE_BYTES)" in out.failures[0].error
+    assert time.perf_counter() - t0 < 5  # stopped reading, not a 50 MB download
+
+
+def test_non_finite_scores_exclude_their_items_only(grader, tmp_path):
+    g = _grader(grader, "nonfinite", tmp_path, max_failed_steps=1)
+    for step in (1, 2):  # not a failed step: the limit of one is never reached
+        out = Scorer([g]).score(ITEMS, step=step)
+        assert out.per_fn["http"][4:] == [0.5, 0.5]
+        assert all(v != v for v in out.per_fn["http"][:4])
+        assert sorted(f.index for f in out.failures) == [0, 1, 2, 3]
+        assert all("not a finite number" in f.error for f in out.failures)
+    assert g.failed_steps == []
+
+
+def test_a_host_name_resolving_to_a_metadata_address_is_not_called(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(2, 1, 6, "", ("169.254.169.254", 80))])
+    g = HttpGrader(HttpReward(name="http", url="http://grader.internal.test/score", max_retries=0),
+                   settings=_settings(tmp_path, "http://grader.internal.test/"), job_id=7)
+    out = Scorer([g]).score(ITEMS, step=1)
+    assert "resolves to 169.254.169.254, a cloud metadata address" in out.failures[0].error

@@ -260,6 +260,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
     )
     app.state.settings = settings
     app.state.schema = schema
+    app.state.upload_slots = files.UploadSlots(per_process=settings.max_uploads,
+                                               per_owner=settings.max_uploads_per_owner)
     app.state.stream_hub = stream.StreamHub(settings.store_url)
     registry = CollectorRegistry()
     registry.register(_JobCollector(settings))

@@ -7,14 +7,24 @@ and the worker reads the same rows with `read_rows` and `task_row` / `corpus_row
   several references; joint jobs may write `query` for `prompt` and add `gold_doc_id`.
 - `corpus` rows: `{"id": str | int, "text": str}`, ids unique.
 
+An upload is untrusted: a 41 KB Parquet file can decode to gigabytes, a 100 KB one can hold 20
+million rows. `check_file` reads within a `Budget` (rows, bytes per row, decoded bytes, bytes per
+Parquet row group) and stops at the first limit it meets, before decoding what lies past it; the
+API runs it in a child process (`check_file_isolated`) under a memory and a time limit, so that
+what the budgets cannot foresee (a Parquet footer that lies) costs the child, never the API.
+
 Never imports torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +33,25 @@ PURPOSES: tuple[str, ...] = ("train", "eval", "corpus")
 Format = Literal["jsonl", "parquet"]
 PARQUET_MAGIC = b"PAR1"
 MAX_ERRORS = 10  # reported per refused file
+BATCH_ROWS = 64  # Parquet rows decoded at a time
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What reading one uploaded file may cost; each limit is named after its setting."""
+
+    max_rows: int = 1_000_000  # GRPO_MAX_FILE_ROWS
+    max_row_bytes: int = 1 << 20  # GRPO_MAX_ROW_BYTES: one JSONL line, or one Parquet row's values
+    max_decoded_bytes: int = 1 << 30  # GRPO_MAX_DECODED_BYTES: all rows, decoded
+    max_row_group_bytes: int = 128 << 20  # GRPO_MAX_ROW_GROUP_BYTES: one Parquet row group, uncompressed
+
+
+class OverBudget(ValueError):
+    """A file past one of its budget's limits: `limit` names the setting."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(f"{message} ({limit})")
+        self.limit = limit
 
 
 class RowError(ValueError):
@@ -86,13 +115,21 @@ def sniff(path: Path) -> Format:
         return "parquet" if f.read(4) == PARQUET_MAGIC else "jsonl"
 
 
-def read_rows(path: Path, fmt: Format) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line or row number, row) for every row; RowError for one that does not parse."""
+def read_rows(path: Path, fmt: Format, budget: Budget | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line or row number, row) for every row; RowError for one that does not parse, OverBudget for
+    a file past `budget` (unlimited when None: the worker reads files the API already checked)."""
     if fmt == "parquet":
-        yield from _parquet_rows(path)
+        yield from _parquet_rows(path, budget)
         return
+    limit = budget.max_row_bytes if budget else -1
     with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
+        n = 0
+        while raw := f.readline(limit + 1 if budget else -1):
+            n += 1
+            if budget and len(raw) > limit:  # never read past the limit to find the line's end
+                raise OverBudget("GRPO_MAX_ROW_BYTES", f"line {n} is longer than {limit} bytes")
+            if budget and n > budget.max_rows:
+                raise OverBudget("GRPO_MAX_FILE_ROWS", f"the file has more than {budget.max_rows} lines")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -108,19 +145,77 @@ def read_rows(path: Path, fmt: Format) -> Iterator[tuple[int, dict[str, Any]]]:
             yield n, row
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _value_bytes(v: Any) -> int:
+    """About what a decoded value holds: its text's bytes, 8 for a number."""
+    if isinstance(v, (str, bytes)):
+        return len(v)
+    if isinstance(v, dict):
+        return sum(len(str(k)) + _value_bytes(x) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return sum(_value_bytes(x) for x in v)
+    return 8
+
+
+def _batch_bytes(batch) -> int:
+    """What a record batch's values hold once turned into Python rows: a dictionary-encoded text
+    column counts each row's entry, not the dictionary once (that is how such pages expand)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = 0
+    for col in batch.columns:
+        if pa.types.is_dictionary(col.type) and (pa.types.is_string(col.type.value_type) or pa.types.is_binary(
+                col.type.value_type) or pa.types.is_large_string(col.type.value_type)):
+            total += pc.sum(pc.take(pc.binary_length(col.dictionary), col.indices)).as_py() or 0
+        else:
+            total += col.nbytes
+    return total
+
+
+def _parquet_rows(path: Path, budget: Budget | None) -> Iterator[tuple[int, dict[str, Any]]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    n = 0
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        n = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                n += 1
-                yield n, row
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        if budget:  # the footer's figures, before anything is decompressed
+            if md.num_rows > budget.max_rows:
+                raise OverBudget("GRPO_MAX_FILE_ROWS", f"the file has {md.num_rows} rows, more than {budget.max_rows}")
+            sizes = [sum(md.row_group(g).column(c).total_uncompressed_size for c in range(md.num_columns))
+                     for g in range(md.num_row_groups)]
+            for g, size in enumerate(sizes):
+                if size > budget.max_row_group_bytes:
+                    raise OverBudget("GRPO_MAX_ROW_GROUP_BYTES", f"row group {g} decompresses to {size} bytes, "
+                                     f"more than {budget.max_row_group_bytes}")
+            if sum(sizes) > budget.max_decoded_bytes:
+                raise OverBudget("GRPO_MAX_DECODED_BYTES", f"the file decompresses to {sum(sizes)} bytes, "
+                                 f"more than {budget.max_decoded_bytes}")
+        decoded = 0
+        for g in range(md.num_row_groups):
+            # small batches: a dictionary-encoded column can decode far past what its pages hold
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], use_threads=False):
+                size = _batch_bytes(batch) if budget else 0
+                decoded += size
+                if budget and decoded > budget.max_decoded_bytes:
+                    raise OverBudget("GRPO_MAX_DECODED_BYTES", f"the rows decode to more than "
+                                     f"{budget.max_decoded_bytes} bytes")
+                if budget and size > BATCH_ROWS * budget.max_row_bytes:  # before any row becomes Python
+                    raise OverBudget("GRPO_MAX_ROW_BYTES", f"rows {n + 1}-{n + batch.num_rows} hold {size} bytes: "
+                                     f"more than {budget.max_row_bytes} in a row")
+                for row in batch.to_pylist():
+                    n += 1
+                    if budget and n > budget.max_rows:  # a footer that undercounts
+                        raise OverBudget("GRPO_MAX_FILE_ROWS", f"the file has more than {budget.max_rows} rows")
+                    if budget and (size := _value_bytes(row)) > budget.max_row_bytes:
+                        raise OverBudget("GRPO_MAX_ROW_BYTES", f"row {n} holds {size} bytes, more than "
+                                         f"{budget.max_row_bytes}")
+                    yield n, row
     except (pa.ArrowException, OSError) as exc:
-        raise RowError(n if "n" in locals() else 0, f"not a readable Parquet file ({exc})", where="row") from None
+        if isinstance(exc, MemoryError):
+            raise
+        raise RowError(n, f"not a readable Parquet file ({exc})", where="row") from None
 
 
 @dataclass
@@ -133,8 +228,10 @@ class Checked:
     errors: list[str] = field(default_factory=list)
 
 
-def check_file(path: Path, purpose: Purpose, *, max_errors: int = MAX_ERRORS) -> Checked:
-    """Read every row of `path` and check it for `purpose`; stops after `max_errors` errors."""
+def check_file(path: Path, purpose: Purpose, *, budget: Budget | None = None,
+               max_errors: int = MAX_ERRORS) -> Checked:
+    """Read every row of `path` and check it for `purpose`; stops after `max_errors` errors.
+    OverBudget for a file past `budget`."""
     fmt = sniff(path)
     out = Checked(fmt)
     where = "row" if fmt == "parquet" else "line"
@@ -142,7 +239,7 @@ def check_file(path: Path, purpose: Purpose, *, max_errors: int = MAX_ERRORS) ->
     columns: set[str] = set()
     parse = corpus_row if purpose == "corpus" else task_row
     try:
-        for n, row in read_rows(path, fmt):
+        for n, row in read_rows(path, fmt, budget or Budget()):
             out.rows += 1
             columns.update(row)
             try:
@@ -162,3 +259,42 @@ def check_file(path: Path, purpose: Purpose, *, max_errors: int = MAX_ERRORS) ->
         out.errors.append("the file has no rows")
     out.columns = sorted(columns)
     return out
+
+
+def check_file_isolated(path: Path, purpose: Purpose, *, budget: Budget, memory_bytes: int,
+                        timeout_s: float) -> Checked:
+    """`check_file` in a child process whose heap may not pass `memory_bytes` and that is killed
+    after `timeout_s`: OverBudget naming GRPO_UPLOAD_MEMORY_BYTES or GRPO_UPLOAD_CHECK_S then."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ARROW_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "from service.datafiles import _child; _child()", str(path), purpose,
+             json.dumps(asdict(budget)), str(memory_bytes)],
+            capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise OverBudget("GRPO_UPLOAD_CHECK_S", f"checking the file took longer than {timeout_s:g} s") from None
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):  # killed, or out of memory before it could answer
+        raise OverBudget("GRPO_UPLOAD_MEMORY_BYTES", f"reading the file needed more than {memory_bytes} bytes of "
+                         f"memory (the check ended with status {proc.returncode})") from None
+    if "over" in result:
+        raise OverBudget(result["over"]["limit"], result["over"]["message"])
+    return Checked(**result["checked"])
+
+
+def _child() -> None:
+    """The child of `check_file_isolated`: argv PATH PURPOSE BUDGET_JSON MEMORY_BYTES; one JSON line on
+    stdout. Its heap is capped first, before pyarrow is imported (RLIMIT_DATA counts what malloc and
+    mmap take, not the shared libraries)."""
+    memory = int(sys.argv[4])
+    resource.setrlimit(resource.RLIMIT_DATA, (memory, memory))
+    path, purpose, budget = Path(sys.argv[1]), sys.argv[2], Budget(**json.loads(sys.argv[3]))
+    try:
+        result: dict[str, Any] = {"checked": asdict(check_file(path, purpose, budget=budget))}  # type: ignore[arg-type]
+    except OverBudget as exc:
+        result = {"over": {"limit": exc.limit, "message": str(exc).removesuffix(f" ({exc.limit})")}}
+    except MemoryError:
+        result = {"over": {"limit": "GRPO_UPLOAD_MEMORY_BYTES", "message": "reading the file needed more memory "
+                           "than the check may use"}}
+    print(json.dumps(result), flush=True)

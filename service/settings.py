@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.datafiles import Budget
 from service.grader_urls import GraderUrl, parse_allow_list
 
 
@@ -107,6 +108,39 @@ class Settings(BaseSettings):
         default=256 * 1024 * 1024, validation_alias="GRPO_MAX_FILE_BYTES",
         description="Largest accepted upload to POST /v1/files; bigger ones get 413.",
     )
+    max_file_rows: int = Field(
+        default=1_000_000, gt=0, validation_alias="GRPO_MAX_FILE_ROWS",
+        description="Most rows (JSONL lines, Parquet rows) in an uploaded file; more get 413.",
+    )
+    max_row_bytes: int = Field(
+        default=1 << 20, gt=0, validation_alias="GRPO_MAX_ROW_BYTES",
+        description="Longest JSONL line, or most bytes of values in one Parquet row, of an upload; more get 413.",
+    )
+    max_decoded_bytes: int = Field(
+        default=1 << 30, gt=0, validation_alias="GRPO_MAX_DECODED_BYTES",
+        description="Most bytes an uploaded file's rows may decode to (a compressed Parquet column can expand "
+        "a thousandfold); more get 413.",
+    )
+    max_row_group_bytes: int = Field(
+        default=128 << 20, gt=0, validation_alias="GRPO_MAX_ROW_GROUP_BYTES",
+        description="Most bytes one row group of an uploaded Parquet file may decompress to; more get 413.",
+    )
+    upload_memory_bytes: int = Field(
+        default=1 << 30, ge=256 << 20, validation_alias="GRPO_UPLOAD_MEMORY_BYTES",
+        description="Memory the child process that checks an upload may take; past it the upload gets 413.",
+    )
+    upload_check_s: float = Field(
+        default=120.0, gt=0, validation_alias="GRPO_UPLOAD_CHECK_S",
+        description="Longest an upload's check may run; past it the upload gets 413.",
+    )
+    max_uploads: int = Field(
+        default=4, ge=1, validation_alias="GRPO_MAX_UPLOADS",
+        description="Uploads checked at once by one API process; one more gets 429 with Retry-After.",
+    )
+    max_uploads_per_owner: int = Field(
+        default=2, ge=1, validation_alias="GRPO_MAX_UPLOADS_PER_OWNER",
+        description="Uploads of one owner checked at once by one API process; one more gets 429.",
+    )
     max_body_bytes: int = Field(
         default=1_048_576, validation_alias="GRPO_MAX_BODY_BYTES",
         description="Largest accepted request body; bigger ones get 413.",
@@ -173,6 +207,11 @@ class Settings(BaseSettings):
     @property
     def reward_urls(self) -> list[GraderUrl]:
         return parse_allow_list(_split(self.reward_urls_env))
+
+    @property
+    def upload_budget(self) -> Budget:
+        return Budget(max_rows=self.max_file_rows, max_row_bytes=self.max_row_bytes,
+                      max_decoded_bytes=self.max_decoded_bytes, max_row_group_bytes=self.max_row_group_bytes)
 
     @property
     def models_dir(self) -> Path:

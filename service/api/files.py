@@ -3,23 +3,32 @@
 An upload streams to a temporary file (never whole in memory), is hashed and checked row by row
 for its purpose, and only then goes to the artifact store and gets a row: a refused file
 stores nothing. A file belongs to its owner: another owner's id is a 404 here and a 422 in a spec.
+
+The check reads untrusted bytes, so it runs in a child process within the upload budget (rows,
+bytes per row, decoded bytes, memory, time: 413 naming the setting past which it went), and only
+so many run at once, per process and per owner (429): a flood of hostile files costs its sender
+waiting, never the other tenants their API.
 """
 
 from __future__ import annotations
 
 import hashlib
 import tempfile
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path as FsPath, PurePath
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, HTTPException, Path, Query, Response, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Path, Query, Request, Response, UploadFile
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import FileOut, FilePage, error_responses
 from service.artifacts import file_key, open_store
-from service.datafiles import MAX_ERRORS, check_file
+from service.datafiles import MAX_ERRORS, OverBudget, check_file_isolated
 from service.sources import files_named, owner_folder
 from service.specs import FILE_ID
 from service.store import files as files_q
@@ -32,13 +41,37 @@ PurposeField = Literal["train", "eval", "corpus"]
 MEDIA = {"jsonl": "application/jsonl", "parquet": "application/vnd.apache.parquet"}
 
 
+class UploadSlots:
+    """How many uploads one API process is checking: in all, and per owner."""
+
+    def __init__(self, *, per_process: int, per_owner: int) -> None:
+        self.per_process, self.per_owner = per_process, per_owner
+        self.lock, self.owners = threading.Lock(), Counter()
+
+    @contextmanager
+    def take(self, owner: str) -> Iterator[None]:
+        with self.lock:
+            if self.owners[owner] >= self.per_owner:
+                raise HTTPException(429, f"{self.owners[owner]} of your uploads are being checked; at most "
+                                    f"{self.per_owner} at once (GRPO_MAX_UPLOADS_PER_OWNER)", {"Retry-After": "2"})
+            if self.owners.total() >= self.per_process:
+                raise HTTPException(429, f"{self.per_process} uploads are being checked, the most at once "
+                                    "(GRPO_MAX_UPLOADS)", {"Retry-After": "2"})
+            self.owners[owner] += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.owners[owner] -= 1
+
+
 def _refused(message: str) -> JSONResponse:
     return JSONResponse(format_errors([{"loc": ("body", "file"), "msg": message, "type": "invalid_file"}]), 422)
 
 
-@router.post("", status_code=201, response_model=FileOut, responses=error_responses(413))
+@router.post("", status_code=201, response_model=FileOut, responses=error_responses(413, 429))
 def upload_file(
-    owner: OwnerDep, session: SessionDep, settings: SettingsDep,
+    request: Request, owner: OwnerDep, session: SessionDep, settings: SettingsDep,
     file: Annotated[UploadFile, File(description="A JSONL or Parquet file. train/eval rows: {prompt, answer} or "
                                      "{prompt|query, answers: [...], gold_doc_id?}; corpus rows: {id, text}.")],
     purpose: Annotated[PurposeField, Form(description="What the file is for: train, eval or corpus.")],
@@ -52,7 +85,13 @@ def upload_file(
             tmp.write(chunk)
         tmp.flush()
         path = FsPath(tmp.name)
-        checked = check_file(path, purpose)
+        with request.app.state.upload_slots.take(owner):
+            try:
+                checked = check_file_isolated(path, purpose, budget=settings.upload_budget,
+                                              memory_bytes=settings.upload_memory_bytes,
+                                              timeout_s=settings.upload_check_s)
+            except OverBudget as exc:
+                raise HTTPException(413, f"{filename} is refused: {exc}") from None
         if checked.errors:
             more = " (and perhaps more: checking stopped there)" if len(checked.errors) >= MAX_ERRORS else ""
             return _refused(f"{filename} cannot be used for {purpose}: " + "; ".join(checked.errors) + more)

@@ -27,7 +27,7 @@ class ValidationErrorOut(BaseModel):
 
 
 class ErrorOut(BaseModel):
-    """Every other error (401, 404, 409, 413, 503): what is wrong, in a sentence."""
+    """Every other error (401, 404, 409, 413, 429, 503): what is wrong, in a sentence."""
 
     detail: str
 
@@ -37,7 +37,10 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
     what = {401: "Missing, invalid, revoked or expired API key.",
             404: "No such job, file or checkpoint for this key's owner.",
             409: "The job or file is in a state that does not allow this (the detail says which).",
-            413: "The request body is over the limit.",
+            413: "The request body is over the limit, or an uploaded file is over one of its budgets (rows, "
+                 "bytes per row, decoded bytes, memory, time: the detail names the setting).",
+            429: "Too many uploads are being checked at once, for this owner or this API process; retry after "
+                 "`Retry-After` seconds.",
             422: "The request names a field wrongly; nothing was stored.",
             503: "The store (or the job queue) is unreachable; retry after `Retry-After` seconds."}
     return {c: {"model": ValidationErrorOut if c == 422 else ErrorOut, "description": what[c]} for c in codes}

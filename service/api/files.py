@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
-from service.api.schemas import FileOut, FilePage, error_responses
+from service.api.schemas import FileOut, FilePage, binary_content, download_type, error_responses
 from service.artifacts import file_key, open_store
 from service.datafiles import MAX_ERRORS, OverBudget, check_file_isolated
 from service.sources import files_named, owner_folder
@@ -65,6 +65,12 @@ class UploadSlots:
                 self.owners[owner] -= 1
 
 
+def binary_part(schema: dict) -> None:
+    """A file part as generated clients know one (`format: binary`), not JSON Schema's `contentMediaType`."""
+    schema.pop("contentMediaType", None)
+    schema["format"] = "binary"
+
+
 def _refused(message: str) -> JSONResponse:
     return JSONResponse(format_errors([{"loc": ("body", "file"), "msg": message, "type": "invalid_file"}]), 422)
 
@@ -73,7 +79,8 @@ def _refused(message: str) -> JSONResponse:
 def upload_file(
     request: Request, owner: OwnerDep, session: SessionDep, settings: SettingsDep,
     file: Annotated[UploadFile, File(description="A JSONL or Parquet file. train/eval rows: {prompt, answer} or "
-                                     "{prompt|query, answers: [...], gold_doc_id?}; corpus rows: {id, text}.")],
+                                     "{prompt|query, answers: [...], gold_doc_id?}; corpus rows: {id, text}.",
+                                     json_schema_extra=binary_part)],
     purpose: Annotated[PurposeField, Form(description="What the file is for: train, eval or corpus.")],
 ):
     filename = PurePath((file.filename or "upload").replace("\\", "/")).name[:255] or "upload"
@@ -127,9 +134,10 @@ def get_file(file_id: FileId, owner: OwnerDep, session: SessionDep):
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse, responses={
-    200: {"content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA.values()},
-          "description": "The file as uploaded."}, **error_responses(404)})
-def file_content(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
+    200: {"content": binary_content(*MEDIA.values()), "description": "The file as uploaded: application/jsonl or "
+          "application/vnd.apache.parquet, or application/octet-stream to a client that accepts only that."},
+    **error_responses(404)})
+def file_content(request: Request, file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     f = _owned(session, owner, file_id)
     try:
         src = open_store(settings).open(f.key)
@@ -141,7 +149,8 @@ def file_content(file_id: FileId, owner: OwnerDep, session: SessionDep, settings
             while chunk := src.read(1 << 16):
                 yield chunk
 
-    return StreamingResponse(chunks(), media_type=MEDIA[f.format], headers={
+    media = download_type(request.headers.get("accept", ""), MEDIA[f.format])
+    return StreamingResponse(chunks(), media_type=media, headers={
         "Content-Disposition": f'attachment; filename="{f.id}.{f.format}"', "Content-Length": str(f.bytes)})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from service.api.deps import MAX_INT, JobDep, SessionDep, SettingsDep
@@ -15,6 +15,8 @@ from service.api.schemas import (
     SampleOut,
     SelectionOut,
     SparsityOut,
+    binary_content,
+    download_type,
     error_responses,
 )
 from service.store import records
@@ -68,10 +70,12 @@ def job_checkpoints(job: JobDep, session: SessionDep):
 
 
 @router.get("/{job_id}/checkpoints/{step}/archive", response_class=StreamingResponse,
-            responses={200: {"content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+            responses={200: {"content": binary_content("application/gzip"),
                              "description": "A .tar.gz of folder `job-<id>-step-<step>/`: the peft adapter folder "
-                             "(LoRA) or the transformers model folder, with the tokenizer."}})
-def checkpoint_archive(job: JobDep, session: SessionDep, settings: SettingsDep,
+                             "(LoRA) or the transformers model folder, with the tokenizer. Sent as "
+                             "`application/gzip`, or as `application/octet-stream` to a client that accepts only "
+                             "that (generated clients know it as bytes)."}})
+def checkpoint_archive(request: Request, job: JobDep, session: SessionDep, settings: SettingsDep,
                        step: Annotated[int, Path(ge=0, le=MAX_INT, description="The checkpoint's step.")]):
     if records.get_checkpoint(session, job_id=job.id, step=step) is None:
         raise HTTPException(404, f"job {job.id} has no checkpoint at step {step}")
@@ -80,5 +84,6 @@ def checkpoint_archive(job: JobDep, session: SessionDep, settings: SettingsDep,
     if not files:
         raise HTTPException(404, f"the files of job {job.id}'s checkpoint at step {step} are gone from the artifact store")
     top = f"job-{job.id}-step-{step}"
-    return StreamingResponse(tar_gz(store, prefix, files, top=top), media_type="application/gzip",
+    media = download_type(request.headers.get("accept", ""), "application/gzip")
+    return StreamingResponse(tar_gz(store, prefix, files, top=top), media_type=media,
                              headers={"Content-Disposition": f'attachment; filename="{top}.tar.gz"'})

@@ -46,6 +46,20 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
     return {c: {"model": ValidationErrorOut if c == 422 else ErrorOut, "description": what[c]} for c in codes}
 
 
+OCTET_STREAM = "application/octet-stream"
+
+
+def binary_content(media: str, *more: str) -> dict:
+    """OpenAPI `content` of a download: its own media types, and application/octet-stream, the one
+    every generated client reads as bytes (sent to a client that accepts only that: `download_type`)."""
+    return {m: {"schema": {"type": "string", "format": "binary"}} for m in (media, *more, OCTET_STREAM)}
+
+
+def download_type(accept: str, media: str) -> str:
+    """`media`, unless the Accept header asks for application/octet-stream and not for `media`."""
+    return OCTET_STREAM if OCTET_STREAM in accept and media not in accept else media
+
+
 class LatestPoint(BaseModel):
     step: int
     value: float

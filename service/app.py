@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api import files, health, jobs, metrics, reports, rewards, specs, stream
 from service.api.errors import format_errors
 from service.api.strict import StrictRouting
-from service.artifacts import ArtifactStoreError
-from service.settings import Settings, get_settings
-from service.specs import STATUSES
+from service.core.artifacts import ArtifactStoreError
+from service.core.settings import Settings, get_settings
+from service.core.specs import STATUSES
 from service.store import jobs as jobs_q
 from service.store.db import is_unreachable, session_scope
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from service.reward_specs import ENTRY_MODELS
-from service.specs import KINDS
+from service.core.reward_specs import ENTRY_MODELS
+from service.core.specs import KINDS
 
 
 def field_path(loc: tuple) -> str:

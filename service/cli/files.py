@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from service.cli import main
+from service.cli.group import main
 from service.cli.common import check, client, key_opt, url_opt
 
 PURPOSES = ("train", "eval", "corpus")

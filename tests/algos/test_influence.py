@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from service.specs import LoraSpec, ModelSpec
+from service.core.specs import LoraSpec, ModelSpec
 from worker.algos.influence import GhostHooks, influence_scores
 from worker.algos.lora import lora_layers
 from worker.models import load_policy

@@ -25,11 +25,12 @@ from functools import partial
 
 import torch
 
-from service.settings import Settings
-from service.specs import TracInJob
-from service.store.records import SelectionRecord
+from service.core.records import SelectionRecord
+from service.core.settings import Settings
+from service.core.specs import TracInJob
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
+from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -38,7 +39,6 @@ from worker.loops.rollouts import (
     draw_prompts,
 )
 from worker.loops.setup import Setup, build
-from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything, step_seed, trainable
 

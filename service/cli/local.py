@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from service.cli.group import main
 from service.cli.common import load_spec_file
+from service.cli.group import main
 from service.core.settings import get_settings
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 import httpx
 
-from service.cli.group import main
 from service.cli.client import watch_job
 from service.cli.common import DEV_KEY_FILE, check, load_spec_file
+from service.cli.group import main
 from service.core import queue
 from service.core.settings import get_settings
 

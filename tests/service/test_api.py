@@ -251,7 +251,7 @@ def test_security_headers_and_a_metrics_token(settings_factory):
 def test_stream_tokens_are_redacted_from_access_logs():
     import logging
 
-    from service.app import RedactTokens
+    from service.api.security import RedactTokens
 
     record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
                                ("1.2.3.4", "GET", "/v1/jobs/1/stream?from_step=2&access_token=gjs_abc.def", "1.1", 200),

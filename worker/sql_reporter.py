@@ -199,8 +199,8 @@ class SqlReporter(Reporter):
         found = self._write(lambda s: records.owned_checkpoint(s, owner=self.owner, job_id=job, step=step))
         try:
             if found is not None:
-                earlier, ckpt = found
-                return InitWeights(self._fetch(checkpoint_key(earlier.uid, ckpt.step)), job, ckpt.step)
+                step = found.checkpoint.step
+                return InitWeights(self._fetch(checkpoint_key(found.job.uid, step)), job, step)
         except FileNotFoundError:
             pass
         raise ValueError(unavailable_checkpoint(job, step))  # checked at submit; gone since (deleted, files lost)

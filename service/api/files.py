@@ -174,7 +174,7 @@ def file_content(request: Request, file_id: FileId, owner: OwnerDep, session: Se
 @router.delete("/{file_id}", status_code=204, response_class=Response, responses=error_responses(404, 409, 413))
 def delete_file(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep) -> Response:
     f = _owned(session, owner, file_id)
-    users = [j.id for j in jobs_q.active_jobs(session, owner=owner) if file_id in files_named(j.spec)]
+    users = [j.id for j in jobs_q.active_jobs(session, owner=owner) if file_id in files_named(j.job_spec())]
     if users:
         raise HTTPException(409, f"file {file_id} is used by unfinished job(s) {', '.join(map(str, users))}: "
                             "delete it once they have finished")

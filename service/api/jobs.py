@@ -94,8 +94,8 @@ def delete_job(job: JobDep, session: SessionDep, settings: SettingsDep) -> Respo
 
 
 def _starts_from(job, earlier: int) -> bool:
-    init = (job.spec.get("model") or {}).get("init_from") or {}
-    return init.get("job") == earlier
+    spec = job.job_spec()
+    return spec is not None and spec.model.init_from is not None and spec.model.init_from.job == earlier
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404))

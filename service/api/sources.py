@@ -34,16 +34,18 @@ def _init_errors(spec, session: Session, owner: str) -> list[dict]:
     found = records.owned_checkpoint(session, owner=owner, job_id=init.job, step=init.step)
     if found is None:
         return [{"loc": ("model", "init_from"), "msg": unavailable_checkpoint(init.job, init.step), "type": "unavailable"}]
-    earlier = found[0].spec.get("model", {})
-    lora = spec.model.lora
-    same_lora = (lora is None and earlier.get("lora") is None) or (
-        lora is not None and earlier.get("lora") is not None
-        and {k: earlier["lora"].get(k) for k in ("r", "alpha", "target_modules")}
-        == {"r": lora.r, "alpha": lora.alpha, "target_modules": lora.target_modules})
-    if earlier.get("name") != spec.model.name or not same_lora:
+    earlier_spec = found.job.job_spec()
+    earlier = None if earlier_spec is None else earlier_spec.model
+
+    def shape(lora) -> tuple | None:
+        return None if lora is None else (lora.r, lora.alpha, lora.target_modules)
+
+    if earlier is None or earlier.name != spec.model.name or shape(earlier.lora) != shape(spec.model.lora):
+        trained = "a model this version cannot read" if earlier is None else \
+            f"{earlier.name!r} with lora {None if earlier.lora is None else earlier.lora.model_dump(mode='json')}"
         return [{"loc": ("model", "init_from"), "type": "mismatch",
-                 "msg": f"job {init.job} trained {earlier.get('name')!r} with lora {earlier.get('lora')}: model.name and "
-                 "model.lora (r, alpha, target_modules) must be the same to start from its weights"}]
+                 "msg": f"job {init.job} trained {trained}: model.name and model.lora (r, alpha, target_modules) "
+                 "must be the same to start from its weights"}]
     return []
 
 

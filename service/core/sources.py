@@ -20,7 +20,7 @@ import re
 from pathlib import Path, PurePosixPath
 
 from service.core.settings import Settings
-from service.core.specs import _HF_ID, unavailable_model
+from service.core.specs import _HF_ID, JobSpec, unavailable_model
 
 SHARED_PREFIX = "shared/"
 # An owner name that is a folder name as it is; `keys create` accepts only these.
@@ -110,10 +110,9 @@ def unavailable_checkpoint(job: int, step: int | None) -> str:
 FILE_FIELDS = {"train_file": "train", "val_file": "eval", "corpus_file": "corpus"}
 
 
-def files_named(spec: dict) -> set[str]:
-    """The uploaded file ids a stored spec names."""
-    dataset = spec.get("dataset") or {}
-    return {dataset[f] for f in FILE_FIELDS if dataset.get(f)}
+def files_named(spec: JobSpec | None) -> set[str]:
+    """The uploaded file ids a spec names (none for a stored spec this version cannot read)."""
+    return set() if spec is None else {v for f in FILE_FIELDS if (v := getattr(spec.dataset, f))}
 
 
 def unavailable_upload(field: str, file_id: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
@@ -80,11 +82,17 @@ def latest_checkpoint(session: Session, *, job_id: int) -> Checkpoint | None:
     ).first()
 
 
-def owned_checkpoint(session: Session, *, owner: str, job_id: int, step: int | None) -> tuple[Job, Checkpoint] | None:
+@dataclass(frozen=True)
+class OwnedCheckpoint:
+    job: Job
+    checkpoint: Checkpoint
+
+
+def owned_checkpoint(session: Session, *, owner: str, job_id: int, step: int | None) -> OwnedCheckpoint | None:
     """One of `owner`'s own checkpoints (`step` None: the latest), or None (another owner's reads as missing)."""
     job = jobs_q.get_job(session, job_id=job_id, owner=owner)
     if job is None:
         return None
     ckpt = (latest_checkpoint(session, job_id=job_id) if step is None
             else get_checkpoint(session, job_id=job_id, step=step))
-    return None if ckpt is None else (job, ckpt)
+    return None if ckpt is None else OwnedCheckpoint(job, ckpt)

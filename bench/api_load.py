@@ -25,14 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from scratch_db import (  # bench/ is on the path when a bench runs
+    DEFAULT_URL,
+    scratch_database,
+)
 
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q
 from service.store import metrics as metrics_q
 from service.store.db import get_engine, session_scope
 from service.store.migrate import upgrade
-
-from scratch_db import DEFAULT_URL, scratch_database  # bench/ is on the path when a bench runs
 
 METRIC_KEYS = [
     "reward/mean", "reward/std", "reward/numeric_match/mean", "frac_reward_zero_std", "advantage/abs_mean",

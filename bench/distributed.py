@@ -25,11 +25,11 @@ from functools import wraps
 from pathlib import Path
 
 import torch.distributed as dist
+from memory import PeakRss  # bench/ is on the path when a bench runs
 from pydantic import TypeAdapter
 
-from memory import PeakRss  # bench/ is on the path when a bench runs
-from service.settings import get_settings
-from service.specs import JobSpec
+from service.core.settings import get_settings
+from service.core.specs import JobSpec
 from worker.launch import launch
 from worker.reporting import FileReporter, RankReporter
 from worker.runner import loop_for

@@ -26,9 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from service.reward_specs import HttpReward, JudgeReward, RewardModelReward, SimilarityReward
-from service.settings import Settings, get_settings
-from service.specs import GRPOJob
+from service.core.reward_specs import (
+    HttpReward,
+    JudgeReward,
+    RewardModelReward,
+    SimilarityReward,
+)
+from service.core.settings import Settings, get_settings
+from service.core.specs import GRPOJob
 from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.skeleton import Run

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import torch
-
-from service.settings import get_settings
-from service.specs import GRPOJob
 from memory import high_water_mb  # bench/ is on the path when a bench runs
+
+from service.core.settings import get_settings
+from service.core.specs import GRPOJob
 from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.skeleton import Run

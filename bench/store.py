@@ -16,16 +16,17 @@ import argparse
 import statistics
 import time
 
+from scratch_db import (  # bench/ is on the path when a bench runs
+    DEFAULT_URL,
+    scratch_database,
+)
 from sqlalchemy import func, select, text
 
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 from service.store.db import get_engine, session_scope
 from service.store.migrate import upgrade
-
 from service.store.models import Metric
-
-from scratch_db import DEFAULT_URL, scratch_database  # bench/ is on the path when a bench runs
 
 
 def main() -> None:

@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 
 import torch
+from memory import PeakRss, high_water_mb  # bench/ is on the path when a bench runs
 
-from service.settings import get_settings
-from service.specs import TracInJob
+from service.core.settings import get_settings
+from service.core.specs import TracInJob
 from worker import allocator
 from worker.algos.influence import influence_scores
 from worker.algos.lora import lora_layers
-from memory import PeakRss, high_water_mb  # bench/ is on the path when a bench runs
 from worker.algos.losses import Normaliser, sample_losses
 from worker.loops.rollouts import collect_rollouts, collect_train_rollouts, draw_prompts
 from worker.loops.setup import build
@@ -98,7 +98,7 @@ def child(args) -> None:
     excluded) and peak RSS."""
     from pydantic import TypeAdapter
 
-    from service.specs import JobSpec
+    from service.core.specs import JobSpec
     from worker.runner import loop_for
 
     spec = TypeAdapter(JobSpec).validate_python(job(args, args.child, args.loop_steps))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from service.datafiles import read_rows, sniff, task_row  # noqa: E402
+from service.core.datafiles import read_rows, sniff, task_row  # noqa: E402
 from worker import rewards  # noqa: E402
 from worker.datasets import render_prompt  # noqa: E402
 from worker.models import TINY_PRESETS, tiny_model  # noqa: E402

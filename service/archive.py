@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from service.artifacts import COMPLETE, ArtifactStore, Stored
+from service.core.artifacts import COMPLETE, ArtifactStore, Stored
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 16

@@ -4,8 +4,8 @@ where they do not."""
 from __future__ import annotations
 
 import os
-import sys
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -116,7 +116,7 @@ def models_root(tmp_path_factory, worker_id) -> Path:
 
 @pytest.fixture
 def settings_factory(tmp_path, models_root):
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     def make(database_url: str | None = None, broker_url: str | None = None, **extra):
         return Settings(GRPO_DATA_DIR=tmp_path, DATABASE_URL=database_url, BROKER_URL=broker_url,
@@ -139,7 +139,7 @@ def _digit_share(completion, answers):
 @pytest.fixture
 def digit_reward(monkeypatch):
     """Registers `digit_share`, a dense reward with spread even for random models."""
-    from service import reward_specs
+    from service.core import reward_specs
     from worker import rewards as R
 
     monkeypatch.setitem(R.REGISTRY, "digit_share", R.RewardInfo(_digit_share))
@@ -161,7 +161,7 @@ def install_reward_plugin(site: Path, dist_name: str, module: str, source: str, 
 def digit_plugin(tmp_path, monkeypatch):
     """`digit_share` as an installed reward plugin on PYTHONPATH, so processes this test starts
     (ranks, workers) find it too."""
-    from service.reward_specs import plugins
+    from service.core.reward_specs import plugins
 
     site = tmp_path / "site"
     install_reward_plugin(site, "digit-reward", "digit_reward", "def digit_share(completion, answers):\n"

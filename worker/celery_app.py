@@ -5,8 +5,8 @@ import logging
 from celery import Celery
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
-from service import queue
-from service.settings import get_settings
+from service.core import queue
+from service.core.settings import get_settings
 from service.store.db import dispose_engines
 
 app = Celery("grpo_jobs", include=["worker.tasks"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from service.artifacts import COMPLETE, folder_store, newest_step
+from service.core.artifacts import COMPLETE, folder_store, newest_step
 from worker.algos.lora import is_lora
 
 STATE_FILE = COMPLETE  # written last: its presence marks a whole checkpoint

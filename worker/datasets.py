@@ -3,7 +3,7 @@
 `arith`: procedurally generated grade-school word problems with numeric answers, seeded, with
 disjoint train and validation splits. `jsonl`: rows {"prompt", "answer" | "answers"} from a file
 under the datasets root. `file`: the same rows from files uploaded to the service, JSONL or
-Parquet (service/datafiles.py says what a row holds).
+Parquet (service/core/datafiles.py says what a row holds).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.datafiles import RowError, corpus_row, read_rows, sniff, task_row
-from service.settings import Settings
-from service.sources import dataset_file, unavailable_file
-from service.specs import DatasetSpec
+from service.core.datafiles import RowError, corpus_row, read_rows, sniff, task_row
+from service.core.settings import Settings
+from service.core.sources import dataset_file, unavailable_file
+from service.core.specs import DatasetSpec
 
 ARITH_INSTRUCTION = "Solve the math word problem. End your reply with the final answer as a single number."
 R1_INSTRUCTION = (

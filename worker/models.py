@@ -11,9 +11,9 @@ Presets that need no network:
 from __future__ import annotations
 
 import fcntl
-import warnings
 import importlib.util
 import shutil
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,8 +22,8 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from service.sources import require_model_path
-from service.specs import MODEL_PRESETS, LoraSpec, ModelSpec
+from service.core.sources import require_model_path
+from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
 # transformers' own deprecated internals (peft calls them) on every model load.
@@ -54,7 +54,12 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from service.store.records import SampleRow, SelectionRecord, SparsityRecord
+from service.core.records import SampleRow, SelectionRecord, SparsityRecord
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
-from service.sources import require_model_path
-from service.specs import RETRIEVER_PRESETS, RetrieverSpec
+from service.core.sources import require_model_path
+from service.core.specs import RETRIEVER_PRESETS, RetrieverSpec
 from worker.models import DTYPES, char_tokenizer
 
 

@@ -17,10 +17,16 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from worker.algos.losses import entropy_from_logits
 from worker.algos.lora import is_lora
+from worker.algos.losses import entropy_from_logits
 from worker.distributed import row_seed
 
 

@@ -9,21 +9,21 @@ fails with a clear error. The outcome (status and final event) is one transactio
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
 import uuid
-from typing import Literal
-
 from collections.abc import Callable
 from functools import partial
+from typing import Literal
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-from service import queue
-from service.settings import Settings
-from service.sources import for_owner
-from service.specs import TERMINAL, JobSpec
+from service.core import queue
+from service.core.settings import Settings
+from service.core.sources import for_owner
+from service.core.specs import KINDS, TERMINAL, JobSpec, parse_spec
 from service.store import jobs as jobs_q
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
@@ -36,21 +36,25 @@ log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
 # requeued: a process of a multi-process job was killed; the job is queued again and resumes
 Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued"]
-_SPEC = TypeAdapter(JobSpec)
+LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint"}
+assert set(LOOPS) == set(KINDS), "every job kind has its loop"
 
 
 def loop_for(kind: str):
     """The training loop of a job kind (imported lazily: each pulls in torch and transformers)."""
-    if kind == "grpo":
-        from worker.loops import grpo
-        return grpo.run
-    if kind == "joint":
-        from worker.loops import joint
-        return joint.run
-    if kind == "tracin":
-        from worker.loops import tracin
-        return tracin.run
-    raise ValueError(f"unknown job kind {kind!r}")
+    if kind not in LOOPS:
+        raise ValueError(f"unknown job kind {kind!r}")
+    return importlib.import_module(LOOPS[kind]).run
+
+
+def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_reporter: Callable[[], Reporter],
+             run_id: str | None = None) -> LoopResult:
+    """Run a spec's loop to its end: in this process, or as `resources.processes` ranks that each
+    record through `rank_reporter()` while this process waits (`grpo-jobs run` and the worker)."""
+    if spec.resources.processes == 1:
+        return loop_for(spec.kind)(spec, reporter, settings=settings)
+    return launch(loop_on_ranks, (spec, settings, rank_reporter), processes=spec.resources.processes,
+                  run_id=run_id)[0]
 
 
 def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: str | None = None) -> Outcome:
@@ -134,20 +138,18 @@ def _run(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings) -> Outc
     reporter.event("started", f"attempt {lease.attempt} on {reporter.holder}",
                    data={"attempt": lease.attempt, "holder": reporter.holder})
     try:
-        spec = _SPEC.validate_python(lease.spec)
+        spec = parse_spec(lease.spec)
     except ValidationError as exc:
         message = f"stored spec is no longer valid: {exc.error_count()} errors, first: {exc.errors()[0]['msg']}"
         reporter.finish("failed", message, error=message)
         return "failed"
     owner_settings = for_owner(settings, lease.owner)  # the job sees its owner's data folder, nobody else's
+    # with several ranks, they record through their own reporters; this process holds the lease meanwhile
+    rank_reporter = partial(SqlReporter, lease.job_id, uid=lease.uid, owner=lease.owner, holder=reporter.holder,
+                            settings=owner_settings)
     try:
-        if spec.resources.processes == 1:
-            result = loop_for(spec.kind)(spec, reporter, settings=owner_settings)
-        else:  # the ranks record through their own reporter; this process holds the lease meanwhile
-            rank_reporter = partial(SqlReporter, lease.job_id, uid=lease.uid, owner=lease.owner, holder=reporter.holder,
-                                    settings=owner_settings)
-            result = launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
-                            run_id=f"job-{lease.uid}-{lease.attempt}")[0]
+        result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
+                          run_id=f"job-{lease.uid}-{lease.attempt}")
     except LeaseLost:
         raise
     except LauncherStopped as exc:  # the worker is shutting down: like a killed worker, the sweep requeues it

@@ -14,8 +14,8 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from service.specs import SparsitySpec
-from service.store.records import SparsityRecord
+from service.core.records import SparsityRecord
+from service.core.specs import SparsitySpec
 from worker.algos.lora import lora_layers
 from worker.algos.sparsity import (
     diff_report,

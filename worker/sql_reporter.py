@@ -7,7 +7,7 @@ over then). From that moment every call raises `LeaseLost`: the loop stops at on
 checkpoint, and the runner records nothing; the sweep of a live worker requeues the job and
 it resumes from its last checkpoint.
 
-Checkpoints and uploaded files go through the artifact store (service/artifacts.py): staged and
+Checkpoints and uploaded files go through the artifact store (service/core/artifacts.py): staged and
 cached under GRPO_CACHE_DIR on this machine, uploaded or fetched, and retried with backoff for
 GRPO_ARTIFACT_RETRY_S while the store is unreachable.
 """
@@ -24,14 +24,22 @@ from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
-from service.artifacts import COMPLETE, ArtifactStoreError, checkpoint_key, checkpoints_prefix, newest_step, open_store, sha256_of
-from service.settings import Settings
+from service.core.artifacts import (
+    COMPLETE,
+    ArtifactStoreError,
+    checkpoint_key,
+    checkpoints_prefix,
+    newest_step,
+    open_store,
+    sha256_of,
+)
+from service.core.settings import Settings
+from service.core.sources import unavailable_checkpoint
 from service.store import events as events_q
+from service.store import files as files_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
-from service.store import files as files_q
 from service.store import records
-from service.sources import init_checkpoint, unavailable_checkpoint
 from service.store.db import is_unreachable, session_scope
 from worker.reporting import InitWeights, Reporter, _clean
 
@@ -188,11 +196,11 @@ class SqlReporter(Reporter):
         return None if step is None else self._fetch(checkpoint_key(self.uid, step))
 
     def init_checkpoint(self, job: int, step: int | None) -> InitWeights:
-        found = self._write(lambda s: init_checkpoint(s, owner=self.owner, job_id=job, step=step))
+        found = self._write(lambda s: records.owned_checkpoint(s, owner=self.owner, job_id=job, step=step))
         try:
             if found is not None:
-                earlier, ckpt = found
-                return InitWeights(self._fetch(checkpoint_key(earlier.uid, ckpt.step)), job, ckpt.step)
+                step = found.checkpoint.step
+                return InitWeights(self._fetch(checkpoint_key(found.job.uid, step)), job, step)
         except FileNotFoundError:
             pass
         raise ValueError(unavailable_checkpoint(job, step))  # checked at submit; gone since (deleted, files lost)

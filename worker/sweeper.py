@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from service import queue
-from service.settings import Settings
+from service.core import queue
+from service.core.settings import Settings
 from service.store import jobs as jobs_q
 from service.store.db import dispose_engines, session_scope
 

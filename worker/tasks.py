@@ -1,7 +1,7 @@
 """The one task: take a job id, run it, record the outcome (in the store, via the runner)."""
 
-from service.queue import TASK_NAME
-from service.settings import get_settings
+from service.core.queue import TASK_NAME
+from service.core.settings import get_settings
 from worker import runner
 from worker.celery_app import app
 

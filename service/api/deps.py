@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
-from service.settings import Settings
+from service.core.settings import Settings
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q
 from service.store.db import session_scope

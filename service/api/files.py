@@ -18,19 +18,36 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path as FsPath, PurePath
+from pathlib import Path as FsPath
+from pathlib import PurePath
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, HTTPException, Path, Query, Request, Response, UploadFile
+from fastapi import (
+    APIRouter,
+    File,
+    Form,
+    HTTPException,
+    Path,
+    Query,
+    Request,
+    Response,
+    UploadFile,
+)
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
-from service.api.schemas import FileOut, FilePage, binary_content, download_type, error_responses
-from service.artifacts import file_key, open_store
-from service.datafiles import MAX_ERRORS, OverBudget, check_file_isolated
-from service.sources import files_named, owner_folder
-from service.specs import FILE_ID
+from service.api.schemas import (
+    FileOut,
+    FilePage,
+    binary_content,
+    download_type,
+    error_responses,
+)
+from service.core.artifacts import file_key, open_store
+from service.core.datafiles import MAX_ERRORS, OverBudget, check_file_isolated
+from service.core.sources import files_named, owner_folder
+from service.core.specs import FILE_ID
 from service.store import files as files_q
 from service.store import jobs as jobs_q
 from service.store.models import new_file_id
@@ -157,7 +174,7 @@ def file_content(request: Request, file_id: FileId, owner: OwnerDep, session: Se
 @router.delete("/{file_id}", status_code=204, response_class=Response, responses=error_responses(404, 409, 413))
 def delete_file(file_id: FileId, owner: OwnerDep, session: SessionDep, settings: SettingsDep) -> Response:
     f = _owned(session, owner, file_id)
-    users = [j.id for j in jobs_q.active_jobs(session, owner=owner) if file_id in files_named(j.spec)]
+    users = [j.id for j in jobs_q.active_jobs(session, owner=owner) if file_id in files_named(j.job_spec())]
     if users:
         raise HTTPException(409, f"file {file_id} is used by unfinished job(s) {', '.join(map(str, users))}: "
                             "delete it once they have finished")

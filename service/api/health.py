@@ -6,13 +6,13 @@ import hmac
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from sqlalchemy import text
 
-from service import queue
 from service.api.deps import SettingsDep
-from service.artifacts import open_store
+from service.core import queue
+from service.core.artifacts import open_store
 from service.store.db import session_scope
 
 router = APIRouter(tags=["health"])

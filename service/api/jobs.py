@@ -7,13 +7,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
 
-from service import queue
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
-from service.artifacts import open_store
 from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_responses
-from service.sources import check_sources
-from service.specs import KINDS, STATUSES, TERMINAL, JobSpec
+from service.api.sources import check_sources
+from service.core import queue
+from service.core.artifacts import open_store
+from service.core.specs import KINDS, STATUSES, TERMINAL, JobSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
@@ -94,8 +94,8 @@ def delete_job(job: JobDep, session: SessionDep, settings: SettingsDep) -> Respo
 
 
 def _starts_from(job, earlier: int) -> bool:
-    init = (job.spec.get("model") or {}).get("init_from") or {}
-    return init.get("job") == earlier
+    spec = job.job_spec()
+    return spec is not None and spec.model.init_from is not None and spec.model.init_from.job == earlier
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404))

@@ -8,8 +8,6 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from service.api.deps import MAX_INT, JobDep, SessionDep, SettingsDep
-from service.archive import downloadable, tar_gz
-from service.artifacts import checkpoint_key, open_store
 from service.api.schemas import (
     CheckpointOut,
     SampleOut,
@@ -19,6 +17,8 @@ from service.api.schemas import (
     download_type,
     error_responses,
 )
+from service.archive import downloadable, tar_gz
+from service.core.artifacts import checkpoint_key, open_store
 from service.store import records
 
 router = APIRouter(prefix="/v1/jobs", tags=["reports"], responses=error_responses(401, 404, 422, 503))

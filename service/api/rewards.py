@@ -9,7 +9,12 @@ from pydantic import BaseModel, Field
 
 from service.api.deps import OwnerDep, SettingsDep
 from service.api.schemas import error_responses
-from service.reward_specs import BUILTIN_REWARDS, ENTRY_MODELS, MODEL_KINDS, plugins
+from service.core.reward_specs import (
+    BUILTIN_REWARDS,
+    ENTRY_MODELS,
+    MODEL_KINDS,
+    plugins,
+)
 
 router = APIRouter(prefix="/v1/rewards", tags=["rewards"], responses=error_responses(401, 503))
 _COMMON = ("name", "weight", "tag")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from service.core.specs import JobSpec
 
 
 class _Out(BaseModel):
@@ -77,11 +79,21 @@ class JobOut(_Out):
     attempt: int
     cancel_requested: bool
     error: str | None
-    spec: dict[str, Any]
+    spec: JobSpec  # as submitted, every default filled in
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
     latest: dict[str, LatestPoint] | None = None  # only on lists that ask for it with `latest=`
+
+    @field_validator("spec", mode="wrap")
+    @classmethod
+    def _stored(cls, v: Any, handler):
+        # A row stored by an older version that this one no longer accepts is shown as it was
+        # stored rather than failing every page it is on (its worker fails it with the reason).
+        try:
+            return handler(v)
+        except ValidationError:
+            return v
 
 
 class JobPage(BaseModel):

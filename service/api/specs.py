@@ -5,20 +5,19 @@ from __future__ import annotations
 import yaml
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import OwnerDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import error_responses
-from service.settings import Settings
-from service.sources import check_sources
+from service.api.sources import check_sources
+from service.core.settings import Settings
+from service.core.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
+from service.core.specs import parse_spec
 from service.store.db import session_scope
-from service.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
-from service.specs import JobSpec
 
 router = APIRouter(prefix="/v1/specs", tags=["specs"], responses=error_responses(401, 413, 422, 503))
-_ADAPTER: TypeAdapter = TypeAdapter(JobSpec)
 # YAML is read as text, whatever it holds (the answer says what is wrong with it), so its schema
 # sets no type; a JSON body must be an object.
 _YAML_TEXT = {"schema": {"description": "The spec as YAML text."}}
@@ -99,7 +98,7 @@ async def validate_spec(request: Request, owner: OwnerDep, settings: SettingsDep
             return _refuse(msg, "dict_type")
         return _error([{"field": "", "message": msg, "type": "type", "loc": [], "line": 1}], msg)
     try:
-        spec = await run_in_threadpool(_ADAPTER.validate_python, data)
+        spec = await run_in_threadpool(parse_spec, data)
         errors = await run_in_threadpool(_check_sources, spec, settings, owner)
     except ValidationError as exc:
         errors = exc.errors()

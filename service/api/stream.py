@@ -33,7 +33,7 @@ from service.api.deps import (
     unauthorized,
 )
 from service.api.schemas import EventOut, error_responses
-from service.specs import TERMINAL
+from service.core.specs import TERMINAL
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q

@@ -8,12 +8,7 @@
 
 from __future__ import annotations
 
-import click
+from service.cli import client, files, local, processes  # noqa: F401  (registers their commands)
+from service.cli.group import main
 
-
-@click.group()
-def main() -> None:
-    """Train language models with GRPO as jobs."""
-
-
-from service.cli import client, files, local, processes  # noqa: E402,F401  (registers their commands)
+__all__ = ["main"]

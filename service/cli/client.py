@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 import httpx
 
-from service.cli import main
 from service.cli.common import check, client, key_opt, load_spec_file, url_opt
+from service.cli.group import main
 
 
 @main.command()

@@ -10,7 +10,7 @@ import click
 import httpx
 import yaml
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 
 DEV_KEY_FILE = "dev-api-key"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from service.cli import main
 from service.cli.common import check, client, key_opt, url_opt
+from service.cli.group import main
 
 PURPOSES = ("train", "eval", "corpus")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from service.cli import main
 from service.cli.common import load_spec_file
-from service.settings import get_settings
+from service.cli.group import main
+from service.core.settings import get_settings
 
 
 @main.group()
@@ -58,7 +58,7 @@ def _create_key(owner: str, expires_in_days: float | None = None) -> str:
               help="The key stops working after this many days (default: never).")
 def keys_create(owner: str, expires_in_days: float | None) -> None:
     """Print a new API key (shown once; only its hash is stored)."""
-    from service.sources import OWNER_NAME
+    from service.core.sources import OWNER_NAME
 
     if not OWNER_NAME.match(owner):
         raise click.BadParameter("use letters, digits, '_', '.' and '-' (at most 64)", param_hint="--owner")
@@ -103,27 +103,26 @@ def keys_revoke(key_id: int) -> None:
               help="Writes metrics.jsonl, events.jsonl, selections.jsonl, sparsity.jsonl, checkpoints/.")
 def run(spec_file: Path, out: Path) -> None:
     """Run a job in this process, no service needed."""
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import ValidationError
 
-    from service.specs import JobSpec
+    from service.core.specs import parse_spec
 
     try:
-        spec = TypeAdapter(JobSpec).validate_python(load_spec_file(spec_file))
+        spec = parse_spec(load_spec_file(spec_file))
     except ValidationError as exc:
         raise click.ClickException(f"{spec_file}: invalid job spec\n{exc}") from exc
     from functools import partial
 
-    from worker.launch import RanksFailed, launch
+    # The composition root: the one place the service imports the worker (lazily: torch loads only
+    # for `grpo-jobs run`, never for the API).
+    from worker.launch import RanksFailed
     from worker.reporting import FileReporter
-    from worker.runner import loop_for, loop_on_ranks
+    from worker.runner import run_spec
 
     reporter = FileReporter(out, echo=click.echo)
-    try:
-        if spec.resources.processes == 1:
-            result = loop_for(spec.kind)(spec, reporter, settings=get_settings())
-        else:  # rank 0 appends to the same files
-            result = launch(loop_on_ranks, (spec, get_settings(), partial(FileReporter, out, echo=click.echo)),
-                            processes=spec.resources.processes)[0]
+    try:  # with several processes, rank 0 appends to the same files
+        result = run_spec(spec, reporter, settings=get_settings(),
+                          rank_reporter=partial(FileReporter, out, echo=click.echo))
     except RanksFailed as exc:
         reporter.event("failed", str(exc), level="error")
         raise click.ClickException(f"job failed: {exc}") from exc

@@ -12,10 +12,11 @@ from pathlib import Path
 import click
 import httpx
 
-from service.cli import main
 from service.cli.client import watch_job
 from service.cli.common import DEV_KEY_FILE, check, load_spec_file
-from service.settings import get_settings
+from service.cli.group import main
+from service.core import queue
+from service.core.settings import get_settings
 
 
 @main.command()
@@ -32,7 +33,7 @@ def serve(host: str, port: int) -> None:
 
 
 def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", "gpu",
+    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", queue.QUEUE,
             "-c", str(concurrency), "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
 
 

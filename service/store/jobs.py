@@ -9,9 +9,16 @@ from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.specs import TERMINAL
+from service.core.specs import TERMINAL
 from service.store.models import (
-    Checkpoint, Job, JobEvent, Metric, Sample, Selection, SparsityReport, utcnow,
+    Checkpoint,
+    Job,
+    JobEvent,
+    Metric,
+    Sample,
+    Selection,
+    SparsityReport,
+    utcnow,
 )
 
 

@@ -5,12 +5,25 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timezone
 
+from pydantic import ValidationError
 from sqlalchemy import (
-    JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, PrimaryKeyConstraint, String, Text,
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    PrimaryKeyConstraint,
+    String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
+
+from service.core.specs import JobSpec, parse_spec
 
 
 def utcnow() -> datetime:
@@ -63,6 +76,14 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    def job_spec(self) -> JobSpec | None:
+        """The stored spec as the typed spec it was submitted as; None for one this version no
+        longer accepts (the worker fails such a job with the reason)."""
+        try:
+            return parse_spec(self.spec)
+        except ValidationError:
+            return None
 
 
 class JobEvent(Base):

@@ -3,53 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.store.models import Checkpoint, Sample, Selection, SparsityReport
-
-
-@dataclass(frozen=True)
-class SelectionRecord:
-    """One TracIn step's selection: which samples were kept, and the influence behind it."""
-
-    step: int
-    policy: str  # tracin.selection
-    total: int  # samples scored
-    selected: int
-    ratio: float  # selected / total
-    mean_influence: float
-    min_influence: float
-    max_influence: float
-    histogram: dict[str, list[float]]  # {"edges": [...], "counts": [...]}
-    scores: list[tuple[int, float, bool]]  # (sample index, influence, selected)
-
-
-@dataclass(frozen=True)
-class SparsityRecord:
-    """One sparsity measurement over optimizer steps from_step..step."""
-
-    step: int
-    from_step: int
-    scope: str  # "window" (since the last measurement) or "cumulative" (since the start)
-    sparsity: float  # share of unchanged parameters at the primary threshold
-    report: dict[str, Any]  # the full diff report (worker/algos/sparsity.py)
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One recorded completion of a step."""
-
-    index: int  # row in the step's rollout batch
-    prompt: str
-    completion: str
-    reward: float
-    advantage: float | None
-    influence: float | None = None  # TracIn only
-    selected: bool | None = None  # TracIn only
-    extra: dict[str, Any] | None = None  # joint: the document it answered from
+from service.core.records import SampleRow, SelectionRecord, SparsityRecord
+from service.store import jobs as jobs_q
+from service.store.models import Checkpoint, Job, Sample, Selection, SparsityReport
 
 
 def put_selection(session: Session, *, job_id: int, record: SelectionRecord) -> None:
@@ -120,3 +80,19 @@ def latest_checkpoint(session: Session, *, job_id: int) -> Checkpoint | None:
     return session.scalars(
         select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)
     ).first()
+
+
+@dataclass(frozen=True)
+class OwnedCheckpoint:
+    job: Job
+    checkpoint: Checkpoint
+
+
+def owned_checkpoint(session: Session, *, owner: str, job_id: int, step: int | None) -> OwnedCheckpoint | None:
+    """One of `owner`'s own checkpoints (`step` None: the latest), or None (another owner's reads as missing)."""
+    job = jobs_q.get_job(session, job_id=job_id, owner=owner)
+    if job is None:
+        return None
+    ckpt = (latest_checkpoint(session, job_id=job_id) if step is None
+            else get_checkpoint(session, job_id=job_id, step=step))
+    return None if ckpt is None else OwnedCheckpoint(job, ckpt)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from service.specs import LoraSpec, ModelSpec
+from service.core.specs import LoraSpec, ModelSpec
 from worker.algos.influence import GhostHooks, influence_scores
 from worker.algos.lora import lora_layers
 from worker.models import load_policy
@@ -77,7 +77,7 @@ def test_recovered_subset_gradient_equals_fresh_backward(tmp_path):
         hooks.start_scoring(5, "cpu")
         # two micro-batches, as the loop runs them
         for rows in (torch.tensor([0, 1, 2]), torch.tensor([3, 4])):
-            hooks.rows = rows
+            hooks.place(rows)
             _per_sample_losses(model, *(t[rows] for t in train), w[rows]).sum().backward()
     subset = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
     hooks.fold(subset * 2.5)
@@ -102,7 +102,7 @@ def _hooked_train_pass(model, tok, *, fold_each_micro_batch: bool):
         hooks.capture_validation_gradient()
         hooks.start_scoring(6, "cpu")
         for rows in (torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])):
-            hooks.rows = rows
+            hooks.place(rows)
             _per_sample_losses(model, *(t[rows] for t in train), w[rows]).sum().backward()
             if fold_each_micro_batch:
                 hooks.fold((hooks.scores > 0).double())  # rows not yet scored are 0: not folded

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from worker.algos.losses import Normaliser, aggregate, k3_kl, masked_mean, policy_loss, sample_losses
+from worker.algos.losses import (
+    Normaliser,
+    aggregate,
+    k3_kl,
+    masked_mean,
+    policy_loss,
+    sample_losses,
+)
 
 
 def _t(x):

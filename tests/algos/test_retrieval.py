@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from worker.algos.retrieval import (
-    categorical_entropy, categorical_kl, retriever_loss, sample_without_replacement, sequential_logprobs,
+    categorical_entropy,
+    categorical_kl,
+    retriever_loss,
+    sample_without_replacement,
+    sequential_logprobs,
 )
 
 

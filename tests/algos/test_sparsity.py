@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from worker.algos import sparsity as sp
-from worker.algos.sparsity import component, diff_report, layer_index, logit_agreement, random_mask_like
+from worker.algos.sparsity import (
+    component,
+    diff_report,
+    layer_index,
+    logit_agreement,
+    random_mask_like,
+)
 
 
 def test_docstrings():

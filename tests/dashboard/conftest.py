@@ -91,7 +91,7 @@ def service(tmp_path_factory, models_root):
             if key_file.exists():
                 break
             time.sleep(0.1)
-        from service.settings import Settings
+        from service.core.settings import Settings
 
         store_url = Settings(GRPO_DATA_DIR=tmp / "data").store_url
         svc = Service(base, key_file.read_text().strip(), procs, store_url)

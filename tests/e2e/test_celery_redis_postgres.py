@@ -6,7 +6,13 @@ import pytest
 from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
-from tests.e2e.conftest import TINY_JOB, check_finished_job, free_port, wait_http, wait_job
+from tests.e2e.conftest import (
+    TINY_JOB,
+    check_finished_job,
+    free_port,
+    wait_http,
+    wait_job,
+)
 
 
 @pytest.mark.redis

@@ -5,7 +5,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import TINY_JOB, check_finished_job, free_port, parent_pid, wait_http, wait_job
+from tests.e2e.conftest import (
+    TINY_JOB,
+    check_finished_job,
+    free_port,
+    parent_pid,
+    wait_http,
+    wait_job,
+)
 
 
 def test_dev_runs_a_job_end_to_end(procs):

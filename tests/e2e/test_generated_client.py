@@ -47,10 +47,21 @@ def test_a_generated_client_uploads_trains_and_downloads(procs, tmp_path, monkey
     from grpo_client.api.files import upload_file_v1_files_post as upload
     from grpo_client.api.jobs import get_job_v1_jobs_job_id_get as get_job
     from grpo_client.api.jobs import submit_job_v1_jobs_post as submit
-    from grpo_client.api.metrics import job_metrics_v1_jobs_job_id_metrics_get as metrics
-    from grpo_client.api.reports import checkpoint_archive_v1_jobs_job_id_checkpoints_step_archive_get as archive
-    from grpo_client.api.reports import job_checkpoints_v1_jobs_job_id_checkpoints_get as checkpoints
-    from grpo_client.models import BodyUploadFileV1FilesPost, BodyUploadFileV1FilesPostPurpose, GRPOJob, JobOut
+    from grpo_client.api.metrics import (
+        job_metrics_v1_jobs_job_id_metrics_get as metrics,
+    )
+    from grpo_client.api.reports import (
+        checkpoint_archive_v1_jobs_job_id_checkpoints_step_archive_get as archive,
+    )
+    from grpo_client.api.reports import (
+        job_checkpoints_v1_jobs_job_id_checkpoints_get as checkpoints,
+    )
+    from grpo_client.models import (
+        BodyUploadFileV1FilesPost,
+        BodyUploadFileV1FilesPostPurpose,
+        GRPOJob,
+        JobOut,
+    )
     from grpo_client.types import File
 
     client = c.AuthenticatedClient(base_url=base, token=key, timeout=httpx.Timeout(60))

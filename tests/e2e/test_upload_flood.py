@@ -13,7 +13,11 @@ from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
 from tests.e2e.conftest import free_port, wait_http
-from tests.service.test_upload_budgets import compressed_column, dictionary_bomb, many_rows
+from tests.service.test_upload_budgets import (
+    compressed_column,
+    dictionary_bomb,
+    many_rows,
+)
 
 BOMBS = [("column.parquet", compressed_column(160)), ("rows.parquet", many_rows(20_000_000)),
          ("dictionary.parquet", dictionary_bomb(2_000_000, 1000)),

@@ -6,10 +6,18 @@ import uuid
 
 import pytest
 
-from service.artifacts import newest_step, open_store
-from service.settings import Settings
+from service.core.artifacts import newest_step, open_store
+from service.core.settings import Settings
 from tests.conftest import S3Server
-from tests.faults.conftest import LEASE_S, LONG_JOB, TcpProxy, assert_every_step_once, finished, job_state, reached_step
+from tests.faults.conftest import (
+    LEASE_S,
+    LONG_JOB,
+    TcpProxy,
+    assert_every_step_once,
+    finished,
+    job_state,
+    reached_step,
+)
 
 pytestmark = pytest.mark.faults
 JOB = {**LONG_JOB, "grpo": {**LONG_JOB["grpo"], "steps": 12, "checkpoint_every": 1}}

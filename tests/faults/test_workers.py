@@ -9,7 +9,14 @@ import pytest
 
 from tests.e2e.conftest import parent_pid
 from tests.faults.conftest import (
-    LEASE_S, LONG_JOB, TcpProxy, assert_every_step_once, finished, job_state, reached_step, wait_for,
+    LEASE_S,
+    LONG_JOB,
+    TcpProxy,
+    assert_every_step_once,
+    finished,
+    job_state,
+    reached_step,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.faults]

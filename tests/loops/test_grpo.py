@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.specs import GRPOJob
+from service.core.specs import GRPOJob
 from worker.loops import grpo
 from worker.reporting import FileReporter
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.specs import JointJob, RetrieverSpec
+from service.core.specs import JointJob, RetrieverSpec
 from worker.loops import joint
 from worker.reporting import FileReporter
 from worker.retriever import load_retriever
@@ -90,7 +90,7 @@ def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory
 def test_joint_drops_queries_and_document_groups_with_no_signal(tmp_path, settings_factory, monkeypatch):
     """A reward that ties for every answer to some questions: with drop_zero_std_groups those
     queries are replaced by fresh ones, so every kept query's k * G rewards carry signal."""
-    from service import reward_specs
+    from service.core import reward_specs
     from worker import rewards as R
 
     def some_questions_tie(completion, answers):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from service.specs import GRPOSpec
+from service.core.specs import GRPOSpec
 from worker.datasets import Example
 from worker.distributed import SINGLE
 from worker.loops.rollouts import Drawn, collect_rollouts

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.specs import GRPOJob
+from service.core.specs import GRPOJob
 from worker.algos.sparsity import diff_report
 from worker.loops import grpo
 from worker.loops.setup import build

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from service.specs import TracInJob
+from service.core.specs import TracInJob
 from worker.loops import tracin
 from worker.reporting import FileReporter
 

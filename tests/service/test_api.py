@@ -1,6 +1,6 @@
 import json
 
-
+from service.core.records import SampleRow, SelectionRecord, SparsityRecord
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
 from service.store import records
@@ -130,13 +130,13 @@ def test_reports_round_trip(api):
     job = _submit(api)
     jid = job["id"]
     with session_scope(api.settings.store_url) as s:
-        records.put_selection(s, job_id=jid, record=records.SelectionRecord(
+        records.put_selection(s, job_id=jid, record=SelectionRecord(
             step=1, policy="positive", total=4, selected=2, ratio=0.5, mean_influence=0.1,
             min_influence=-1.0, max_influence=1.0, histogram={"edges": [-1, 0, 1], "counts": [2, 2]},
             scores=[(0, 1.0, True), (1, -1.0, False)]))
-        records.put_sparsity(s, job_id=jid, record=records.SparsityRecord(
+        records.put_sparsity(s, job_id=jid, record=SparsityRecord(
             step=2, from_step=0, scope="window", sparsity=0.9, report={"thresholds": {"0.0": 0.9}}))
-        records.put_samples(s, job_id=jid, step=1, rows=[records.SampleRow(
+        records.put_samples(s, job_id=jid, step=1, rows=[SampleRow(
             index=0, prompt="p", completion="c", reward=1.0, advantage=0.5)])
         records.put_checkpoint(s, job_id=jid, step=2, path="/x/step-2", format="peft-lora", size_bytes=10)
     sel = api.get(f"/v1/jobs/{jid}/selections").json()
@@ -251,7 +251,7 @@ def test_security_headers_and_a_metrics_token(settings_factory):
 def test_stream_tokens_are_redacted_from_access_logs():
     import logging
 
-    from service.app import RedactTokens
+    from service.api.security import RedactTokens
 
     record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
                                ("1.2.3.4", "GET", "/v1/jobs/1/stream?from_step=2&access_token=gjs_abc.def", "1.1", 200),

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from service.artifacts import ArtifactStoreError, newest_step, open_store
+from service.core.artifacts import ArtifactStoreError, newest_step, open_store
 
 
 def test_put_list_get_delete(settings_factory, store_settings, tmp_path):

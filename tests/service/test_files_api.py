@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from service.artifacts import open_store
+from service.core.artifacts import open_store
 from tests.conftest import Api
 
 ROWS = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]

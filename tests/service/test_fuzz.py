@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import CHECKS
 
 from service.app import create_app
-from service.settings import Settings
+from service.core.settings import Settings
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q
 from service.store.db import session_scope

@@ -4,7 +4,13 @@ import ipaddress
 
 import pytest
 
-from service.grader_urls import UrlRefused, check_address, check_url, parse_allow_list, parse_url
+from service.core.grader_urls import (
+    UrlRefused,
+    check_address,
+    check_url,
+    parse_allow_list,
+    parse_url,
+)
 
 ALLOW = parse_allow_list(["http://127.0.0.1:8791/ok/", "http://127.0.0.1:8793", "https://Graders.Example/team-a",
                           "http://169.254.10.10/grade"])

@@ -11,9 +11,17 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from service.artifacts import open_store
+from service.core.artifacts import open_store
 from service.store.db import session_scope
-from service.store.models import Checkpoint, Job, JobEvent, Metric, Sample, Selection, SparsityReport
+from service.store.models import (
+    Checkpoint,
+    Job,
+    JobEvent,
+    Metric,
+    Sample,
+    Selection,
+    SparsityReport,
+)
 from tests.conftest import Api
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ def test_expired_and_revoked_keys_stop_working(api):
 
 def test_keys_cli_creates_lists_and_revokes(tmp_path, monkeypatch):
     from service import cli
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     monkeypatch.setenv("GRPO_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("DATABASE_URL", raising=False)

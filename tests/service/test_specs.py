@@ -4,7 +4,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from service.specs import DATASETS, MODEL_PRESETS, JobSpec
+from service.core.specs import DATASETS, MODEL_PRESETS, JobSpec
 
 ROOT = Path(__file__).parents[2]
 SPEC = TypeAdapter(JobSpec)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from service.datafiles import Budget, OverBudget, check_file_isolated
+from service.core.datafiles import Budget, OverBudget, check_file_isolated
 from tests.conftest import Api
 
 ROW = {"prompt": "What is 2 + 3?", "answer": "5"}

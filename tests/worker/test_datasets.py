@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from service.specs import DatasetSpec
+from service.core.specs import DatasetSpec
 from worker.datasets import arith, jsonl, load_task, render_prompt
 from worker.models import char_tokenizer
 

@@ -12,7 +12,7 @@ import torch
 from pydantic import TypeAdapter
 from safetensors.torch import load_file
 
-from service.specs import JobSpec
+from service.core.specs import JobSpec
 from worker.distributed import Ranks
 from worker.launch import RanksFailed, launch
 from worker.reporting import FileReporter

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from service import specs
+from service.core import specs
 from worker import rewards as R
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from service.specs import LoraSpec, ModelSpec
+from service.core.specs import LoraSpec, ModelSpec
 from worker.models import load_policy
 from worker.rollout import RolloutEngine, SamplingParams, sequence_logprobs
 

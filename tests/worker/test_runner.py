@@ -4,7 +4,8 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import select, update
 
-from service.specs import GRPOJob
+from service.core.artifacts import checkpoint_key, newest_step, open_store
+from service.core.specs import GRPOJob
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import metrics as metrics_q
@@ -13,7 +14,6 @@ from service.store.db import session_scope
 from service.store.migrate import upgrade
 from service.store.models import Job, Metric
 from worker import runner
-from service.artifacts import checkpoint_key, newest_step, open_store
 
 SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
         "dataset": {"num_train": 40, "num_val": 4},

@@ -41,9 +41,9 @@ class GhostHooks:
     Usage:
         with GhostHooks(model) as gh:
             val_loss().backward(); gh.capture_validation_gradient()   # G per layer; grads zeroed
-            gh.rows = torch.arange(N); train_losses().sum().backward()
+            gh.place(torch.arange(N)); train_losses().sum().backward()
         gh.scores  # [N]
-    Set `rows` before each micro-batch's backward to place its samples in `scores`.
+    `place` each micro-batch's rows before its backward to put its samples in `scores`.
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_factors: bool = False) -> None:
@@ -132,6 +132,18 @@ class GhostHooks:
     def start_scoring(self, n: int, device: torch.device | str) -> None:
         self._scores = torch.zeros(n, dtype=torch.float64, device=device)
         self._pending.clear()
+        self.release()
+
+    def place(self, rows: torch.Tensor) -> None:
+        """The training rows [n] of the micro-batch whose forward and backward come next."""
+        self.rows = rows
+
+    def subset_gradient(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The folded gradient of LoRA weight `p` (zeros where nothing selected touched it)."""
+        return self.subset.get(p, torch.zeros_like(p))
+
+    def release(self) -> None:
+        """Let go of the kept per-sample factors and the folded subset gradient."""
         self.factors.clear()
         self.subset.clear()
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from functools import partial
 
-from service.settings import Settings
-from service.specs import GRPOJob
+from service.core.settings import Settings
+from service.core.specs import GRPOJob
+from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
-from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything
 

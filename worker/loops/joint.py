@@ -30,8 +30,8 @@ from functools import partial
 
 import torch
 
-from service.settings import Settings
-from service.specs import JointJob
+from service.core.settings import Settings
+from service.core.specs import JointJob
 from worker import rewards
 from worker.algos.advantages import group_advantages
 from worker.algos.retrieval import (
@@ -41,10 +41,10 @@ from worker.algos.retrieval import (
     sequential_logprobs,
 )
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
+from worker.distributed import SINGLE, Ranks, row_seed
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts, unit_draws
 from worker.loops.setup import Setup, build, policy_device
-from worker.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import LoopResult, Reporter
 from worker.retriever import DualEncoder, load_retriever
 from worker.rollout import RolloutBatch

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from service.store.records import SampleRow
+from service.core.records import SampleRow
 from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
 from worker.datasets import Example, render_prompt

@@ -10,8 +10,8 @@ from functools import partial
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from service.settings import Settings
-from service.specs import GRPOJob, JointJob, TracInJob
+from service.core.settings import Settings
+from service.core.specs import GRPOJob, JointJob, TracInJob
 from worker import allocator
 from worker.algos.lora import is_lora
 from worker.checkpoints import (

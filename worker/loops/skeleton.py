@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.store.records import SampleRow
+from service.core.records import SampleRow
 from worker.checkpoints import gather_states, save_checkpoint
 from worker.loops.setup import Setup, resume
 from worker.reporting import LoopResult, Reporter

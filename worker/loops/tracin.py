@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from service.settings import Settings
-from service.specs import TracInJob
-from service.store.records import SelectionRecord
+from service.core.records import SelectionRecord
+from service.core.settings import Settings
+from service.core.specs import TracInJob
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
+from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -38,7 +40,6 @@ from worker.loops.rollouts import (
     draw_prompts,
 )
 from worker.loops.setup import Setup, build
-from worker.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything, step_seed, trainable
 
@@ -51,7 +52,7 @@ def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, s
     g = s.spec.grpo
 
     def place(rows: list[int]) -> None:
-        hooks.rows = torch.tensor(rows)
+        hooks.place(torch.tensor(rows))
 
     p = update.backward_pass(s, ro, update.micro_batches(list(range(len(ro))), g.micro_batch_size),
                              update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step, with_entropy=with_entropy,
@@ -82,8 +83,90 @@ def selection_record(step: int, policy: str, scores: torch.Tensor, chosen: torch
 def apply_recovered_gradient(run: skeleton.Run, hooks: GhostHooks) -> dict[str, float]:
     """One epoch: the selected samples' gradient, recovered from the hooks, is the update."""
     for p in (p for group in run.s.optimizer.param_groups for p in group["params"]):
-        p.grad = hooks.subset.get(p, torch.zeros_like(p)).to(p.dtype)
+        p.grad = hooks.subset_gradient(p).to(p.dtype)
     return {"grad_norm": update.optimizer_step(run), "lr": run.s.scheduler.get_last_lr()[0]}
+
+
+@dataclass
+class Validation:
+    """The validation batch (None: every group tied) and its frozen reference log-probs."""
+
+    ro: Rollouts | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+def validation_batch(s: Setup, val: Validation, step: int, reporter: Reporter) -> dict[str, float]:
+    """1. Draw the validation batch every `tracin.val_regenerate_every` steps (and on every step while
+    there is none), replacing tied groups (zero advantages add nothing to G_val); its refill rounds
+    when it was drawn this step."""
+    g, t = s.spec.grpo, s.spec.tracin
+    if val.ro is not None and (step - 1) % t.val_regenerate_every:
+        return {}
+    draw = draw_prompts(s, s.task.val, t.val_generations, seed_tag=f"prompts-val-{g.seed}-{step}")
+    val.ro = collect_rollouts(s, step, reporter, draw, units=t.val_prompts, group_size=t.val_generations,
+                              drop_zero_std=True)
+    val.ref_logp = None if val.ro is None else update.reference_logprobs(s, val.ro.batch)  # frozen: once per batch
+    # each refill round is one more generate call on this step
+    return {} if val.ro is None else {"tracin/val_refill_rounds": float(val.ro.refill_rounds)}
+
+
+@dataclass(frozen=True)
+class Scored:
+    """2-4. Every sample's influence and which samples the selection policy kept."""
+
+    every: torch.Tensor  # float64 [N over all ranks], in the whole batch's order
+    chosen_all: torch.Tensor  # bool [N over all ranks]
+    chosen: torch.Tensor  # bool [this rank's rows]
+    mine: torch.Tensor  # float32 [this rank's rows]: their influence
+    train_stats: dict[str, float]  # the training backward's metrics
+    time_s: float  # validation gradient + selection
+
+    @property
+    def n_selected(self) -> int:
+        return int(self.chosen_all.sum())
+
+
+def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Tensor | None, step: int,
+                     hooks: GhostHooks, *, stream_positive: bool) -> Scored:
+    """2. the validation gradient G_val; 3. the training backward, scoring <grad L_i, G_val> with the
+    hooks (with `stream_positive`, each micro-batch's positive samples are folded as it ends, so no
+    per-sample factors outlive it); 4. the selection over the whole batch, on the float64 scores."""
+    t0 = time.perf_counter()
+    s.model.train()
+    s.optimizer.zero_grad(set_to_none=True)
+    with hooks:
+        backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False)
+        s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch
+        hooks.capture_validation_gradient()
+        t_val = time.perf_counter() - t0
+        hooks.start_scoring(len(ro), "cpu")
+        fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
+        stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
+    t1 = time.perf_counter()
+    every = ro.gather(hooks.scores)
+    chosen_all = select(s.spec, every, hooks, step, ro)
+    return Scored(every=every, chosen_all=chosen_all, chosen=chosen_all[ro.positions], mine=hooks.scores.float(),
+                  train_stats=stats, time_s=t_val + time.perf_counter() - t1)
+
+
+def update_selected(run: skeleton.Run, ro: Rollouts, scored: Scored, hooks: GhostHooks, old_logp: torch.Tensor,
+                    ref_logp: torch.Tensor | None, step: int, *, streamed: bool) -> dict[str, float]:
+    """5. The update on the selected samples only, each with the weight it has in the whole batch's
+    loss (AdamW is invariant to a constant loss scale, so this is a definition, not a step size):
+    with one epoch their gradient is recovered from the hooks, with more the epochs run on them."""
+    s = run.s
+    if not scored.n_selected:
+        s.optimizer.zero_grad(set_to_none=True)
+        run.reporter.event("no_selection", f"step {step}: no sample had positive influence; no update",
+                           level="warning", data={"max_influence": float(scored.every.max())})
+        return {}
+    if s.spec.grpo.epochs_per_rollout_batch == 1:
+        if not streamed:
+            hooks.fold(scored.chosen.double())
+        return apply_recovered_gradient(run, hooks)
+    s.optimizer.zero_grad(set_to_none=True)
+    rows = scored.chosen.nonzero().flatten().tolist()
+    return update.train_epochs(run, ro, old_logp, ref_logp, step, rows=rows, norm_rows=list(range(len(ro))))
 
 
 def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = SINGLE) -> LoopResult:
@@ -92,32 +175,20 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
     s = build(spec, settings, reporter, ranks=ranks)
     run = skeleton.start(s, reporter, partial(evaluation.evaluate, s))
     one_epoch = g.epochs_per_rollout_batch == 1
-    # One epoch and a per-sample rule: a micro-batch's selected samples are folded into the update
-    # as soon as its backward ends, so no per-sample factors outlive their micro-batch.
     stream_positive = one_epoch and t.selection == "positive"
-    val_ro = val_ref = None
+    val = Validation()
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
-        timer = skeleton.begin_step(run, step)  # 1. seed, sync the rollout copy from the policy
-
-        # rollouts: the training batch, and (every val_regenerate_every steps) the validation batch
+        timer = skeleton.begin_step(run, step)  # seed, sync the rollout copy from the policy
         ro = collect_train_rollouts(s, step, reporter)
-        val_stats = {}
-        if val_ro is None or (step - 1) % t.val_regenerate_every == 0:
-            # tied validation groups have zero advantages and add nothing to G_val: replace them
-            draw_val = draw_prompts(s, s.task.val, t.val_generations, seed_tag=f"prompts-val-{g.seed}-{step}")
-            val_ro = collect_rollouts(s, step, reporter, draw_val, units=t.val_prompts, group_size=t.val_generations,
-                                      drop_zero_std=True)
-            val_ref = None if val_ro is None else update.reference_logprobs(s, val_ro.batch)  # frozen: once per batch
-            if val_ro is not None:  # each refill round is one more generate call on this step
-                val_stats["tracin/val_refill_rounds"] = float(val_ro.refill_rounds)
+        val_stats = validation_batch(s, val, step, reporter)
         timer.rollouts_done()
         if ro is None:
             skeleton.skip_step(run, step, "every training group's rewards tied (no signal)",
                                {**val_stats, "frac_reward_zero_std": 1.0, "tracin/num_selected": 0.0}, timer=timer)
             continue
-        if val_ro is None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
+        if val.ro is None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
             n, mine = ro.total, len(ro)
             reporter.selection(selection_record(step, t.selection, torch.zeros(n), torch.zeros(n, dtype=torch.bool)))
             skeleton.skip_step(run, step, "every validation group's rewards tied (no signal)",
@@ -128,54 +199,17 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
             continue
         old_logp = update.old_logprobs(s, ro)
         ref_logp = update.reference_logprobs(s, ro.batch)
-
-        # 2-3. validation gradient, then the training backward with ghost influence scores
-        t1 = time.perf_counter()
-        s.model.train()
-        s.optimizer.zero_grad(set_to_none=True)
-        with GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy") as hooks:
-            backward_per_sample(s, val_ro, val_ref, step, with_entropy=False)
-            s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch
-            hooks.capture_validation_gradient()
-            t_val = time.perf_counter() - t1
-            hooks.start_scoring(len(ro), "cpu")
-            fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
-            stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
-
-        # 4. selection over the whole batch (on the float64 scores, the ones the streamed fold used)
-        t2 = time.perf_counter()
-        every = ro.gather(hooks.scores)  # [N over all ranks], in the whole batch's order
-        chosen_all = select(spec, every, hooks, step, ro)  # bool [N over all ranks]
-        chosen = chosen_all[ro.positions]  # bool [this rank's rows]
-        scores = hooks.scores.float()  # [this rank's rows]
-        rows = chosen.nonzero().flatten().tolist()
-        n_selected = int(chosen_all.sum())
-        t_select = time.perf_counter() - t2
-        reporter.selection(selection_record(step, t.selection, every.float(), chosen_all))
-
-        # 5. update on the selected samples only
-        metrics = {**ro.metrics(), **val_stats, **stats}
-        if not n_selected:
-            s.optimizer.zero_grad(set_to_none=True)
-            reporter.event("no_selection", f"step {step}: no sample had positive influence; no update",
-                           level="warning", data={"max_influence": float(every.max())})
-        elif one_epoch:
-            # Selected samples keep the weight they have in the whole batch's loss; the rest get 0.
-            # (AdamW is invariant to a constant loss scale, so this is a definition, not a step size.)
-            if not stream_positive:
-                hooks.fold(chosen.double())
-            metrics.update(apply_recovered_gradient(run, hooks))
-        else:
-            s.optimizer.zero_grad(set_to_none=True)
-            metrics.update(update.train_epochs(run, ro, old_logp, ref_logp, step, rows=rows,
-                                               norm_rows=list(range(len(ro)))))
-        hooks.factors.clear()
-        hooks.subset.clear()
-        timer.train_s = time.perf_counter() - t1
-
-        metrics.update({"tracin/mean_ip": float(every.mean()), "tracin/num_selected": float(n_selected),
-                        "tracin/selection_ratio": n_selected / len(every), "tracin/time_s": t_val + t_select})
+        t0 = time.perf_counter()
+        hooks = GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy")
+        scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
+        reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
+        metrics = {**ro.metrics(), **val_stats, **scored.train_stats,
+                   **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}
+        hooks.release()
+        timer.train_s = time.perf_counter() - t0
+        metrics.update({"tracin/mean_ip": float(scored.every.mean()), "tracin/num_selected": float(scored.n_selected),
+                        "tracin/selection_ratio": scored.n_selected / len(scored.every), "tracin/time_s": scored.time_s})
         skeleton.finish_step(run, step, metrics, timer=timer, tokens=float(ro.batch.completion_mask.sum()),
-                             samples=ro.sample_rows(len(every) if g.samples_per_step else 0, influence=scores.tolist(),
-                                                    selected=chosen.tolist()))
+                             samples=ro.sample_rows(len(scored.every) if g.samples_per_step else 0,
+                                                    influence=scored.mine.tolist(), selected=scored.chosen.tolist()))
     return skeleton.finish(run)

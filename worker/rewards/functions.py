@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import entry_points
 
-from service.reward_specs import PLUGIN_GROUP
+from service.core.reward_specs import PLUGIN_GROUP
 
 RewardFn = Callable[[str, Sequence[str]], float]
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from service.reward_specs import JudgeReward, RewardModelReward, SimilarityReward
-from service.sources import require_model_path
-from service.specs import ModelSpec
+from service.core.reward_specs import JudgeReward, RewardModelReward, SimilarityReward
+from service.core.sources import require_model_path
+from service.core.specs import ModelSpec
 from worker.rewards.functions import parse_number
 from worker.rewards.scoring import Item, Scores
 

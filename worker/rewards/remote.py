@@ -9,7 +9,7 @@ that stays down must not let a job train on nothing for hours. A null, NaN or in
 just that item unscored.
 
 The URL was checked against the admin's allow-list at submit time and is checked again here
-(service/grader_urls.py), and the canonical form is what is called. Every request resolves the host
+(service/core/grader_urls.py), and the canonical form is what is called. Every request resolves the host
 once, refuses a link-local or metadata address, and connects to that very address (no second lookup
 that could answer otherwise). Redirects are never followed, and an answer is read up to
 `GRPO_REWARD_MAX_RESPONSE_BYTES`. The auth header's secret comes from the worker's environment and
@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from service.grader_urls import GraderUrl, UrlRefused, check_address, check_url
-from service.reward_specs import HttpReward
+from service.core.grader_urls import GraderUrl, UrlRefused, check_address, check_url
+from service.core.reward_specs import HttpReward
 from worker.rewards.scoring import Item, RewardFailure, RewardUnavailable, Scores
 
 

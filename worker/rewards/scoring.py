@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.reward_specs import FunctionReward, RewardSpec
+from service.core.reward_specs import FunctionReward, RewardSpec
 from worker.rewards.functions import lookup
 
 

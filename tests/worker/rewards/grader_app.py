@@ -7,7 +7,12 @@ URL in its query; /big answers more bytes than the worker reads; /nonfinite scor
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 
 from worker.rewards.functions import numeric_match
 

@@ -6,12 +6,11 @@ import sys
 import pytest
 import torch
 
-from service.reward_specs import JudgeReward, RewardModelReward, SimilarityReward
-from service.settings import Settings
+from service.core.reward_specs import JudgeReward, RewardModelReward, SimilarityReward
+from service.core.settings import Settings
+from tests.conftest import install_reward_plugin
 from worker.rewards import Item, Scorer, build_scorer
 from worker.rewards.models import Judge, RewardModel, Similarity
-
-from tests.conftest import install_reward_plugin
 
 
 @pytest.fixture
@@ -83,8 +82,8 @@ def test_the_bundled_judge_ranks_right_answers_above_wrong_ones(tmp_path, models
 
 def test_an_installed_plugin_is_named_like_a_builtin(tmp_path, monkeypatch):
     """A tiny package with an entry point in the grpo_jobs.rewards group, installed on the path."""
-    from service.reward_specs import function_names, plugins
-    from service.specs import GRPOJob
+    from service.core.reward_specs import function_names, plugins
+    from service.core.specs import GRPOJob
     from worker.rewards import REGISTRY
 
     site = tmp_path / "site"

@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from service.reward_specs import HttpReward
-from service.settings import Settings
+from service.core.reward_specs import HttpReward
+from service.core.settings import Settings
 from tests.e2e.conftest import free_port
 from worker.rewards import Item, RewardUnavailable, Scorer, numeric_match
 from worker.rewards.remote import HttpGrader
@@ -107,7 +107,7 @@ def test_a_job_trained_on_a_remote_grader_equals_the_builtin_run(grader, tmp_pat
     """The same reward computed by the grader process and in the worker: the same job, step for step."""
     import json
 
-    from service.specs import GRPOJob
+    from service.core.specs import GRPOJob
     from worker.loops import grpo
     from worker.reporting import FileReporter
 
@@ -131,7 +131,7 @@ def test_a_job_trained_on_a_remote_grader_equals_the_builtin_run(grader, tmp_pat
 
 
 def test_a_grader_that_stays_down_fails_the_job_with_a_readable_event(grader, settings_factory):
-    from service.specs import GRPOJob
+    from service.core.specs import GRPOJob
     from service.store import events as events_q
     from service.store import jobs as jobs_q
     from service.store.db import session_scope

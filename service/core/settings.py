@@ -13,8 +13,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.datafiles import Budget
-from service.grader_urls import GraderUrl, parse_allow_list
+from service.core.datafiles import Budget
+from service.core.grader_urls import GraderUrl, parse_allow_list
 
 
 def _split(v: str) -> list[str]:
@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     reward_urls_env: str = Field(
         default="", validation_alias="GRPO_REWARD_URLS",
         description="Comma-separated URLs under which an `http` reward may call a grader, compared by scheme, "
-        "host, port and path segments (service/grader_urls.py); empty: no `http` rewards.",
+        "host, port and path segments (service/core/grader_urls.py); empty: no `http` rewards.",
     )
     reward_max_response_bytes: int = Field(
         default=4 * 1024 * 1024, gt=0, validation_alias="GRPO_REWARD_MAX_RESPONSE_BYTES",

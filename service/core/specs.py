@@ -12,10 +12,10 @@ import re
 from pathlib import PurePosixPath
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
-from service.reward_specs import BUILTIN_REWARDS, FunctionReward, RewardSpec
-from service.spec_base import INT64, _Section, storable  # noqa: F401  (re-exported: the API uses them)
+from service.core.reward_specs import BUILTIN_REWARDS, FunctionReward, RewardSpec
+from service.core.spec_base import INT64, _Section, storable  # noqa: F401  (re-exported: the API uses them)
 
 # Names the worker implements. Tests assert these match the worker's registries.
 MODEL_PRESETS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
@@ -447,8 +447,16 @@ class JointJob(_JobBase):
         return self
 
 
-JobSpec = Annotated[Union[GRPOJob, TracInJob, JointJob], Field(discriminator="kind")]
+JOB_MODELS = (GRPOJob, TracInJob, JointJob)
+JobSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]
+KINDS: tuple[str, ...] = tuple(m.model_fields["kind"].annotation.__args__[0] for m in JOB_MODELS)  # the `kind` tags
+_JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)
+
+
+def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob:
+    """A job spec from its JSON form (a request body, a stored row, a YAML file); ValidationError if wrong."""
+    return _JOB_SPEC.validate_python(data)
+
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 STATUSES = ("queued", "running", *TERMINAL)
-KINDS = ("grpo", "tracin", "joint")  # the `kind` tags of JobSpec

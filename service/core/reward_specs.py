@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from service.grader_urls import parse_url
-from service.spec_base import _Section
+from service.core.grader_urls import parse_url
+from service.core.spec_base import _Section
 
 PLUGIN_GROUP = "grpo_jobs.rewards"
 

@@ -5,7 +5,7 @@ The API streams downloads from it and workers write checkpoints and read files t
 with `GRPO_ARTIFACT_STORE=s3://bucket/prefix` API and workers share no disk. Keys:
 
     <job uid>/checkpoints/step-N/<file>     a job's checkpoints (worker/checkpoints.py)
-    files/<owner folder>/<file id>          uploaded data files (service/datafiles.py)
+    files/<owner folder>/<file id>          uploaded data files (service/core/datafiles.py)
 
 A store that cannot be reached raises `ArtifactStoreError` with a message naming the store
 (never its credentials); a missing key is a plain FileNotFoundError. Never imports torch.
@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import fsspec
 
-from service.settings import Settings
+from service.core.settings import Settings
 
 # A marker file written last: a checkpoint folder without it is incomplete (a crash mid-upload).
 COMPLETE = "trainer_state.pt"

@@ -268,7 +268,7 @@ def check_file_isolated(path: Path, purpose: Purpose, *, budget: Budget, memory_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ARROW_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", "from service.datafiles import _child; _child()", str(path), purpose,
+            [sys.executable, "-c", "from service.core.datafiles import _child; _child()", str(path), purpose,
              json.dumps(asdict(budget)), str(memory_bytes)],
             capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,48 @@
+"""The records a training loop hands to the store besides metrics: a TracIn selection, a sparsity
+measurement, a recorded completion. Plain dataclasses: the loops build them, the store keeps them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SelectionRecord:
+    """One TracIn step's selection: which samples were kept, and the influence behind it."""
+
+    step: int
+    policy: str  # tracin.selection
+    total: int  # samples scored
+    selected: int
+    ratio: float  # selected / total
+    mean_influence: float
+    min_influence: float
+    max_influence: float
+    histogram: dict[str, list[float]]  # {"edges": [...], "counts": [...]}
+    scores: list[tuple[int, float, bool]]  # (sample index, influence, selected)
+
+
+@dataclass(frozen=True)
+class SparsityRecord:
+    """One sparsity measurement over optimizer steps from_step..step."""
+
+    step: int
+    from_step: int
+    scope: str  # "window" (since the last measurement) or "cumulative" (since the start)
+    sparsity: float  # share of unchanged parameters at the primary threshold
+    report: dict[str, Any]  # the full diff report (worker/algos/sparsity.py)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One recorded completion of a step."""
+
+    index: int  # row in the step's rollout batch
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float | None
+    influence: float | None = None  # TracIn only
+    selected: bool | None = None  # TracIn only
+    extra: dict[str, Any] | None = None  # joint: the document it answered from

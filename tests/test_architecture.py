@@ -1,0 +1,81 @@
+"""The house plan, read from the imports: `service.core` at the ground, the API, the store and the
+workers beside each other on it, the CLI on top (README, "Layout")."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# The worker's store adapters: they move jobs through the store, so they may also import service.store.
+STORE_ADAPTERS = {"worker.runner", "worker.sql_reporter", "worker.sweeper", "worker.celery_app"}
+NOT_IN_CORE = ("torch", "transformers", "peft", "fastapi", "starlette", "sqlalchemy", "worker")
+
+
+def modules(package: str) -> dict[str, Path]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imports(path: Path, *, top_level_only: bool = False) -> set[str]:
+    """Every module `path` imports (anywhere in it, or only at module level)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from service import queue`
+    return found
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+ALL = {**modules("service"), **modules("worker")}
+
+
+@pytest.mark.parametrize("module", sorted(modules("service/core")))
+def test_core_stands_on_nothing_of_ours_but_itself(module):
+    bad = {i for i in imports(ALL[module]) if any(within(i, p) for p in NOT_IN_CORE)
+           or (within(i, "service") and not within(i, "service.core") and i != "service")}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("module", sorted(modules("worker")))
+def test_workers_import_only_the_core_of_the_service(module):
+    allowed = ("service.core", "service.store") if module in STORE_ADAPTERS else ("service.core",)
+    bad = {i for i in imports(ALL[module]) if within(i, "service") and i != "service"
+           and not any(within(i, a) for a in allowed)}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_only_the_cli_imports_the_worker():
+    found = {m: sorted(i for i in imports(p) if within(i, "worker"))
+             for m, p in modules("service").items() if not within(m, "service.cli")}
+    assert {m: i for m, i in found.items() if i} == {}
+
+
+def test_no_import_circles():
+    """Module-level imports only: a lazy import inside a function is how the CLI reaches the worker."""
+    graph = {m: {i for i in imports(p, top_level_only=True) if i in ALL and i != m} for m, p in ALL.items()}
+    seen, on_path, circles = set(), [], []
+
+    def visit(m: str) -> None:
+        if m in on_path:
+            circles.append(on_path[on_path.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        on_path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        on_path.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not circles, circles

@@ -25,6 +25,7 @@ from service.core.settings import Settings
 from service.core.sources import for_owner
 from service.core.specs import KINDS, TERMINAL, JobSpec, parse_spec
 from service.store import jobs as jobs_q
+from service.store import leases
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
 from worker.distributed import Ranks
@@ -60,10 +61,9 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
 def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: str | None = None) -> Outcome:
     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     url = settings.store_url
-    with session_scope(url) as s:
-        lease = jobs_q.acquire_lease(s, job_id=job_id, uid=uid, holder=holder,
-                                     lease_timeout_s=settings.lease_timeout_s)
-        if lease is None:
+    lease = leases.acquire_lease(url, job_id=job_id, uid=uid, holder=holder, lease_timeout_s=settings.lease_timeout_s)
+    if lease is None:
+        with session_scope(url) as s:
             return _not_leased(s, job_id=job_id, uid=uid)
     reporter = SqlReporter(job_id, uid=lease.uid, owner=lease.owner, holder=holder, settings=settings)
     reporter.start()
@@ -95,7 +95,7 @@ def loop_on_ranks(spec: JobSpec, settings: Settings, make_reporter: Callable[[],
                                ranks=ranks)
 
 
-def _ranks_failed(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings, exc: RanksFailed) -> Outcome:
+def _ranks_failed(lease: leases.Lease, reporter: SqlReporter, settings: Settings, exc: RanksFailed) -> Outcome:
     """A rank killed (out of memory, by hand) fails the attempt: queued again, it resumes from the
     last checkpoint. A rank's own error fails the job, with that error."""
     if exc.message.startswith("LeaseLost"):
@@ -103,8 +103,7 @@ def _ranks_failed(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings
     if exc.killed:
         message = (f"attempt {lease.attempt} failed: {exc}; the other ranks were stopped. Queued again, it resumes "
                    "from its last checkpoint")
-        with session_scope(settings.store_url) as s:
-            uid = jobs_q.requeue(s, job_id=lease.job_id, holder=reporter.holder, message=message)
+        uid = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
         if uid is None:
             raise LeaseLost(f"job {lease.job_id}: lease lost")
         try:
@@ -126,7 +125,7 @@ def _not_leased(session, *, job_id: int, uid: str | None) -> Outcome:
     return "skipped" if job.status in TERMINAL else "busy"  # busy: another worker's lease is live
 
 
-def _run(lease: jobs_q.Lease, reporter: SqlReporter, settings: Settings) -> Outcome:
+def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outcome:
     if lease.cancel_requested:
         reporter.finish("cancelled", "cancelled before this attempt started")
         return "cancelled"

@@ -37,9 +37,8 @@ from service.core.settings import Settings
 from service.core.sources import unavailable_checkpoint
 from service.store import events as events_q
 from service.store import files as files_q
-from service.store import jobs as jobs_q
+from service.store import leases, records
 from service.store import metrics as metrics_q
-from service.store import records
 from service.store.db import is_unreachable, session_scope
 from worker.reporting import InitWeights, Reporter, _clean
 
@@ -82,8 +81,7 @@ class SqlReporter(Reporter):
 
     def _renew(self) -> None:
         try:
-            with session_scope(self.url) as s:
-                self._heard(jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder))
+            self._heard(leases.heartbeat(self.url, job_id=self.job_id, holder=self.holder))
         except Exception as exc:  # a store hiccup must not kill training while the lease holds
             log.warning("job %s: could not renew the lease (%s)", self.job_id, type(exc).__name__)
             self._give_up_if_stale()
@@ -110,12 +108,21 @@ class SqlReporter(Reporter):
 
     def _write(self, fn: Callable[[Session], T]) -> T:
         """Run `fn` in one transaction, retrying while the store is unreachable and the lease holds."""
+
+        def once() -> T:
+            with session_scope(self.url) as s:
+                return fn(s)
+
+        return self._retrying(once)
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        """`fn()` (a store call that is its own transaction), retried while the store is unreachable
+        and the lease holds."""
         delay = 0.25
         while True:
             self._check_lease()
             try:
-                with session_scope(self.url) as s:
-                    return fn(s)
+                return fn()
             except Exception as exc:
                 if not is_unreachable(exc):
                     raise
@@ -131,7 +138,7 @@ class SqlReporter(Reporter):
         return self._cancel.is_set()
 
     def progress(self, step: int) -> None:
-        self._heard(self._write(lambda s: jobs_q.heartbeat(s, job_id=self.job_id, holder=self.holder, step=step)))
+        self._heard(self._retrying(lambda: leases.heartbeat(self.url, job_id=self.job_id, holder=self.holder, step=step)))
         self._check_lease()
 
     def event(self, type, message="", *, level="info", data=None):
@@ -227,7 +234,7 @@ class SqlReporter(Reporter):
     def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> None:
         """The job's outcome and its final event, in one transaction, while the lease is ours
         (LeaseLost if it is not: another worker took the job over, and it records the outcome)."""
-        if not self._write(lambda s: jobs_q.finish_job(s, job_id=self.job_id, holder=self.holder, status=status,
-                                                       message=message, error=error, data=_clean(data))):
+        if not self._retrying(lambda: leases.finish_job(self.url, job_id=self.job_id, holder=self.holder, status=status,
+                                                        message=message, error=error, data=_clean(data))):
             self._lost.set()
             raise LeaseLost(f"job {self.job_id}: lease lost before its outcome was recorded")

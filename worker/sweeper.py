@@ -15,21 +15,20 @@ import threading
 
 from service.core import queue
 from service.core.settings import Settings
-from service.store import jobs as jobs_q
-from service.store.db import dispose_engines, session_scope
+from service.store import leases
+from service.store.db import dispose_engines
 
 log = logging.getLogger(__name__)
 
 
-def sweep_once(settings: Settings) -> jobs_q.Swept:
-    with session_scope(settings.store_url) as s:
-        swept = jobs_q.sweep(s, lease_timeout_s=settings.lease_timeout_s,
-                             requeue_queued_after_s=settings.requeue_queued_after_s)
-    for job_id, uid in swept.requeue:
-        queue.enqueue(job_id, uid, broker_url=settings.broker)
+def sweep_once(settings: Settings) -> leases.Swept:
+    swept = leases.sweep(settings.store_url, lease_timeout_s=settings.lease_timeout_s,
+                         requeue_queued_after_s=settings.requeue_queued_after_s)
+    for job in swept.requeue:
+        queue.enqueue(job.job_id, job.uid, broker_url=settings.broker)
     if swept.requeue or swept.cancelled:
         log.warning("sweep: requeued jobs %s, cancelled stranded jobs %s",
-                    [j for j, _ in swept.requeue], swept.cancelled)
+                    [j.job_id for j in swept.requeue], swept.cancelled)
     return swept
 
 

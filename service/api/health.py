@@ -8,12 +8,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from sqlalchemy import text
 
 from service.api.deps import SettingsDep
 from service.core import queue
 from service.core.artifacts import open_store
-from service.store.db import session_scope
+from service.store.db import ping
 
 router = APIRouter(tags=["health"])
 
@@ -36,8 +35,7 @@ def readyz(settings: SettingsDep, request: Request):
     checks = {}
     schema = request.app.state.schema
     try:
-        with session_scope(settings.store_url) as s:
-            s.execute(text("SELECT 1"))
+        ping(settings.store_url)
         checks["store"] = "ok" if schema.ready.is_set() else f"not migrated yet ({schema.error or 'migrating'})"
     except Exception as exc:
         checks["store"] = f"unreachable: {type(exc).__name__}"

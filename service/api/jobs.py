@@ -13,9 +13,10 @@ from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_re
 from service.api.sources import check_sources
 from service.core import queue
 from service.core.artifacts import open_store
-from service.core.specs import KINDS, STATUSES, TERMINAL, JobSpec
+from service.core.specs import KINDS, STATUSES, TERMINAL, JobSpec, Status
 from service.store import events as events_q
 from service.store import jobs as jobs_q
+from service.store import leases
 from service.store import metrics as metrics_q
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
@@ -37,12 +38,16 @@ def submit_job(
     if not created:
         response.headers["Idempotent-Replayed"] = "true"
         return job
-    session.commit()  # the worker must see the row before the message
+    # The route ends its own transaction here, the one place it does (service/store/__init__.py):
+    # the worker must see the row before the message, and a broker that is down must still be
+    # answered with 503 and the job failed, which needs the row committed first.
+    session.commit()
     try:
         queue.enqueue(job.id, job.uid, broker_url=settings.broker)
     except Exception as exc:  # broker down: fail the job visibly rather than leave it queued forever
         message = f"could not enqueue the job: {type(exc).__name__}"
-        jobs_q.finish_job(session, job_id=job.id, holder=None, status="failed", message=message, error=message)
+        leases.finish_job(settings.store_url, job_id=job.id, holder=None, status=Status.failed, message=message,
+                          error=message)
         raise HTTPException(503, "the job queue is unreachable; the job was recorded as failed") from exc
     return job
 

@@ -19,7 +19,6 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel
 from pydantic import Field as PydanticField
-from sqlalchemy import func, select
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -39,25 +38,18 @@ from service.store import jobs as jobs_q
 from service.store import keys as keys_q
 from service.store import metrics as metrics_q
 from service.store.db import session_scope
-from service.store.models import Job, JobEvent, Metric
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 404, 422, 503))
 log = logging.getLogger(__name__)
 
 
-def job_versions(url: str, job_ids: list[int]) -> dict[int, tuple]:
-    """One statement: a value per job that changes whenever its stream has something to send."""
-    newest_event = select(func.max(JobEvent.id)).where(JobEvent.job_id == Job.id).scalar_subquery()
-    newest_step = select(func.max(Metric.step)).where(Metric.job_id == Job.id).scalar_subquery()
-    with session_scope(url) as s:
-        rows = s.execute(select(Job.id, Job.status, Job.step, Job.cancel_requested, newest_event, newest_step)
-                         .where(Job.id.in_(job_ids))).all()
-    return {row[0]: tuple(row[1:]) for row in rows}
-
-
 class StreamHub:
     def __init__(self, url: str, interval_s: float = 1.0) -> None:
         self.url, self.interval_s = url, interval_s
+
+    def _versions(self, job_ids: list[int]) -> dict[int, tuple]:
+        with session_scope(self.url, read_only=True) as s:
+            return jobs_q.job_versions(s, job_ids=job_ids)
         self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
         self._versions: dict[int, tuple] = {}
         self._task: asyncio.Task | None = None
@@ -84,7 +76,7 @@ class StreamHub:
             if not ids:
                 break
             try:
-                versions = await run_in_threadpool(job_versions, self.url, ids)
+                versions = await run_in_threadpool(self._versions, ids)
             except Exception as exc:  # store away: streams keep waiting; their timeouts re-read
                 log.warning("stream poll failed: %s", type(exc).__name__)
                 continue

@@ -9,6 +9,7 @@ This module must stay importable without torch: the API imports it.
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Annotated, Literal, Union
 
@@ -458,5 +459,15 @@ def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob:
     return _JOB_SPEC.validate_python(data)
 
 
-TERMINAL = ("succeeded", "failed", "cancelled")
-STATUSES = ("queued", "running", *TERMINAL)
+class Status(StrEnum):
+    """A job's status: queued -> running -> succeeded | failed | cancelled (service/store/leases.py)."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
+TERMINAL: tuple[str, ...] = (Status.succeeded.value, Status.failed.value, Status.cancelled.value)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -85,3 +85,9 @@ def session_scope(url: str, *, read_only: bool = False) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def ping(url: str) -> None:
+    """One round trip to the store; raises when it does not answer."""
+    with session_scope(url, read_only=True) as s:
+        s.execute(text("SELECT 1"))

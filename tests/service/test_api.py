@@ -1,9 +1,8 @@
 import json
 
 from service.core.records import SampleRow, SelectionRecord, SparsityRecord
-from service.store import jobs as jobs_q
+from service.store import leases, records
 from service.store import metrics as metrics_q
-from service.store import records
 from service.store.db import session_scope
 
 GRPO = {"kind": "grpo", "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8}}
@@ -95,12 +94,10 @@ def test_cancel_queued_then_conflict(api):
 
 def test_cancel_running_is_cooperative(api):
     job = _submit(api)
-    with session_scope(api.settings.store_url) as s:
-        assert jobs_q.acquire_lease(s, job_id=job["id"], holder="w1", lease_timeout_s=60)
+    assert leases.acquire_lease(api.settings.store_url, job_id=job["id"], holder="w1", lease_timeout_s=60)
     r = api.post(f"/v1/jobs/{job['id']}/cancel").json()
     assert r["status"] == "running" and r["cancel_requested"] is True
-    with session_scope(api.settings.store_url) as s:
-        assert jobs_q.heartbeat(s, job_id=job["id"], holder="w1") is True
+    assert leases.heartbeat(api.settings.store_url, job_id=job["id"], holder="w1") is True
 
 
 def test_metrics_downsampled_with_spikes_visible(api):
@@ -156,7 +153,7 @@ def test_stream_sends_status_metrics_events_and_end(api):
     with session_scope(api.settings.store_url) as s:
         metrics_q.upsert_step(s, job_id=jid, step=1, values={"reward/mean": 0.25})
         metrics_q.upsert_step(s, job_id=jid, step=2, values={"reward/mean": 0.5})
-        jobs_q.finish_job(s, job_id=jid, holder=None, status="succeeded", message="done")
+    leases.finish_job(api.settings.store_url, job_id=jid, holder=None, status="succeeded", message="done")
     # a browser's EventSource: a stream token for this job, never the key, in the URL
     token = api.post(f"/v1/jobs/{jid}/stream-token").json()["token"]
     assert api.alice not in token

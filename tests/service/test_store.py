@@ -6,6 +6,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import func, select, update
 
 from service.store import jobs as jobs_q
+from service.store import leases
 from service.store import metrics as metrics_q
 from service.store.db import get_engine, session_scope
 from service.store.migrate import upgrade
@@ -45,21 +46,20 @@ def test_metric_writes_are_upserts(url):
 
 def test_lease_is_exclusive_and_taken_over_when_stale(url):
     jid = _job(url)
-    with session_scope(url) as s:
-        assert jobs_q.acquire_lease(s, job_id=jid, holder="w1", lease_timeout_s=60)
-        assert not jobs_q.acquire_lease(s, job_id=jid, holder="w2", lease_timeout_s=60)  # redelivery: no
-        assert jobs_q.heartbeat(s, job_id=jid, holder="w1", step=2) is False
+    assert leases.acquire_lease(url, job_id=jid, holder="w1", lease_timeout_s=60)
+    assert not leases.acquire_lease(url, job_id=jid, holder="w2", lease_timeout_s=60)  # redelivery: no
+    assert leases.heartbeat(url, job_id=jid, holder="w1", step=2) is False
     with session_scope(url) as s:  # w1 dies: its heartbeat goes stale
         s.execute(update(Job).where(Job.id == jid).values(
             heartbeat_at=datetime.now(timezone.utc) - timedelta(seconds=120)))
+    assert leases.acquire_lease(url, job_id=jid, holder="w2", lease_timeout_s=60)
+    assert leases.heartbeat(url, job_id=jid, holder="w1") is None  # w1 learns it lost the lease
+    assert not leases.finish_job(url, job_id=jid, holder="w1", status="succeeded", message="w1 done")
+    assert leases.finish_job(url, job_id=jid, holder="w2", status="succeeded", message="w2 done")
     with session_scope(url) as s:
-        assert jobs_q.acquire_lease(s, job_id=jid, holder="w2", lease_timeout_s=60)
-        assert jobs_q.heartbeat(s, job_id=jid, holder="w1") is None  # w1 learns it lost the lease
-        assert not jobs_q.finish_job(s, job_id=jid, holder="w1", status="succeeded", message="w1 done")
-        assert jobs_q.finish_job(s, job_id=jid, holder="w2", status="succeeded", message="w2 done")
         job = jobs_q.get_job(s, job_id=jid)
         assert (job.status, job.attempt, job.step) == ("succeeded", 2, 2)
-        assert not jobs_q.acquire_lease(s, job_id=jid, holder="w3", lease_timeout_s=0)  # terminal
+    assert not leases.acquire_lease(url, job_id=jid, holder="w3", lease_timeout_s=0)  # terminal
 
 
 def test_idempotent_create(url):

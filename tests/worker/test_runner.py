@@ -8,8 +8,8 @@ from service.core.artifacts import checkpoint_key, newest_step, open_store
 from service.core.specs import GRPOJob
 from service.store import events as events_q
 from service.store import jobs as jobs_q
+from service.store import leases, records
 from service.store import metrics as metrics_q
-from service.store import records
 from service.store.db import session_scope
 from service.store.migrate import upgrade
 from service.store.models import Job, Metric
@@ -86,8 +86,7 @@ def test_gives_up_after_max_attempts(settings_factory):
 
 def test_busy_when_another_worker_holds_the_lease(settings_factory):
     settings, jid = _setup(settings_factory)
-    with session_scope(settings.store_url) as s:
-        assert jobs_q.acquire_lease(s, job_id=jid, holder="other", lease_timeout_s=60)
+    assert leases.acquire_lease(settings.store_url, job_id=jid, holder="other", lease_timeout_s=60)
     assert runner.run_job(jid, settings=settings) == "busy"
 
 

@@ -1,0 +1,170 @@
+"""The lease state machine: queued -> running (leased) -> succeeded | failed | cancelled, or back
+to queued. Every transition is one conditional UPDATE in a transaction of its own: these functions
+take the store's URL and open (and commit) their own scope, never a caller's session, so a lease
+changes hands exactly when the statement that moves it commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import func, or_, select, update
+
+from service.core.specs import TERMINAL, Status
+from service.store.db import session_scope
+from service.store.models import Job, JobEvent, utcnow
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a worker needs of a job it has just leased, read by the statement that leased it."""
+
+    job_id: int
+    uid: str
+    owner: str
+    kind: str
+    spec: dict
+    attempt: int
+    cancel_requested: bool
+
+
+def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
+                  uid: str | None = None) -> Lease | None:
+    """Atomically take a queued job, or a running one whose holder stopped heartbeating.
+
+    One conditional UPDATE ... RETURNING: two deliveries of a message can never both win, and
+    the row is read in the same statement. `uid` (from the message) must match, so a message
+    meant for another store's job with the same id never runs here.
+    """
+    now = datetime.now(timezone.utc)
+    q = update(Job).where(Job.id == job_id, or_(Job.status == Status.queued, stale(now, lease_timeout_s)))
+    if uid is not None:
+        q = q.where(Job.uid == uid)
+    with session_scope(url) as session:
+        row = session.execute(
+            q.values(status=Status.running, lease_owner=holder, heartbeat_at=now, attempt=Job.attempt + 1,
+                     started_at=func.coalesce(Job.started_at, now), updated_at=now)
+            .returning(Job.id.label("job_id"), Job.uid, Job.owner, Job.kind, Job.spec, Job.attempt,
+                       Job.cancel_requested)
+            .execution_options(synchronize_session=False)
+        ).first()
+    return None if row is None else Lease(**row._mapping)
+
+
+def stale(now: datetime, lease_timeout_s: float):
+    """A running job whose holder has not renewed its lease within the timeout."""
+    return (Job.status == Status.running) & or_(
+        Job.heartbeat_at.is_(None), Job.heartbeat_at < now - timedelta(seconds=lease_timeout_s))
+
+
+def heartbeat(url: str, *, job_id: int, holder: str, step: int | None = None) -> bool | None:
+    """Renew the lease. Returns cancel_requested, or None when the lease was lost."""
+    values: dict = {"heartbeat_at": utcnow()}
+    if step is not None:
+        values["step"] = step
+    with session_scope(url) as session:
+        row = session.execute(
+            update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running)
+            .values(**values).returning(Job.cancel_requested).execution_options(synchronize_session=False)
+        ).first()
+    return None if row is None else bool(row.cancel_requested)
+
+
+def finish_job(url: str, *, job_id: int, holder: str | None, status: str, message: str,
+               error: str | None = None, data: dict | None = None, level: str | None = None) -> bool:
+    """Record a job's outcome: its terminal status and its final event, in one transaction.
+
+    With a `holder`, only while that worker still holds the lease. False if nothing changed."""
+    if status not in TERMINAL:
+        raise ValueError(f"{status!r} is not a terminal status")
+    q = update(Job).where(Job.id == job_id, Job.status.not_in(TERMINAL))
+    if holder is not None:
+        q = q.where(Job.lease_owner == holder)
+    with session_scope(url) as session:
+        result = session.execute(
+            q.values(status=status, error=error, finished_at=utcnow(), lease_owner=None)
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount != 1:
+            return False
+        session.add(JobEvent(job_id=job_id, type=status, message=message, data=data,
+                             level=level or ("error" if status == Status.failed else "info")))
+    return True
+
+
+def requeue(url: str, *, job_id: int, holder: str, message: str) -> str | None:
+    """An attempt that ended without an outcome of its own (a process of it was killed): back to
+    `queued` with a warning event, while `holder` holds the lease. Returns the job's uid to
+    enqueue again, or None if the lease was no longer ours."""
+    with session_scope(url) as session:
+        row = session.execute(
+            update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running)
+            .values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=utcnow())
+            .returning(Job.uid).execution_options(synchronize_session=False)
+        ).first()
+        if row is None:
+            return None
+        session.add(JobEvent(job_id=job_id, type="requeued", level="warning", message=message))
+    return row.uid
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """A job to enqueue again."""
+
+    job_id: int
+    uid: str
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What one sweep did: jobs to enqueue again, and stranded jobs it cancelled."""
+
+    requeue: list[Requeued]
+    cancelled: list[int]
+
+
+def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) -> Swept:
+    """Take back jobs nobody is running, safely from any number of workers at once.
+
+    - running with an expired lease: back to `queued` (to be enqueued again), or `cancelled`
+      when a cancel was asked for;
+    - queued and not enqueued for `requeue_queued_after_s` (its message may be lost: a broker
+      restarted empty): enqueued again.
+    Each job is claimed by a conditional UPDATE in a transaction of its own, so of several
+    sweepers exactly one acts on it. A job enqueued twice still runs once: the lease decides.
+    """
+    now = datetime.now(timezone.utc)
+    with session_scope(url) as session:
+        expired = session.execute(select(Job.id, Job.cancel_requested).where(stale(now, lease_timeout_s))).all()
+    requeue, cancelled = [], []
+    for job_id, cancel in expired:
+        claim = update(Job).where(Job.id == job_id, stale(now, lease_timeout_s))
+        with session_scope(url) as session:
+            if cancel:
+                if session.execute(claim.values(status=Status.cancelled, finished_at=now, lease_owner=None,
+                                                updated_at=now).execution_options(synchronize_session=False)
+                                   ).rowcount == 1:
+                    session.add(JobEvent(job_id=job_id, type="cancelled",
+                                         message="cancelled: its worker had stopped (lease expired)"))
+                    cancelled.append(job_id)
+                continue
+            row = session.execute(claim.values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=now)
+                                  .returning(Job.uid).execution_options(synchronize_session=False)).first()
+            if row is not None:
+                session.add(JobEvent(job_id=job_id, type="requeued", level="warning",
+                                     message=f"its worker stopped renewing the lease for {lease_timeout_s:g} s; "
+                                     "queued again, it resumes from its last checkpoint"))
+                requeue.append(Requeued(job_id, row.uid))
+    idle = now - timedelta(seconds=requeue_queued_after_s)
+    with session_scope(url) as session:
+        waiting = session.execute(select(Job.id, Job.updated_at)
+                                  .where(Job.status == Status.queued, Job.updated_at < idle)).all()
+    for job_id, seen in waiting:
+        with session_scope(url) as session:
+            row = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.queued, Job.updated_at == seen)
+                                  .values(updated_at=now).returning(Job.uid)
+                                  .execution_options(synchronize_session=False)).first()
+        if row is not None:
+            requeue.append(Requeued(job_id, row.uid))
+    return Swept(requeue=requeue, cancelled=cancelled)

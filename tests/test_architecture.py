@@ -79,3 +79,35 @@ def test_no_import_circles():
     for m in sorted(graph):
         visit(m)
     assert not circles, circles
+
+
+def _dataclass_fields() -> dict[str, list[str]]:
+    fields = {}
+    for path in ALL.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    (isinstance(d, ast.Name) and d.id == "dataclass")
+                    or (isinstance(d, ast.Call) and getattr(d.func, "id", "") == "dataclass") for d in node.decorator_list):
+                fields[node.name] = [b.target.id for b in node.body
+                                     if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)]
+    return fields
+
+
+def test_wide_records_are_built_by_keyword():
+    """A record of more than four fields read by position is a bug waiting for a reordering."""
+    wide = {name for name, f in _dataclass_fields().items() if len(f) > 4}
+    positional = []
+    for module, path in ALL.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and len(node.args) > 4:
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in wide:
+                    positional.append(f"{module}:{node.lineno} {name}")
+    assert not positional, positional
+
+
+def test_no_function_is_over_60_lines():
+    long = [f"{m}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)" for m, p in ALL.items()
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long

@@ -53,12 +53,15 @@ class RolloutBatch:
 
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         idx = torch.as_tensor(idx, dtype=torch.long)
-        return RolloutBatch(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
-                            self.completion_mask[idx], self.truncated[idx], [self.completions[i] for i in idx.tolist()])
+        return RolloutBatch(prompt_ids=self.prompt_ids[idx], prompt_mask=self.prompt_mask[idx],
+                            completion_ids=self.completion_ids[idx], completion_mask=self.completion_mask[idx],
+                            truncated=self.truncated[idx], completions=[self.completions[i] for i in idx.tolist()])
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
-        return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
-                            self.completion_mask.to(device), self.truncated.to(device), self.completions)
+        return RolloutBatch(prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
+                            completion_ids=self.completion_ids.to(device),
+                            completion_mask=self.completion_mask.to(device), truncated=self.truncated.to(device),
+                            completions=self.completions)
 
     @staticmethod
     def cat(batches: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
@@ -72,12 +75,12 @@ class RolloutBatch:
             return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)
 
         return RolloutBatch(
-            torch.cat([lpad(b.prompt_ids, P, pad_id) for b in batches]),
-            torch.cat([lpad(b.prompt_mask, P, 0) for b in batches]),
-            torch.cat([rpad(b.completion_ids, T, pad_id) for b in batches]),
-            torch.cat([rpad(b.completion_mask, T, 0) for b in batches]),
-            torch.cat([b.truncated for b in batches]),
-            [c for b in batches for c in b.completions],
+            prompt_ids=torch.cat([lpad(b.prompt_ids, P, pad_id) for b in batches]),
+            prompt_mask=torch.cat([lpad(b.prompt_mask, P, 0) for b in batches]),
+            completion_ids=torch.cat([rpad(b.completion_ids, T, pad_id) for b in batches]),
+            completion_mask=torch.cat([rpad(b.completion_mask, T, 0) for b in batches]),
+            truncated=torch.cat([b.truncated for b in batches]),
+            completions=[c for b in batches for c in b.completions],
         )
 
 
@@ -205,7 +208,8 @@ class RolloutEngine:
         tok, sp = self.tokenizer, self.params
         if not prompts:
             empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-            return RolloutBatch(empty, empty, empty, empty, torch.zeros(0, dtype=torch.bool, device=self.device), [])
+            return RolloutBatch(prompt_ids=empty, prompt_mask=empty, completion_ids=empty, completion_mask=empty,
+                                truncated=torch.zeros(0, dtype=torch.bool, device=self.device), completions=[])
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
         mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
@@ -230,7 +234,8 @@ class RolloutEngine:
         texts = [_cut_at_stop(tok.decode(row[:n], skip_special_tokens=True), sp.stop)
                  for row, n in zip(completion.tolist(), lengths)]
         completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tok.pad_token_id))
-        batch = RolloutBatch(ids, mask, completion, cmask, truncated, texts)
+        batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
+                             truncated=truncated, completions=texts)
         return batch
 
     @torch.no_grad()

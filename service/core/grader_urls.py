@@ -122,7 +122,7 @@ def parse_url(url: str) -> GraderUrl:
         raise UrlRefused("has a path that decodes to spaces, control characters or backslashes")
     if not path.startswith("/"):
         path = "/" + path
-    return GraderUrl(scheme, host, port, _remove_dot_segments(path), parts.query)
+    return GraderUrl(scheme=scheme, host=host, port=port, path=_remove_dot_segments(path), query=parts.query)
 
 
 def parse_allow_list(entries: list[str]) -> list[GraderUrl]:

@@ -73,7 +73,8 @@ def list_keys(session: Session, *, owner: str | None = None) -> list[KeyInfo]:
     q = select(ApiKey).order_by(ApiKey.id)
     if owner is not None:
         q = q.where(ApiKey.owner == owner)
-    return [KeyInfo(k.id, k.owner, k.prefix, k.created_at, k.expires_at, k.last_used_at, k.revoked)
+    return [KeyInfo(id=k.id, owner=k.owner, prefix=k.prefix, created_at=k.created_at, expires_at=k.expires_at,
+                    last_used_at=k.last_used_at, revoked=k.revoked)
             for k in session.scalars(q)]
 
 

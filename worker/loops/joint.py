@@ -106,7 +106,8 @@ def retrieve(spec: JointJob, retriever: DualEncoder, ref: DualEncoder, index: In
                  sample_without_replacement(logits, r.k, torch.Generator().manual_seed(seed)))
         with torch.no_grad():
             ref_logits = ref.scores(ref.queries([ex.question])[0], ref.documents(texts)) / r.temperature
-        out.append(Retrieval(ex, pool, logits, picks, ref_logits, sequential_logprobs(logits.detach(), picks)))
+        out.append(Retrieval(query=ex, pool=pool, logits=logits, picks=picks, ref_logits=ref_logits,
+                             old_logp=sequential_logprobs(logits.detach(), picks)))
     return out
 
 
@@ -132,7 +133,8 @@ def draw_queries(s: Setup, retriever: DualEncoder, ref: DualEncoder, index: Inde
         batch = RolloutBatch.cat([s.engine.generate(prompts[i:i + g.micro_batch_size], g.num_generations,
                                                     seeds=seeds[i:i + g.micro_batch_size])
                                   for i in range(0, max(len(prompts), 1), g.micro_batch_size)], s.tokenizer.pad_token_id)
-        return Drawn(batch, examples, prompts, picks, [(round, i) for i in idx], groups_per_unit=k)
+        return Drawn(batch=batch, examples=examples, prompts=prompts, units=picks, keys=[(round, i) for i in idx],
+                     groups_per_unit=k)
 
     return draw
 

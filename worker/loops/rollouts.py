@@ -188,7 +188,7 @@ def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Dra
         examples, idx = unit_draws(rng, pool, n, s.ranks)
         prompts = [prompt_for(s, ex) for ex in examples]
         batch = s.engine.generate(prompts, G, seeds=[row_seed(seed_tag, round, i) for i in idx])
-        return Drawn(batch, examples, prompts, examples, [(round, i) for i in idx])
+        return Drawn(batch=batch, examples=examples, prompts=prompts, units=examples, keys=[(round, i) for i in idx])
 
     return draw
 
@@ -244,10 +244,12 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
         "rewards": r.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
     first = kept[0].drawn
     keys = [(*key, j, g) for k in kept for key in k.drawn.keys for j in range(k.drawn.groups_per_unit) for g in range(G)]
-    return Rollouts(batch, [ex for k in kept for ex in k.drawn.examples], [p for k in kept for p in k.drawn.prompts],
-                    [u for k in kept for u in k.drawn.units], first.groups_per_unit, G, r, adv, loss_mask,
-                    {name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn}, train_rows,
-                    frac_zero or 0.0, rounds - 1, reward_s, keys, s.ranks)
+    return Rollouts(batch=batch, examples=[ex for k in kept for ex in k.drawn.examples],
+                    prompts=[p for k in kept for p in k.drawn.prompts], units=[u for k in kept for u in k.drawn.units],
+                    groups_per_unit=first.groups_per_unit, group_size=G, rewards=r, advantages=adv, loss_mask=loss_mask,
+                    per_fn={name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn},
+                    train_rows=train_rows, frac_zero_std=frac_zero or 0.0, refill_rounds=rounds - 1, reward_s=reward_s,
+                    keys=keys, ranks=s.ranks)
 
 
 def collect_train_rollouts(s: Setup, step: int, reporter: Reporter) -> Rollouts[Example] | None:

@@ -51,8 +51,9 @@ class Setup:
 
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
-        return Trainables(self.model, self.tokenizer, {"policy": self.optimizer, **self.extra_optimizers},
-                          {"policy": self.scheduler}, dict(self.extra), self.sharded)
+        return Trainables(model=self.model, tokenizer=self.tokenizer,
+                          optimizers={"policy": self.optimizer, **self.extra_optimizers},
+                          schedulers={"policy": self.scheduler}, modules=dict(self.extra), sharded=self.sharded)
 
 
 def policy_device(spec: AnySpec, ranks: Ranks) -> str:
@@ -102,8 +103,9 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     if task is None:
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
-    return Setup(spec, model, tok, engine, ref, opt, sched, task, scorer, device, dict(extra or {}),
-                 dict(extra_optimizers or {}), ranks, sharded)
+    return Setup(spec=spec, model=model, tokenizer=tok, engine=engine, ref_model=ref, optimizer=opt, scheduler=sched,
+                 task=task, scorer=scorer, device=device, extra=dict(extra or {}),
+                 extra_optimizers=dict(extra_optimizers or {}), ranks=ranks, sharded=sharded)
 
 
 def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:

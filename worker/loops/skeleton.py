@@ -51,7 +51,7 @@ class Run:
 def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
     """Resume from the last checkpoint if there is one; else evaluate before the first step (step 0)."""
     resumed = resume(s, reporter)
-    run = Run(s, reporter, evaluate, resumed.step, resumed.opt_steps)
+    run = Run(s=s, reporter=reporter, evaluate=evaluate, start_step=resumed.step, opt_steps=resumed.opt_steps)
     # every rank holds the same weights: rank 0 measures (sharded ones are gathered by every rank)
     if s.spec.sparsity is not None and (s.ranks.main or s.sharded):
         run.tracker = SparsityTracker(s.spec.sparsity, s, reporter, start_step=run.opt_steps)

@@ -106,8 +106,9 @@ class PassTotals:
         t = ranks.sum({"loss": self.loss, "policy": self.policy, "kl": self.kl or 0.0, "tokens": self.tokens.tokens,
                        "ratio_sum": self.tokens.ratio_sum, "clipped": self.tokens.clipped, "entropy": self.entropy_sum})
         ratio_max = ranks.max({"ratio_max": self.tokens.ratio_max})["ratio_max"]
-        return PassTotals(t["loss"], t["policy"], None if self.kl is None else t["kl"],
-                          TokenStats(t["tokens"], t["ratio_sum"], ratio_max, t["clipped"]), t["entropy"])
+        return PassTotals(loss=t["loss"], policy=t["policy"], kl=None if self.kl is None else t["kl"],
+                          tokens=TokenStats(t["tokens"], t["ratio_sum"], ratio_max, t["clipped"]),
+                          entropy_sum=t["entropy"])
 
     def metrics(self) -> dict[str, float]:
         out = {"loss/total": self.loss, "loss/policy": self.policy, **self.tokens.metrics(),

@@ -25,7 +25,7 @@ from worker.loops.setup import build
 from worker.loops.skeleton import Run
 from worker.loops.update import train_epochs
 from worker.reporting import Reporter
-from worker.sparsity_hook import SparsityTracker
+from worker.sparsity_tracker import SparsityTracker
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ from worker.algos.losses import Normaliser, sample_losses
 from worker.loops.rollouts import collect_rollouts, collect_train_rollouts, draw_prompts
 from worker.loops.setup import build
 from worker.reporting import Reporter
-from worker.rollout import sequence_logprobs
+from worker.sampling import sequence_logprobs
 
 
 def job(args, kind: str, steps: int) -> dict:

@@ -26,7 +26,7 @@ from service.core.datafiles import read_rows, sniff, task_row  # noqa: E402
 from worker import rewards  # noqa: E402
 from worker.datasets import render_prompt  # noqa: E402
 from worker.models import TINY_PRESETS, tiny_model  # noqa: E402
-from worker.rollout import eos_token_ids  # noqa: E402
+from worker.sampling import eos_token_ids  # noqa: E402
 
 
 def load(checkpoint: Path, base: str):

@@ -15,10 +15,10 @@ from service.api import (
     files,
     health,
     jobs,
-    metrics,
     prometheus,
     reports,
     rewards,
+    series,
     specs,
     stream,
 )
@@ -30,7 +30,7 @@ from service.api.strict import StrictRouting
 from service.core.settings import Settings, get_settings
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
-ROUTERS = (health.router, jobs.router, stream.router, metrics.router, reports.router, rewards.router,
+ROUTERS = (health.router, jobs.router, stream.router, series.router, reports.router, rewards.router,
            specs.router, files.router)
 
 

@@ -11,7 +11,7 @@ from worker.distributed import SINGLE
 from worker.loops.rollouts import Drawn, collect_rollouts
 from worker.reporting import Reporter
 from worker.rewards import FunctionComponent, Scorer, lookup
-from worker.rollout import RolloutBatch
+from worker.sampling import RolloutBatch
 
 G, K = 2, 3  # completions per group, groups per unit (a joint query's k documents)
 

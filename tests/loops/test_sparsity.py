@@ -9,7 +9,7 @@ from worker.algos.sparsity import diff_report
 from worker.loops import grpo
 from worker.loops.setup import build
 from worker.reporting import FileReporter
-from worker.sparsity_hook import SparsityTracker
+from worker.sparsity_tracker import SparsityTracker
 
 # full fine-tuning of a 2-layer model: every weight matrix is tracked
 SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "dataset": {"num_train": 40, "num_val": 4},

@@ -47,7 +47,7 @@ from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts, unit_draws
 from worker.loops.setup import Setup, build, policy_device
 from worker.reporting import LoopResult, Reporter
 from worker.retriever import DualEncoder, load_retriever
-from worker.rollout import RolloutBatch
+from worker.sampling import RolloutBatch
 from worker.training import make_optimizer, seed_everything
 
 

@@ -25,7 +25,7 @@ from worker.datasets import Example, render_prompt
 from worker.distributed import SINGLE, Ranks, row_seed
 from worker.loops.setup import Setup
 from worker.reporting import Reporter
-from worker.rollout import RolloutBatch
+from worker.sampling import RolloutBatch
 
 U = TypeVar("U")  # what a loop needs back about each unit: the Example, or a joint query's retrieval
 

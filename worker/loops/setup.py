@@ -24,7 +24,7 @@ from worker.distributed import SINGLE, Ranks, shard
 from worker.models import load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
-from worker.rollout import RolloutEngine, SamplingParams
+from worker.sampling import RolloutEngine, SamplingParams
 from worker.training import make_optimizer, make_scheduler, trainable
 
 AnySpec = GRPOJob | TracInJob | JointJob

@@ -21,7 +21,7 @@ from service.core.records import SampleRow
 from worker.checkpoints import gather_states, save_checkpoint
 from worker.loops.setup import Setup, resume
 from worker.reporting import LoopResult, Reporter
-from worker.sparsity_hook import SparsityTracker
+from worker.sparsity_tracker import SparsityTracker
 from worker.training import seed_everything, step_seed
 
 Evaluate = Callable[[int], dict[str, float]]  # the step after which it evaluates -> eval/* metrics

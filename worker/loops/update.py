@@ -13,7 +13,7 @@ from worker.distributed import Ranks
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.loops.skeleton import Run
-from worker.rollout import RolloutBatch, sequence_logprobs
+from worker.sampling import RolloutBatch, sequence_logprobs
 from worker.training import grad_norm
 
 

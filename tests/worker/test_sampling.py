@@ -3,7 +3,7 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from worker.models import load_policy
-from worker.rollout import RolloutEngine, SamplingParams, sequence_logprobs
+from worker.sampling import RolloutEngine, SamplingParams, sequence_logprobs
 
 
 def _policy(tmp_path, lora=True):

@@ -13,7 +13,7 @@ from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
 from tests.e2e.conftest import free_port, wait_http
-from tests.service.test_upload_budgets import (
+from tests.service.api.test_upload_budgets import (
     compressed_column,
     dictionary_bomb,
     many_rows,

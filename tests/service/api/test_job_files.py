@@ -24,7 +24,7 @@ from service.store.models import (
 )
 from tests.conftest import Api
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORDS = ["cat", "dog", "sun", "map", "pen", "cup", "hat", "box", "jam", "fig", "owl", "bee"]
 TRAIN = [{"prompt": f"Spell {w} backwards.", "answer": w[::-1]} for w in WORDS[:8]]
 EVAL = [{"prompt": f"Spell {w} backwards.", "answers": [w[::-1], w[::-1].upper()]} for w in WORDS[8:]]

@@ -79,7 +79,7 @@ def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory
 
     import yaml
 
-    spec = yaml.safe_load((Path(__file__).parents[2] / "examples" / "joint-smollm2.yaml").read_text())
+    spec = yaml.safe_load((Path(__file__).parents[3] / "examples" / "joint-smollm2.yaml").read_text())
     spec["grpo"].update(steps=5, eval_every=5, samples_per_step=0)
     joint.run(JointJob.model_validate(spec), FileReporter(tmp_path), settings=settings_factory())
     metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}

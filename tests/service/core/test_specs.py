@@ -6,7 +6,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from service.core.specs import DATASETS, MODEL_PRESETS, JobSpec
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 SPEC = TypeAdapter(JobSpec)
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT.parent / "shared" / "examples").glob("*.yaml"))
 

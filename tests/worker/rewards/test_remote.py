@@ -3,6 +3,8 @@
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -14,7 +16,9 @@ from worker.rewards import Item, RewardUnavailable, Scorer, numeric_match
 from worker.rewards.remote import HttpGrader
 
 
-def _serve(host: str):
+@contextmanager
+def _served(host: str) -> Iterator[str]:
+    """The test grader app under uvicorn on `host`, a free port; its base URL."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "tests.worker.rewards.grader_app:app", "--host", host,
                              "--port", str(port), "--log-level", "warning"])
@@ -25,24 +29,24 @@ def _serve(host: str):
             break
         except httpx.HTTPError:
             time.sleep(0.1)
-    return proc, base
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
 def grader():
-    proc, base = _serve("127.0.0.1")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=10)
+    with _served("127.0.0.1") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def offlist():
     """A second grader on another loopback address, on no allow-list: nothing may ever reach it."""
-    proc, base = _serve("127.0.0.2")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=10)
+    with _served("127.0.0.2") as base:
+        yield base
 
 
 def _settings(tmp_path, allow: str, **extra) -> Settings:

@@ -67,10 +67,18 @@ def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint folder as written."""
+
+    format: str  # peft-lora | transformers
+    size_bytes: int
+
+
 def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int,
-                    full: FullStates | None = None) -> tuple[str, int]:
+                    full: FullStates | None = None) -> Saved:
     """Write checkpoint folder `path` (`full`: a sharded model's gathered states, written in the
-    same format as an unsharded one's). Returns (format, size in bytes)."""
+    same format as an unsharded one's)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -90,7 +98,7 @@ def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int,
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
-    return ("peft-lora" if is_lora(t.model) else "transformers"), _dir_size(path)
+    return Saved(format="peft-lora" if is_lora(t.model) else "transformers", size_bytes=_dir_size(path))
 
 
 def load_weights(path: Path, *, model: torch.nn.Module) -> None:

@@ -10,6 +10,7 @@ are tracked, and so is the effective merged weight W0 + s * B @ A of each adapte
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,6 +33,15 @@ def _cpu_copy(p: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor):  # sharded (FSDP2): gathered whole, a collective every rank calls
         p = p.full_tensor()
     return p.detach().to("cpu", torch.promote_types(p.dtype, torch.float32), copy=True)
+
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    """The validation texts the quality probe runs the model on, left-padded."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
 
 
 class SparsityTracker:
@@ -68,7 +78,7 @@ class SparsityTracker:
         return w0 + module.scaling["default"] * (b @ a)
 
     # -- probe batch ---------------------------------------------------------------------------
-    def _probe_batch(self):
+    def _probe_batch(self) -> ProbeBatch | None:
         if not self.spec.quality.enabled:
             return None
         s = self.s
@@ -78,12 +88,14 @@ class SparsityTracker:
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         mask = enc["attention_mask"]
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        return enc["input_ids"].to(s.device), mask.to(s.device), pos.to(s.device)
+        return ProbeBatch(input_ids=enc["input_ids"].to(s.device), attention_mask=mask.to(s.device),
+                          position_ids=pos.to(s.device))
 
     @torch.no_grad()
     def _probe_logits(self) -> torch.Tensor:
-        ids, mask, pos = self.probe
-        return self.s.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
+        p = self.probe
+        return self.s.model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
+                            use_cache=False).logits.float()
 
     # -- measurement ---------------------------------------------------------------------------
     def on_optimizer_step(self, opt_step: int) -> None:
@@ -132,7 +144,7 @@ class SparsityTracker:
         was_training = model.training
         model.eval()
         full = self._probe_logits()
-        mask = self.probe[1]
+        mask = self.probe.attention_mask
         gen = torch.Generator().manual_seed(step)
         rows = []
         try:

@@ -164,8 +164,16 @@ def prompt_for(s: Setup, ex: Example) -> str:
     return render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
 
 
-def score_groups(s: Setup, completions: list[str], examples: list[Example], G: int,
-                 step: int) -> tuple[torch.Tensor, torch.Tensor, rewards.Scored]:
+@dataclass(frozen=True)
+class GroupRewards:
+    """A round's completions, scored."""
+
+    rewards: torch.Tensor  # [N]; an excluded completion holds its group's mean
+    excluded: torch.Tensor  # bool [N]: a counted reward could not score it
+    scored: rewards.Scored  # every entry's scores, and the time they took
+
+
+def score_groups(s: Setup, completions: list[str], examples: list[Example], G: int, step: int) -> GroupRewards:
     """Rewards [N] and an exclusion mask [N] (True: a counted reward could not score it)."""
     items = [rewards.Item(ex.question, c, tuple(ex.answers)) for ex, c in
              zip((ex for ex in examples for _ in range(G)), completions, strict=True)]
@@ -176,7 +184,7 @@ def score_groups(s: Setup, completions: list[str], examples: list[Example], G: i
         grouped = r.view(-1, G)
         means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
         r = torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
-    return r, excluded, scored
+    return GroupRewards(rewards=r, excluded=excluded, scored=scored)
 
 
 def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
@@ -210,7 +218,8 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
         if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
             raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                                f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
-        r, excluded, scored = score_groups(s, d.batch.completions, d.examples, G, step)
+        graded = score_groups(s, d.batch.completions, d.examples, G, step)
+        r, excluded, scored = graded.rewards, graded.excluded, graded.scored
         reward_s += scored.seconds
         tied = zero_std_groups(r, G)  # [n_groups]
         keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)

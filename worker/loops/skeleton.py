@@ -68,10 +68,10 @@ def save(run: Run, step: int) -> None:
     if not run.s.ranks.main:
         return
     path = run.reporter.checkpoint_dir(step)
-    fmt, size = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full)
-    run.reporter.checkpoint(step, path, fmt, size)
-    run.reporter.event("checkpoint", f"checkpoint at step {step} ({size / 1e6:.1f} MB)",
-                       data={"step": step, "format": fmt, "size_bytes": size})
+    saved = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full)
+    run.reporter.checkpoint(step, path, saved.format, saved.size_bytes)
+    run.reporter.event("checkpoint", f"checkpoint at step {step} ({saved.size_bytes / 1e6:.1f} MB)",
+                       data={"step": step, "format": saved.format, "size_bytes": saved.size_bytes})
 
 
 def stop_requested(run: Run, step: int) -> LoopResult | None:

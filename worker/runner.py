@@ -18,12 +18,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Literal
 
-from pydantic import ValidationError
-
 from service.core import queue
 from service.core.settings import Settings
 from service.core.sources import for_owner
-from service.core.specs import KINDS, TERMINAL, JobSpec, parse_spec
+from service.core.specs import KINDS, TERMINAL, JobSpec
 from service.store import jobs as jobs_q
 from service.store import leases
 from service.store.db import is_unreachable, session_scope
@@ -136,11 +134,8 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         return "failed"
     reporter.event("started", f"attempt {lease.attempt} on {reporter.holder}",
                    data={"attempt": lease.attempt, "holder": reporter.holder})
-    try:
-        spec = parse_spec(lease.spec)
-    except ValidationError as exc:
-        message = f"stored spec is no longer valid: {exc.error_count()} errors, first: {exc.errors()[0]['msg']}"
-        reporter.finish("failed", message, error=message)
+    if (spec := lease.spec) is None:
+        reporter.finish("failed", lease.spec_error, error=lease.spec_error)
         return "failed"
     owner_settings = for_owner(settings, lease.owner)  # the job sees its owner's data folder, nobody else's
     # with several ranks, they record through their own reporters; this process holds the lease meanwhile

@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from pydantic import ValidationError
 from sqlalchemy import func, or_, select, update
 
-from service.core.specs import TERMINAL, Status
+from service.core.specs import TERMINAL, JobSpec, Status, parse_spec
 from service.store.db import session_scope
 from service.store.models import Job, JobEvent, utcnow
 
@@ -23,7 +24,8 @@ class Lease:
     uid: str
     owner: str
     kind: str
-    spec: dict
+    spec: JobSpec | None  # None: stored by a version whose spec this one no longer accepts
+    spec_error: str | None  # why, then
     attempt: int
     cancel_requested: bool
 
@@ -48,7 +50,15 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
                        Job.cancel_requested)
             .execution_options(synchronize_session=False)
         ).first()
-    return None if row is None else Lease(**row._mapping)
+    if row is None:
+        return None
+    fields = dict(row._mapping)
+    try:
+        fields.update(spec=parse_spec(fields["spec"]), spec_error=None)
+    except ValidationError as exc:
+        fields.update(spec=None, spec_error=f"stored spec is no longer valid: {exc.error_count()} errors, first: "
+                      f"{exc.errors()[0]['msg']}")
+    return Lease(**fields)
 
 
 def stale(now: datetime, lease_timeout_s: float):

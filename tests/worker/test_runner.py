@@ -137,3 +137,19 @@ def test_failure_messages_name_settings_not_server_paths(settings_factory):
     message = f"OSError: cannot read {settings.datasets_dir}/alice/x.jsonl or {settings.data_dir}/other"
     clean = runner.without_server_paths(message, settings)
     assert clean == "OSError: cannot read $GRPO_DATASETS_ROOT/alice/x.jsonl or $GRPO_DATA_DIR/other"
+
+
+def test_a_stored_spec_this_version_refuses_fails_the_job_saying_why(settings_factory):
+    """A row written by another version (here: a field this one does not know) is leased, not run."""
+    settings, jid = _setup(settings_factory)
+    with session_scope(settings.store_url) as s:
+        job = jobs_q.get_job(s, job_id=jid)
+        job.spec = {**job.spec, "grpo": {**job.spec["grpo"], "retired_option": 1}}
+    lease = leases.acquire_lease(settings.store_url, job_id=jid, holder="w", lease_timeout_s=0)
+    assert lease.spec is None and "stored spec is no longer valid: 1 errors" in lease.spec_error
+    with session_scope(settings.store_url) as s:  # back to queued, as a fresh delivery finds it
+        s.execute(update(Job).where(Job.id == jid).values(status="queued", lease_owner=None, attempt=0))
+    assert runner.run_job(jid, settings=settings) == "failed"
+    with session_scope(settings.store_url) as s:
+        assert "stored spec is no longer valid" in jobs_q.get_job(s, job_id=jid).error
+        assert events_q.list_events(s, job_id=jid)[-1].type == "failed"

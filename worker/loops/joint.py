@@ -16,7 +16,8 @@ Per step, for each of P training queries:
      normalised within the query's k documents; the retriever loss is PPO-clipped over the
      documents' log-probs plus KL to a frozen reference retriever.
 Total loss = generator loss (aggregated over every document group) + retriever loss; each has its
-own AdamW (the retriever with `retriever.learning_rate`).
+own AdamW (the retriever with `retriever.learning_rate`), stepped by the same clip-and-step and on
+the same schedule (`grpo.lr_schedule`, `grpo.warmup_steps`).
 
 Run it:  grpo-jobs run examples/joint-minimal.yaml --out runs/joint
 """
@@ -48,7 +49,7 @@ from worker.loops.setup import Setup, build, policy_device
 from worker.reporting import LoopResult, Reporter
 from worker.retriever import DualEncoder, load_retriever
 from worker.sampling import RolloutBatch
-from worker.training import make_optimizer, seed_everything
+from worker.training import make_optimizer, make_scheduler, seed_everything
 
 
 class Index:
@@ -140,7 +141,8 @@ def draw_queries(s: Setup, retriever: DualEncoder, ref: DualEncoder, index: Inde
 
 
 def retriever_step(spec: JointJob, ro: Rollouts[Retrieval], optimizer: torch.optim.Optimizer,
-                   retriever: DualEncoder, index: Index) -> dict[str, float]:
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, retriever: DualEncoder,
+                   index: Index) -> dict[str, float]:
     """Document rewards and advantages within each query's k; the PPO-clipped update when trained.
     The loss is the mean over every process's queries: each sums its own and divides by their count."""
     r, G, ranks = spec.retriever, ro.group_size, ro.ranks
@@ -168,10 +170,8 @@ def retriever_step(spec: JointJob, ro: Rollouts[Retrieval], optimizer: torch.opt
         kl += float(st["retriever/kl"])
     if loss.requires_grad:
         loss.backward()
-    params = list(retriever.parameters())
-    ranks.reduce_gradients(params)
-    torch.nn.utils.clip_grad_norm_(params, spec.grpo.max_grad_norm or float("inf"))
-    optimizer.step()
+    update.clip_and_step(list(retriever.parameters()), optimizer, scheduler, max_norm=spec.grpo.max_grad_norm,
+                         ranks=ranks)
     t = ranks.sum({"loss": float(loss.detach()), "kl": kl})
     return {**stats, "retriever/loss": t["loss"], "retriever/kl": t["kl"] / P}
 
@@ -212,8 +212,12 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks 
     # sampled with (PPO's ratio), and every process must encode the corpus alike.
     retriever.eval().requires_grad_(not r.generator_only)
     ret_opt = make_optimizer(retriever.parameters(), lr=r.learning_rate, weight_decay=0.0, betas=g.betas)
+    # the policy's schedule (grpo.lr_schedule, warmup_steps), one retriever step per training step
+    ret_sched = make_scheduler(ret_opt, schedule=g.lr_schedule, warmup=g.warmup_steps, total=g.steps)
+    trained = not r.generator_only
     s = build(spec, settings, reporter, task=task, extra={"retriever": retriever},
-              extra_optimizers={} if r.generator_only else {"retriever": ret_opt}, ranks=ranks)
+              extra_optimizers={"retriever": ret_opt} if trained else {},
+              extra_schedulers={"retriever": ret_sched} if trained else {}, ranks=ranks)
     index = Index(retriever, corpus, ranks)
     reporter.event("corpus_indexed", f"{len(corpus)} documents; {r.k} x {g.num_generations} generations per query",
                    data={"documents": len(corpus), "generations_per_step": g.prompts_per_step * r.k * g.num_generations})
@@ -234,7 +238,7 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks 
             continue
 
         # 4. retriever: document rewards, advantages within the k, PPO-clipped loss + KL
-        ret_stats = retriever_step(spec, ro, ret_opt, retriever, index)
+        ret_stats = retriever_step(spec, ro, ret_opt, ret_sched, retriever, index)
 
         # generator: GRPO-Clip over every document group
         train_stats = update.train_epochs(run, ro, update.old_logprobs(s, ro), update.reference_logprobs(s, ro.batch),

@@ -46,6 +46,7 @@ class Setup:
     device: torch.device
     extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
     extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    extra_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] = field(default_factory=dict)
     ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/distributed.py)
     sharded: bool = False  # the policy is sharded across the processes (FSDP2)
 
@@ -53,7 +54,8 @@ class Setup:
         """What a checkpoint holds."""
         return Trainables(model=self.model, tokenizer=self.tokenizer,
                           optimizers={"policy": self.optimizer, **self.extra_optimizers},
-                          schedulers={"policy": self.scheduler}, modules=dict(self.extra), sharded=self.sharded)
+                          schedulers={"policy": self.scheduler, **self.extra_schedulers}, modules=dict(self.extra),
+                          sharded=self.sharded)
 
 
 def policy_device(spec: AnySpec, ranks: Ranks) -> str:
@@ -63,7 +65,9 @@ def policy_device(spec: AnySpec, ranks: Ranks) -> str:
 
 def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskData | None = None,
           extra: dict[str, torch.nn.Module] | None = None,
-          extra_optimizers: dict[str, torch.optim.Optimizer] | None = None, ranks: Ranks = SINGLE) -> Setup:
+          extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
+          extra_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] | None = None,
+          ranks: Ranks = SINGLE) -> Setup:
     """Load the policy (and `model.init_from`'s weights), the rollout copy, the reference, the
     optimizer and schedule, and the task (unless the loop loaded its own)."""
     g = spec.grpo
@@ -105,7 +109,8 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                          fetch=reporter.data_file)
     return Setup(spec=spec, model=model, tokenizer=tok, engine=engine, ref_model=ref, optimizer=opt, scheduler=sched,
                  task=task, scorer=scorer, device=device, extra=dict(extra or {}),
-                 extra_optimizers=dict(extra_optimizers or {}), ranks=ranks, sharded=sharded)
+                 extra_optimizers=dict(extra_optimizers or {}), extra_schedulers=dict(extra_schedulers or {}),
+                 ranks=ranks, sharded=sharded)
 
 
 def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:

@@ -64,20 +64,30 @@ def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
     return s.engine.logprobs(ro.batch, g.micro_batch_size)
 
 
+def clip_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, *, max_norm: float | None, ranks: Ranks) -> float:
+    """The one optimizer step of every trained module (the policy, the retriever): every rank's
+    share of the gradient summed, clipped to `max_norm` (None: not clipped), the optimizer and its
+    schedule stepped. Returns the gradient norm before clipping."""
+    ranks.reduce_gradients(params)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
+    optimizer.step()
+    scheduler.step()
+    return norm
+
+
 def optimizer_step(run: Run) -> float:
-    """Clip the accumulated gradient (grpo.max_grad_norm), step the optimizer and the schedule.
-    Returns the gradient norm before clipping."""
+    """The policy's step (grpo.max_grad_norm); returns the gradient norm before clipping."""
     s = run.s
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     max_norm = s.spec.grpo.max_grad_norm
     if s.sharded:  # FSDP2 summed each backward's gradient into this rank's shards; the norm is over all of them
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")).full_tensor()
         norm = float(norm)
+        s.optimizer.step()
+        s.scheduler.step()
     else:
-        s.ranks.reduce_gradients(params)  # every rank's share of the batch's gradient, summed
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
-    s.optimizer.step()
-    s.scheduler.step()
+        norm = clip_and_step(params, s.optimizer, s.scheduler, max_norm=max_norm, ranks=s.ranks)
     run.after_optimizer_step()
     return norm
 

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.core.specs import JointJob, RetrieverSpec
+from worker.checkpoints import STATE_FILE
 from worker.loops import joint
 from worker.reporting import FileReporter
 from worker.retriever import load_retriever
@@ -42,6 +43,19 @@ def test_retriever_trains_against_a_frozen_reference(tmp_path, settings_factory,
     assert metrics[3]["retriever/kl"] > 0
     samples = _lines(tmp_path / "samples.jsonl")
     assert all(s["extra"]["doc_id"].startswith(("person-", "profile-")) for s in samples)
+
+
+def test_the_retriever_follows_the_policys_schedule(tmp_path, settings_factory, digit_reward):
+    """One optimizer step for both: with a cosine schedule and warm-up, the retriever's learning rate
+    is retriever.learning_rate times the policy's factor at every step, and resumes with it."""
+    d = _spec()
+    d["grpo"].update(lr_schedule="cosine", warmup_steps=1, learning_rate=1e-3, steps=3)
+    joint.run(JointJob.model_validate(d), FileReporter(tmp_path), settings=settings_factory())
+    state = torch.load(tmp_path / "checkpoints" / "step-3" / STATE_FILE, weights_only=False)
+    assert state["schedulers"]["retriever"]["last_epoch"] == state["schedulers"]["policy"]["last_epoch"] > 0
+    policy_lr = state["optimizers"]["policy"]["param_groups"][0]["lr"]
+    retriever_lr = state["optimizers"]["retriever"]["param_groups"][0]["lr"]
+    assert retriever_lr == pytest.approx(1e-2 * policy_lr / 1e-3)
 
 
 def test_generator_only_keeps_the_retriever(tmp_path, settings_factory, digit_reward):

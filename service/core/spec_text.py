@@ -43,6 +43,18 @@ def _line(event) -> int | None:
 
 
 def check_limits(text: str, *, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> None:
+    try:
+        _check_events(text, max_depth=max_depth, max_nodes=max_nodes)
+    except yaml.YAMLError as exc:
+        # libyaml (PyYAML >= 6.0.4) refuses deep nesting itself, scanning ahead of the events we count
+        if "nesting depth" not in str(getattr(exc, "problem", "") or exc):
+            raise
+        mark = getattr(exc, "problem_mark", None)
+        raise SpecTextBeyondLimits(f"nested deeper than {max_depth} levels",
+                                   mark.line + 1 if mark is not None else None) from None
+
+
+def _check_events(text: str, *, max_depth: int, max_nodes: int) -> None:
     depth = nodes = 0
     open_: list[tuple[str | None, int]] = []  # (anchor, nodes when it opened)
     sizes: dict[str, int] = {}  # anchor -> nodes it expands to

@@ -26,6 +26,7 @@ import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 
@@ -38,20 +39,30 @@ class GraderError(Exception):
     """This request's items could not be scored."""
 
 
-def parse_scores(body: object, n: int) -> list[float | None]:
+@dataclass(frozen=True)
+class Answer:
+    """A grader's answer to one request, checked."""
+
+    scores: list[float | None]  # one per item; None: it could not be scored
+    non_finite: list[int]  # positions of numbers that were not finite (NaN, Infinity, 1e400): excluded, reported
+
+
+def parse_scores(body: object, n: int) -> Answer:
     """The `scores` of a grader's answer, checked: n numbers or nulls. A score that is not finite
-    (NaN, Infinity, 1e400) reads as null: that item cannot be scored."""
+    reads as null: that item cannot be scored."""
     scores = body.get("scores") if isinstance(body, dict) else None
     if not isinstance(scores, list):
         raise GraderError('answered without a "scores" list')
     if len(scores) != n:
         raise GraderError(f"answered {len(scores)} scores for {n} items")
-    out: list[float | None] = []
-    for v in scores:
+    out = Answer(scores=[], non_finite=[])
+    for i, v in enumerate(scores):
         if v is None:
-            out.append(None)
+            out.scores.append(None)
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out.append(_finite(v))
+            out.scores.append(f := _finite(v))
+            if f is None:
+                out.non_finite.append(i)
         else:
             raise GraderError(f"answered a score that is not a number or null: {v!r:.40}")
     return out
@@ -63,13 +74,6 @@ def _finite(v: int | float) -> float | None:
     except OverflowError:  # an integer past float's range
         return None
     return f if math.isfinite(f) else None
-
-
-def non_finite(body: object) -> list[int]:
-    """Positions of the scores that were numbers but not finite (reported, then excluded)."""
-    scores = body.get("scores") if isinstance(body, dict) else None
-    return [i for i, v in enumerate(scores or ()) if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and _finite(v) is None]
 
 
 def resolve(url: GraderUrl) -> str:
@@ -126,8 +130,7 @@ class HttpGrader:
                                   "URL only, never redirected")
             return r.status_code, self._read(r) if r.status_code < 400 else b""
 
-    def _post(self, payload: dict, n: int) -> tuple[list[float | None], list[int]]:
-        """The request's scores and the positions of its non-finite ones."""
+    def _post(self, payload: dict, n: int) -> Answer:
         delay = 0.5
         for attempt in range(self.spec.max_retries + 1):
             try:
@@ -140,7 +143,7 @@ class HttpGrader:
                         body = json.loads(raw)
                     except (ValueError, RecursionError):
                         raise GraderError("answered with a body that is not JSON") from None
-                    return parse_scores(body, n), non_finite(body)
+                    return parse_scores(body, n)
                 error = f"the grader answered HTTP {status}"
                 if status < 500:
                     raise GraderError(error)  # the request itself is wrong: retrying will not help
@@ -153,7 +156,7 @@ class HttpGrader:
         size = self.spec.batch_size
         chunks = [range(i, min(i + size, len(items))) for i in range(0, len(items), size)]
 
-        def call(rows: range) -> tuple[list[float | None], list[int]]:
+        def call(rows: range) -> Answer:
             payload = {"job_id": self.job_id, "step": step, "items": [
                 {"prompt": items[i].prompt, "completion": items[i].completion, "answer": items[i].answer,
                  "answers": list(items[i].answers)} for i in rows]}
@@ -165,13 +168,14 @@ class HttpGrader:
             futures = [(rows, pool.submit(call, rows)) for rows in chunks]
             for rows, fut in futures:
                 try:
-                    out.values[rows.start:rows.stop], bad = fut.result()
+                    answer = fut.result()
                 except GraderError as exc:
                     failed = True
                     out.failures.append(RewardFailure(-1, self.key, f"items {rows.start}-{rows.stop - 1}: {exc}"))
                 else:  # the grader answered: a bad number excludes its item, not the step
+                    out.values[rows.start:rows.stop] = answer.scores
                     out.failures += [RewardFailure(rows.start + i, self.key, "the grader's score is not a finite "
-                                                   "number (NaN or infinite): excluded") for i in bad]
+                                                   "number (NaN or infinite): excluded") for i in answer.non_finite]
         self._count(step, failed=failed)
         return out
 

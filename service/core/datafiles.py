@@ -33,7 +33,8 @@ PURPOSES: tuple[str, ...] = ("train", "eval", "corpus")
 Format = Literal["jsonl", "parquet"]
 PARQUET_MAGIC = b"PAR1"
 MAX_ERRORS = 10  # reported per refused file
-BATCH_ROWS = 64  # Parquet rows decoded at a time
+BATCH_ROWS = 64  # Parquet rows decoded at a time within a budget (an upload being checked)
+TRUSTED_BATCH_ROWS = 1024  # and without one (the worker, reading a file the API already checked)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class OverBudget(ValueError):
 
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(f"{message} ({limit})")
-        self.limit = limit
+        self.limit, self.message = limit, message
 
 
 class RowError(ValueError):
@@ -195,21 +196,22 @@ def _parquet_rows(path: Path, budget: Budget | None) -> Iterator[tuple[int, dict
         decoded = 0
         for g in range(md.num_row_groups):
             # small batches: a dictionary-encoded column can decode far past what its pages hold
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], use_threads=False):
-                size = _batch_bytes(batch) if budget else 0
-                decoded += size
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS if budget else TRUSTED_BATCH_ROWS, row_groups=[g],
+                                         use_threads=False):
+                batch_bytes = _batch_bytes(batch) if budget else 0
+                decoded += batch_bytes
                 if budget and decoded > budget.max_decoded_bytes:
                     raise OverBudget("GRPO_MAX_DECODED_BYTES", f"the rows decode to more than "
                                      f"{budget.max_decoded_bytes} bytes")
-                if budget and size > BATCH_ROWS * budget.max_row_bytes:  # before any row becomes Python
-                    raise OverBudget("GRPO_MAX_ROW_BYTES", f"rows {n + 1}-{n + batch.num_rows} hold {size} bytes: "
-                                     f"more than {budget.max_row_bytes} in a row")
+                if budget and batch_bytes > BATCH_ROWS * budget.max_row_bytes:  # before any row becomes Python
+                    raise OverBudget("GRPO_MAX_ROW_BYTES", f"rows {n + 1}-{n + batch.num_rows} hold {batch_bytes} "
+                                     f"bytes: more than {budget.max_row_bytes} in a row")
                 for row in batch.to_pylist():
                     n += 1
                     if budget and n > budget.max_rows:  # a footer that undercounts
                         raise OverBudget("GRPO_MAX_FILE_ROWS", f"the file has more than {budget.max_rows} rows")
-                    if budget and (size := _value_bytes(row)) > budget.max_row_bytes:
-                        raise OverBudget("GRPO_MAX_ROW_BYTES", f"row {n} holds {size} bytes, more than "
+                    if budget and (row_bytes := _value_bytes(row)) > budget.max_row_bytes:
+                        raise OverBudget("GRPO_MAX_ROW_BYTES", f"row {n} holds {row_bytes} bytes, more than "
                                          f"{budget.max_row_bytes}")
                     yield n, row
     except (pa.ArrowException, OSError) as exc:
@@ -293,7 +295,7 @@ def _child() -> None:
     try:
         result: dict[str, Any] = {"checked": asdict(check_file(path, purpose, budget=budget))}  # type: ignore[arg-type]
     except OverBudget as exc:
-        result = {"over": {"limit": exc.limit, "message": str(exc).removesuffix(f" ({exc.limit})")}}
+        result = {"over": {"limit": exc.limit, "message": exc.message}}
     except MemoryError:
         result = {"over": {"limit": "GRPO_UPLOAD_MEMORY_BYTES", "message": "reading the file needed more memory "
                            "than the check may use"}}

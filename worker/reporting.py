@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from service.core.records import SampleRow, SelectionRecord, SparsityRecord
 
 
@@ -36,6 +38,8 @@ def _clean(x: Any) -> Any:
     """JSON-safe: NaN/inf become None (strict JSON has no NaN); records keep their type."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
+    if isinstance(x, BaseModel):
+        return type(x).model_validate(_clean(x.model_dump()))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return dataclasses.replace(x, **{f.name: _clean(getattr(x, f.name)) for f in dataclasses.fields(x)})
     if isinstance(x, dict):
@@ -43,6 +47,12 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
+
+
+def _json_model(x: Any) -> Any:
+    if isinstance(x, BaseModel):
+        return x.model_dump(mode="json")
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 class Reporter:
@@ -102,7 +112,7 @@ class FileReporter(Reporter):
 
     def _append(self, name: str, obj: dict) -> None:
         with (self.out / name).open("a") as f:
-            f.write(json.dumps(_clean(obj)) + "\n")
+            f.write(json.dumps(_clean(obj), default=_json_model) + "\n")
 
     def event(self, type, message="", *, level="info", data=None):
         self._append("events.jsonl", {"time": time.time(), "type": type, "level": level, "message": message, "data": data})

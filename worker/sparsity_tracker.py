@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from service.core.records import SparsityRecord
+from service.core.sparsity import QualityRow, SparsityReport
 from service.core.specs import SparsitySpec
 from worker.algos.lora import lora_layers
 from worker.algos.sparsity import (
@@ -109,35 +110,38 @@ class SparsityTracker:
     @torch.no_grad()
     def measure(self, step: int) -> None:
         t0 = time.perf_counter()
-        sp = self.spec
         after = self._snapshot()
         if not self.keeps:
             return
-        kw = dict(thresholds=sp.thresholds, rtol=sp.rtol, primary=sp.primary_threshold)
-        window = diff_report(((n, self.prev[n], after[n]) for n, _ in self.params), **kw)
-        cumulative = diff_report(((n, self.start[n], after[n]) for n, _ in self.params), **kw)
-        if self.lora_modules:
-            merged_after = {n: self._merged(m, after, n) for n, m in self.lora_modules}
-            window["merged"] = diff_report(((f"{n}.weight", self.prev_merged[n], merged_after[n])
-                                            for n, _ in self.lora_modules), **kw)
-            cumulative["merged"] = diff_report(((f"{n}.weight", self.start_merged[n], merged_after[n])
-                                                for n, _ in self.lora_modules), **kw)
-            self.prev_merged = merged_after
-        if self.probe is not None:
-            window["quality"] = self._quality(after, step)
+        merged_after = {n: self._merged(m, after, n) for n, m in self.lora_modules}
+        window = self._report(self.prev, self.prev_merged, after, merged_after)
+        cumulative = self._report(self.start, self.start_merged, after, merged_after)
+        quality = self._quality(after, step) if self.probe is not None else None
         dt = time.perf_counter() - t0
-        for scope, rep in (("window", window), ("cumulative", cumulative)):
-            rep["time_s"] = dt
-            frm = self.prev_step if scope == "window" else self.start_step
+        window = window.model_copy(update={"quality": quality, "time_s": dt})
+        cumulative = cumulative.model_copy(update={"time_s": dt})
+        for scope, rep, frm in (("window", window, self.prev_step), ("cumulative", cumulative, self.start_step)):
             self.reporter.sparsity(SparsityRecord(step=step, from_step=frm, scope=scope,
-                                                  sparsity=rep["sparsity_primary"], report=rep))
-        self.pending.update({"sparsity/ratio": window["sparsity_primary"],
-                             "sparsity/sign_flip_ratio": window["sign_flip_ratio"],
-                             "sparsity/cumulative_ratio": cumulative["sparsity_primary"],
+                                                  sparsity=rep.sparsity_primary, report=rep))
+        self.pending.update({"sparsity/ratio": window.sparsity_primary,
+                             "sparsity/sign_flip_ratio": window.sign_flip_ratio,
+                             "sparsity/cumulative_ratio": cumulative.sparsity_primary,
                              "sparsity/time_s": dt})
-        self.prev, self.prev_step = after, step
+        self.prev, self.prev_merged, self.prev_step = after, merged_after, step
 
-    def _quality(self, after: dict[str, torch.Tensor], step: int) -> list[dict]:
+    def _report(self, before: dict[str, torch.Tensor], merged_before: dict[str, torch.Tensor],
+                after: dict[str, torch.Tensor], merged_after: dict[str, torch.Tensor]) -> SparsityReport:
+        """The change from a snapshot to `after`, and with LoRA of the merged weights too."""
+        sp = self.spec
+        kw = dict(thresholds=sp.thresholds, rtol=sp.rtol, primary=sp.primary_threshold)
+        trained = diff_report(((n, before[n], after[n]) for n, _ in self.params), **kw)
+        merged = None
+        if self.lora_modules:
+            merged = diff_report(((f"{n}.weight", merged_before[n], merged_after[n])
+                                  for n, _ in self.lora_modules), **kw)
+        return SparsityReport(**trained.model_dump(), merged=merged)
+
+    def _quality(self, after: dict[str, torch.Tensor], step: int) -> list[QualityRow]:
         """Apply only part of the window's update, forward the probe, compare with the full update.
         The weights are restored from `after`, bit for bit, before returning."""
         model = self.s.model
@@ -163,7 +167,7 @@ class SparsityTracker:
                         partial = self.prev[n] + (after[n] - self.prev[n]) * m
                         p.copy_(partial.to(p.device, p.dtype))
                     res[kind] = logit_agreement(full, self._probe_logits(), mask)
-                rows.append({"threshold": t, "density": kept / max(total, 1), **res})
+                rows.append(QualityRow(threshold=t, density=kept / max(total, 1), **res))
         finally:
             for n, p in self.params:  # exact: `after` holds the weights' own values
                 p.copy_(after[n].to(p.device, p.dtype))

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from service.core.sparsity import SparsityReport
 from service.core.specs import JobSpec
 
 
@@ -152,7 +153,7 @@ class SparsityOut(_Out):
     from_step: int
     scope: str
     sparsity: float
-    report: dict[str, Any] | None = None
+    report: SparsityReport | None = None
 
 
 class SampleOut(_Out):

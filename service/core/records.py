@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from service.core.sparsity import SparsityReport
+
 
 @dataclass(frozen=True)
 class SelectionRecord:
@@ -31,7 +33,7 @@ class SparsityRecord:
     from_step: int
     scope: str  # "window" (since the last measurement) or "cumulative" (since the start)
     sparsity: float  # share of unchanged parameters at the primary threshold
-    report: dict[str, Any]  # the full diff report (worker/algos/sparsity.py)
+    report: SparsityReport  # the whole measurement (worker/sparsity_tracker.py)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from sqlalchemy import delete, select
@@ -33,7 +34,7 @@ def put_sparsity(session: Session, *, job_id: int, record: SparsityRecord) -> No
     session.execute(delete(SparsityReport).where(
         SparsityReport.job_id == job_id, SparsityReport.step == r.step, SparsityReport.scope == r.scope))
     session.add(SparsityReport(job_id=job_id, step=r.step, from_step=r.from_step, scope=r.scope,
-                               sparsity=r.sparsity, report=r.report))
+                               sparsity=r.sparsity, report=json.loads(r.report.model_dump_json())))  # NaN/inf -> null
 
 
 def list_sparsity(session: Session, *, job_id: int, scope: str | None = None) -> list[SparsityReport]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.core.sparsity import ChangeStats, DiffReport, LogitAgreement
+
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 _COMPONENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "qkv_proj", "gate_up_proj", "c_attn", "c_proj", "c_fc", "query", "key", "value", "dense")
@@ -90,7 +92,7 @@ class Counter:
         # a sign flip: both sides non-zero with opposite signs
         self.sign_flips += int(((before * after) < 0).sum())
 
-    def merge(self, other: "Counter") -> None:
+    def merge(self, other: Counter) -> None:
         self.numel += other.numel
         self.unchanged = [a + b for a, b in zip(self.unchanged, other.unchanged)]
         self.unchanged_rel += other.unchanged_rel
@@ -99,23 +101,23 @@ class Counter:
         self.rel_sum += other.rel_sum
         self.sign_flips += other.sign_flips
 
-    def summary(self) -> dict:
+    def summary(self) -> ChangeStats:
         n = max(self.numel, 1)
-        return {
-            "numel": self.numel,
-            "sparsity": {str(t): u / n for t, u in zip(self.thresholds, self.unchanged)},
-            "sparsity_rtol": self.unchanged_rel / n,
-            "mean_abs_change": self.abs_sum / n,
-            "max_abs_change": self.abs_max,
-            "mean_rel_change": self.rel_sum / n,
-            "sign_flip_ratio": self.sign_flips / n,
-        }
+        return ChangeStats(
+            numel=self.numel,
+            sparsity={str(t): u / n for t, u in zip(self.thresholds, self.unchanged)},
+            sparsity_rtol=self.unchanged_rel / n,
+            mean_abs_change=self.abs_sum / n,
+            max_abs_change=self.abs_max,
+            mean_rel_change=self.rel_sum / n,
+            sign_flip_ratio=self.sign_flips / n,
+        )
 
 
 def diff_report(
     pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], *, thresholds: Iterable[float], rtol: float,
     primary: float,
-) -> dict:
+) -> DiffReport:
     """Sparsity of the change from `before` to `after` for every (name, before, after), overall,
     per layer and per component. Tensors are converted to float32 one pair at a time."""
     thresholds = tuple(sorted(set(thresholds) | {primary}))
@@ -132,16 +134,19 @@ def diff_report(
         per_comp.setdefault(component(name), Counter(thresholds, rtol)).merge(c)
         cell = ("other" if layer is None else str(layer), component(name))
         per_cell.setdefault(cell, Counter(thresholds, rtol)).merge(c)
-    out = total.summary()
-    out["primary_threshold"] = primary
-    out["sparsity_primary"] = out["sparsity"][str(primary)]
-    out["per_layer"] = {k: v.summary() for k, v in sorted(per_layer.items(), key=lambda kv: (kv[0] == "other", int(kv[0]) if kv[0].isdigit() else 0))}
-    out["per_component"] = {k: v.summary() for k, v in sorted(per_comp.items())}
+    overall = total.summary()
+    layers = sorted(per_layer, key=lambda k: (k == "other", int(k) if k.isdigit() else 0))
     grid: dict[str, dict[str, float]] = {}  # layer -> component -> sparsity at the primary threshold
     for (layer, comp), c in per_cell.items():
-        grid.setdefault(layer, {})[comp] = c.summary()["sparsity"][str(primary)]
-    out["per_layer_component"] = {k: grid[k] for k in out["per_layer"]}
-    return out
+        grid.setdefault(layer, {})[comp] = c.summary().sparsity[str(primary)]
+    return DiffReport(
+        **overall.model_dump(),
+        primary_threshold=primary,
+        sparsity_primary=overall.sparsity[str(primary)],
+        per_layer={k: per_layer[k].summary() for k in layers},
+        per_component={k: v.summary() for k, v in sorted(per_comp.items())},
+        per_layer_component={k: grid[k] for k in layers},
+    )
 
 
 def magnitude_mask(delta: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -158,7 +163,7 @@ def random_mask_like(mask: torch.Tensor, generator: torch.Generator) -> torch.Te
     return flat.view_as(mask)
 
 
-def logit_agreement(full: torch.Tensor, sparse: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def logit_agreement(full: torch.Tensor, sparse: torch.Tensor, mask: torch.Tensor) -> LogitAgreement:
     """Compare logits of the fully updated model with a sparsely updated one over real positions.
 
     full, sparse: [B, L, V]; mask: [B, L]. KL(full || sparse) per position, cosine similarity and
@@ -168,9 +173,9 @@ def logit_agreement(full: torch.Tensor, sparse: torch.Tensor, mask: torch.Tensor
     f, s = full[m].float(), sparse[m].float()  # [N, V]
     logp_f, logp_s = torch.log_softmax(f, -1), torch.log_softmax(s, -1)
     kl = (logp_f.exp() * (logp_f - logp_s)).sum(-1).clamp(min=0.0)
-    return {
-        "kl": float(kl.mean()),
-        "cosine": float(torch.nn.functional.cosine_similarity(f, s, dim=-1).mean()),
-        "mse": float(((f - s) ** 2).mean()),
-        "top1_agreement": float((f.argmax(-1) == s.argmax(-1)).float().mean()),
-    }
+    return LogitAgreement(
+        kl=float(kl.mean()),
+        cosine=float(torch.nn.functional.cosine_similarity(f, s, dim=-1).mean()),
+        mse=float(((f - s) ** 2).mean()),
+        top1_agreement=float((f.argmax(-1) == s.argmax(-1)).float().mean()),
+    )

@@ -1,6 +1,7 @@
 import json
 
 from service.core.records import SampleRow, SelectionRecord, SparsityRecord
+from service.core.sparsity import ChangeStats, SparsityReport
 from service.store import jobs as jobs_q
 from service.store import leases, records
 from service.store import metrics as metrics_q
@@ -124,6 +125,13 @@ def test_metrics_downsampled_with_spikes_visible(api):
     assert empty["keys"] == ["loss/total", "reward/mean"] and all(s["points"] == [] for s in empty["series"])
 
 
+_STATS = ChangeStats(numel=10, sparsity={"0.0": 0.9}, sparsity_rtol=0.9, mean_abs_change=0.1,
+                     max_abs_change=float("nan"), mean_rel_change=0.2, sign_flip_ratio=0.0)
+REPORT = SparsityReport(**_STATS.model_dump(), primary_threshold=0.0, sparsity_primary=0.9,
+                        per_layer={"0": _STATS}, per_component={"q_proj": _STATS},
+                        per_layer_component={"0": {"q_proj": 0.9}}, time_s=0.5)
+
+
 def test_reports_round_trip(api):
     job = _submit(api)
     jid = job["id"]
@@ -133,7 +141,7 @@ def test_reports_round_trip(api):
             min_influence=-1.0, max_influence=1.0, histogram={"edges": [-1, 0, 1], "counts": [2, 2]},
             scores=[(0, 1.0, True), (1, -1.0, False)]))
         records.put_sparsity(s, job_id=jid, record=SparsityRecord(
-            step=2, from_step=0, scope="window", sparsity=0.9, report={"thresholds": {"0.0": 0.9}}))
+            step=2, from_step=0, scope="window", sparsity=0.9, report=REPORT))
         records.put_samples(s, job_id=jid, step=1, rows=[SampleRow(
             index=0, prompt="p", completion="c", reward=1.0, advantage=0.5)])
         records.put_checkpoint(s, job_id=jid, step=2, path="/x/step-2", format="peft-lora", size_bytes=10)
@@ -142,7 +150,7 @@ def test_reports_round_trip(api):
     assert api.get(f"/v1/jobs/{jid}/selections", params={"scores": False}).json()[0]["scores"] is None
     sp = api.get(f"/v1/jobs/{jid}/sparsity").json()
     assert sp[0]["sparsity"] == 0.9
-    assert api.get(f"/v1/jobs/{jid}/sparsity/{sp[0]['id']}").json()["report"] == {"thresholds": {"0.0": 0.9}}
+    assert api.get(f"/v1/jobs/{jid}/sparsity/{sp[0]['id']}").json()["report"] == json.loads(REPORT.model_dump_json())
     assert api.get(f"/v1/jobs/{jid}/sparsity/99999").status_code == 404
     assert api.get(f"/v1/jobs/{jid}/samples", params={"step": 1}).json()[0]["completion"] == "c"
     assert api.get(f"/v1/jobs/{jid}/checkpoints").json()[0]["format"] == "peft-lora"

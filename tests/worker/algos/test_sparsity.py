@@ -22,19 +22,19 @@ def test_known_sparsity_at_each_threshold():
     after = torch.tensor([0, 0, 0, 0, 1e-9, 1e-9, 1e-7, 1e-5, 1e-3, 1.0])
     r = diff_report([("model.layers.0.mlp.up_proj.weight", before, after)],
                     thresholds=[0.0, 1e-8, 1e-6, 1e-4], rtol=0.0, primary=0.0)
-    assert r["sparsity"] == {"0.0": 0.4, "1e-08": 0.6, "1e-06": 0.7, "0.0001": 0.8}
-    assert r["sparsity_primary"] == 0.4
-    assert r["max_abs_change"] == 1.0
-    assert r["mean_abs_change"] == pytest.approx((2e-9 + 1e-7 + 1e-5 + 1e-3 + 1.0) / 10)
+    assert r.sparsity == {"0.0": 0.4, "1e-08": 0.6, "1e-06": 0.7, "0.0001": 0.8}
+    assert r.sparsity_primary == 0.4
+    assert r.max_abs_change == 1.0
+    assert r.mean_abs_change == pytest.approx((2e-9 + 1e-7 + 1e-5 + 1e-3 + 1.0) / 10)
 
 
 def test_relative_tolerance_and_sign_flips():
     before = torch.tensor([1.0, -2.0, 100.0, 0.5])
     after = torch.tensor([1.0005, 2.0, 100.05, -0.5])
     r = diff_report([("w", before, after)], thresholds=[0.0], rtol=1e-3, primary=0.0)
-    assert r["sparsity_rtol"] == 0.5  # 5e-4 <= 1e-3 * 1 and 0.05 <= 1e-3 * 100
-    assert r["sign_flip_ratio"] == 0.5
-    assert r["mean_rel_change"] == pytest.approx((5e-4 + 2.0 + 5e-4 + 2.0) / 4, rel=1e-4)
+    assert r.sparsity_rtol == 0.5  # 5e-4 <= 1e-3 * 1 and 0.05 <= 1e-3 * 100
+    assert r.sign_flip_ratio == 0.5
+    assert r.mean_rel_change == pytest.approx((5e-4 + 2.0 + 5e-4 + 2.0) / 4, rel=1e-4)
 
 
 @pytest.mark.parametrize("name,layer,comp", [
@@ -57,11 +57,11 @@ def test_per_layer_and_component_breakdown():
              ("model.layers.1.self_attn.q_proj.weight", z, z.clone()),
              ("model.layers.1.mlp.up_proj.weight", z, torch.ones(4))]
     r = diff_report(pairs, thresholds=[0.0], rtol=0.0, primary=0.0)
-    assert r["per_layer"]["0"]["sparsity"]["0.0"] == 0.75
-    assert r["per_layer"]["1"]["sparsity"]["0.0"] == 0.5
-    assert r["per_component"]["q_proj"]["sparsity"]["0.0"] == pytest.approx(7 / 8)
-    assert r["per_component"]["up_proj"]["numel"] == 4
-    assert r["per_layer_component"] == {"0": {"q_proj": 0.75}, "1": {"q_proj": 1.0, "up_proj": 0.0}}
+    assert r.per_layer["0"].sparsity["0.0"] == 0.75
+    assert r.per_layer["1"].sparsity["0.0"] == 0.5
+    assert r.per_component["q_proj"].sparsity["0.0"] == pytest.approx(7 / 8)
+    assert r.per_component["up_proj"].numel == 4
+    assert r.per_layer_component == {"0": {"q_proj": 0.75}, "1": {"q_proj": 1.0, "up_proj": 0.0}}
 
 
 def test_float32_diff_catches_what_bf16_storage_hides():
@@ -69,7 +69,7 @@ def test_float32_diff_catches_what_bf16_storage_hides():
     after = before + 1e-4  # below bf16 spacing at 1.0 (2**-7)
     f32 = diff_report([("w", before, after)], thresholds=[0.0], rtol=0.0, primary=0.0)
     bf16 = diff_report([("w", before.bfloat16(), after.bfloat16())], thresholds=[0.0], rtol=0.0, primary=0.0)
-    assert f32["sparsity_primary"] == 0.0 and bf16["sparsity_primary"] == 1.0
+    assert f32.sparsity_primary == 0.0 and bf16.sparsity_primary == 1.0
 
 
 def test_random_mask_has_the_same_density():
@@ -82,6 +82,6 @@ def test_logit_agreement_identity_and_difference():
     full = torch.randn(2, 3, 7)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     same = logit_agreement(full, full.clone(), mask)
-    assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["top1_agreement"] == 1.0
-    assert same["cosine"] == pytest.approx(1.0) and same["mse"] == 0.0
-    assert logit_agreement(full, -full, mask)["top1_agreement"] < 1.0
+    assert same.kl == pytest.approx(0.0, abs=1e-7) and same.top1_agreement == 1.0
+    assert same.cosine == pytest.approx(1.0) and same.mse == 0.0
+    assert logit_agreement(full, -full, mask).top1_agreement < 1.0

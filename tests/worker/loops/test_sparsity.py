@@ -37,8 +37,8 @@ def test_sparsity_job_end_to_end_matches_checkpoint_diff(tmp_path, settings_fact
     b = load_file(tmp_path / "checkpoints" / "step-4" / "model.safetensors")
     mine = diff_report(((k, a[k], b[k]) for k in a), thresholds=spec.sparsity.thresholds, rtol=spec.sparsity.rtol,
                        primary=spec.sparsity.primary_threshold)
-    assert mine["numel"] == window["numel"]
-    for t, v in mine["sparsity"].items():
+    assert mine.numel == window["numel"]
+    for t, v in mine.sparsity.items():
         assert window["sparsity"][t] == pytest.approx(v)
     q0 = next(q for q in window["quality"] if q["threshold"] == 0.0)
     assert q0["magnitude"]["kl"] == pytest.approx(0.0, abs=1e-6) and q0["magnitude"]["top1_agreement"] == 1.0

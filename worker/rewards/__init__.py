@@ -1,8 +1,9 @@
 """Rewards: what scores a completion. Functions (built in, or plugins under the entry-point group
 `grpo_jobs.rewards`) in functions.py; a sequence classifier, an LLM judge and sentence-encoder
-similarity in models.py; remote graders over HTTP in remote.py; scoring.py combines a job's
-weighted entries and turns what cannot be scored into exclusions."""
+similarity in models.py; remote graders over HTTP in remote.py; scoring.py combines weighted
+components and turns what cannot be scored into exclusions; build.py makes a job's components."""
 
+from worker.rewards.build import build_scorer
 from worker.rewards.functions import (
     REGISTRY,
     RewardFn,
@@ -29,7 +30,6 @@ from worker.rewards.scoring import (
     Scored,
     Scorer,
     Scores,
-    build_scorer,
     score,
 )
 

@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.core.reward_specs import FunctionReward, RewardSpec
 from worker.rewards.functions import lookup
 
 
@@ -127,7 +126,7 @@ class Scorer:
         return Scored(total, per_fn, failures, time.perf_counter() - t0)
 
 
-def _with_diagnostics(components: list[Component], function_names: list[str]) -> list[Component]:
+def with_diagnostics(components: list[Component], function_names: list[str]) -> list[Component]:
     """Add the diagnostics that functions log alongside (r1_math: its format credit), unless an
     entry of that name is trained on already."""
     keys = {c.key for c in components}
@@ -139,27 +138,8 @@ def _with_diagnostics(components: list[Component], function_names: list[str]) ->
     return components
 
 
-def build_scorer(entries: Sequence[RewardSpec], *, settings, device: str, job_id: int | None,
-                 on_failures: OnFailures | None = None) -> Scorer:
-    """The components of a job's `rewards` entries; models are loaded once, frozen, on `device`."""
-    components: list[Component] = []
-    for e in entries:
-        if isinstance(e, FunctionReward):
-            components.append(FunctionComponent(e.key, e.weight, lookup(e.name).fn))
-        elif e.name == "http":
-            from worker.rewards.remote import HttpGrader
-
-            components.append(HttpGrader(e, settings=settings, job_id=job_id))
-        else:
-            from worker.rewards import models
-
-            components.append(models.build(e, settings=settings, device=device))
-    return Scorer(_with_diagnostics(components, [e.name for e in entries if isinstance(e, FunctionReward)]),
-                  on_failures)
-
-
 def score(completions: Sequence[str], answers: Sequence[Sequence[str]], weights: dict[str, float]) -> Scored:
     """Score completions with weighted reward functions (no prompts needed)."""
     components: list[Component] = [FunctionComponent(n, w, lookup(n).fn) for n, w in weights.items()]
     items = [Item("", c, tuple(a)) for c, a in zip(completions, answers, strict=True)]
-    return Scorer(_with_diagnostics(components, list(weights))).score(items, step=0)
+    return Scorer(with_diagnostics(components, list(weights))).score(items, step=0)

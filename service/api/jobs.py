@@ -31,17 +31,11 @@ def submit_job(
 ):
     if errors := check_sources(spec, settings, session=session, owner=owner):  # a refused spec stores nothing
         return JSONResponse(format_errors(errors), status_code=422)
-    job, created = jobs_q.create_job(
-        session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"), name=spec.name,
-        total_steps=spec.grpo.steps, idempotency_key=idempotency_key,
-    )
-    if not created:
+    submitted = leases.submit_job(settings.store_url, owner=owner, spec=spec, idempotency_key=idempotency_key)
+    job = submitted.job
+    if not submitted.created:
         response.headers["Idempotent-Replayed"] = "true"
         return job
-    # The route ends its own transaction here, the one place it does (service/store/__init__.py):
-    # the worker must see the row before the message, and a broker that is down must still be
-    # answered with 503 and the job failed, which needs the row committed first.
-    session.commit()
     try:
         queue.enqueue(job.id, job.uid, broker_url=settings.broker)
     except Exception as exc:  # broker down: fail the job visibly rather than leave it queued forever

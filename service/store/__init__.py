@@ -3,8 +3,8 @@
 The commit rule: a store function never commits a session it was handed. The caller's
 `session_scope` (or a route's `SessionDep`) is the transaction, and it commits once, when the
 request or the unit of work ends. The one exception is the lease state machine
-(`service/store/leases.py`): every transition of a job's lease is a transaction of its own, so its
-functions take the store's URL and open, and commit, their own scope. Routes leave the commit to
-`SessionDep`, except `POST /v1/jobs`, which commits the new job before it enqueues it (the worker
-must find the row the message names) and says so where it does.
+(`service/store/leases.py`): every transition of a job, its submission included, is a transaction
+of its own, so its functions take the store's URL and open, and commit, their own scope; so is
+an API key's last-used stamp (`keys._touch`), which no request should hold a lock for. Routes
+never commit: `SessionDep` does, when the request ends.
 """

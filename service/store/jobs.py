@@ -9,7 +9,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.core.specs import TERMINAL, Status
-from service.store.leases import stale
 from service.store.models import (
     Checkpoint,
     Job,
@@ -79,7 +78,7 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
     once; running ones stop cooperatively at the next step."""
     now = datetime.now(timezone.utc)
     if job.status == Status.running and session.execute(
-        update(Job).where(Job.id == job.id, stale(now, lease_timeout_s))
+        update(Job).where(Job.id == job.id, Job.lease_stale(now, lease_timeout_s))
         .values(status=Status.cancelled, finished_at=now, lease_owner=None, cancel_requested=True)
         .execution_options(synchronize_session=False)
     ).rowcount == 1:

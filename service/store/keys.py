@@ -43,8 +43,12 @@ def _usable(row: ApiKey | None, now: datetime) -> bool:
 
 
 def _touch(session: Session, row: ApiKey, now: datetime) -> None:
+    """Stamp the key's last use in a short transaction of its own on the session's engine: the
+    stamp is bookkeeping, so the request that presented the key never holds a write lock for it
+    (on SQLite that lock would stall every other writer until the request ends)."""
     if row.last_used_at is None or row.last_used_at < now - LAST_USED_EVERY:
-        session.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now)
+        with Session(session.get_bind()) as own, own.begin():
+            own.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now)
                         .execution_options(synchronize_session=False))
 
 

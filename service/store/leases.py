@@ -13,7 +13,23 @@ from sqlalchemy import func, or_, select, update
 
 from service.core.specs import TERMINAL, JobSpec, Status, parse_spec
 from service.store.db import session_scope
+from service.store.jobs import create_job
 from service.store.models import Job, JobEvent, utcnow
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job: Job  # detached, its columns loaded
+    created: bool  # False: the owner's idempotency key named this job already
+
+
+def submit_job(url: str, *, owner: str, spec: JobSpec, idempotency_key: str | None = None) -> Submitted:
+    """The first state, queued, committed before the job is enqueued: a worker must find the row
+    its message names, and a broker that is down must be able to fail a job that exists."""
+    with session_scope(url) as session:
+        job, created = create_job(session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"),
+                                  name=spec.name, total_steps=spec.grpo.steps, idempotency_key=idempotency_key)
+    return Submitted(job=job, created=created)
 
 
 @dataclass(frozen=True)
@@ -39,7 +55,7 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
     meant for another store's job with the same id never runs here.
     """
     now = datetime.now(timezone.utc)
-    q = update(Job).where(Job.id == job_id, or_(Job.status == Status.queued, stale(now, lease_timeout_s)))
+    q = update(Job).where(Job.id == job_id, or_(Job.status == Status.queued, Job.lease_stale(now, lease_timeout_s)))
     if uid is not None:
         q = q.where(Job.uid == uid)
     with session_scope(url) as session:
@@ -59,12 +75,6 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
         fields.update(spec=None, spec_error=f"stored spec is no longer valid: {exc.error_count()} errors, first: "
                       f"{exc.errors()[0]['msg']}")
     return Lease(**fields)
-
-
-def stale(now: datetime, lease_timeout_s: float):
-    """A running job whose holder has not renewed its lease within the timeout."""
-    return (Job.status == Status.running) & or_(
-        Job.heartbeat_at.is_(None), Job.heartbeat_at < now - timedelta(seconds=lease_timeout_s))
 
 
 def heartbeat(url: str, *, job_id: int, holder: str, step: int | None = None) -> bool | None:
@@ -146,10 +156,10 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
     """
     now = datetime.now(timezone.utc)
     with session_scope(url) as session:
-        expired = session.execute(select(Job.id, Job.cancel_requested).where(stale(now, lease_timeout_s))).all()
+        expired = session.execute(select(Job.id, Job.cancel_requested).where(Job.lease_stale(now, lease_timeout_s))).all()
     requeue, cancelled = [], []
     for job_id, cancel in expired:
-        claim = update(Job).where(Job.id == job_id, stale(now, lease_timeout_s))
+        claim = update(Job).where(Job.id == job_id, Job.lease_stale(now, lease_timeout_s))
         with session_scope(url) as session:
             if cancel:
                 if session.execute(claim.values(status=Status.cancelled, finished_at=now, lease_owner=None,

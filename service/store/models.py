@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from pydantic import ValidationError
 from sqlalchemy import (
@@ -19,11 +19,12 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    or_,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from service.core.specs import JobSpec, parse_spec
+from service.core.specs import JobSpec, Status, parse_spec
 
 
 def utcnow() -> datetime:
@@ -84,6 +85,12 @@ class Job(Base):
             return parse_spec(self.spec)
         except ValidationError:
             return None
+
+    @classmethod
+    def lease_stale(cls, now: datetime, lease_timeout_s: float):
+        """SQL: a running job whose holder has not renewed its lease within the timeout."""
+        return (cls.status == Status.running) & or_(
+            cls.heartbeat_at.is_(None), cls.heartbeat_at < now - timedelta(seconds=lease_timeout_s))
 
 
 class JobEvent(Base):

@@ -17,6 +17,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -25,6 +26,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from worker.algos.logprobs import token_logprobs
 from worker.algos.lora import is_lora
 from worker.algos.losses import entropy_from_logits
 from worker.distributed import row_seed
@@ -57,6 +59,15 @@ class RolloutBatch:
                             completion_ids=self.completion_ids[idx], completion_mask=self.completion_mask[idx],
                             truncated=self.truncated[idx], completions=[self.completions[i] for i in idx.tolist()])
 
+    def trimmed(self) -> "RolloutBatch":
+        """The same rows without the columns that are padding in every row (prompts' left, completions' right)."""
+        p = int(self.prompt_mask.sum(1).max()) if len(self) else 0
+        t = int(self.completion_mask.sum(1).max()) if len(self) else 0
+        P = self.prompt_ids.shape[1]
+        return RolloutBatch(prompt_ids=self.prompt_ids[:, P - p:], prompt_mask=self.prompt_mask[:, P - p:],
+                            completion_ids=self.completion_ids[:, :t], completion_mask=self.completion_mask[:, :t],
+                            truncated=self.truncated, completions=self.completions)
+
     def to(self, device: torch.device | str) -> "RolloutBatch":
         return RolloutBatch(prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
                             completion_ids=self.completion_ids.to(device),
@@ -84,32 +95,71 @@ class RolloutBatch:
         )
 
 
+# Configs whose CausalLM does more to the head's output than `lm_head(hidden)`: those keep the full logits.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) where the model's logits are exactly `lm_head(decoder(...).last_hidden_state)`
+    with a plain, unsharded linear head; None otherwise (those models keep the full-logits path)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if type(head) is not torch.nn.Linear or decoder is None or decoder is base:
+        return None  # no head, or an adapter on the head itself
+    if isinstance(head.weight, DTensor) or any(getattr(base.config, k, None) for k in _LOGIT_TRANSFORMS):
+        return None  # FSDP2 unshards the head only inside the root's forward
+    return decoder, head
+
+
 def sequence_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, temperature: float, *, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion tokens under `model`, logits / temperature.
 
     Returns logp [N, T] (0 at masked positions) and, if asked, the per-token entropy [N, T].
+    Columns that are padding in every row are dropped first, and the head runs over the real
+    completion tokens a chunk at a time (worker/algos/logprobs.py): no [N, T, V] tensor exists.
     """
-    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [N, P+T]
-    attn = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [N, P+T]
+    N, T = batch.completion_ids.shape
+    b = batch.trimmed()
+    t = b.completion_ids.shape[1]
+    input_ids = torch.cat([b.prompt_ids, b.completion_ids], dim=1)  # [N, P+t]
+    attn = torch.cat([b.prompt_mask, b.completion_mask], dim=1)  # [N, P+t]
     # Positions count real tokens only, as generate() does with left padding.
-    position_ids = (attn.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
-    T = batch.completion_ids.shape[1]
-    # Only the last T+1 positions need the LM head: the prompt's logits would be thrown away.
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
-                logits_to_keep=T + 1)
-    logits = out.logits[:, -(T + 1):-1, :]  # [N, T, V]: position P-1+t predicts token t
+    position_ids = (attn.long().cumsum(1) - 1).clamp(min=0)  # [N, P+t]
+    kw = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
+    parts = split_head(model)
+    if parts is None:
+        logp, ent = _logprobs_from_logits(model, b, kw, temperature, with_entropy)
+    else:
+        decoder, head = parts
+        hidden = decoder(**kw).last_hidden_state[:, -(t + 1):-1]  # [N, t, H]: position P-1+j predicts token j
+        real = b.completion_mask.bool()  # [N, t]
+        lp, e = token_logprobs(hidden[real], head.weight, head.bias, b.completion_ids[real],
+                               temperature=temperature, with_entropy=with_entropy)  # [M]
+        logp = torch.zeros(N, t, dtype=lp.dtype, device=lp.device).masked_scatter(real, lp)
+        ent = None if e is None else torch.zeros(N, t, dtype=e.dtype, device=e.device).masked_scatter(real, e)
+    pad = (0, T - t)
+    return torch.nn.functional.pad(logp, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
+
+
+def _logprobs_from_logits(model, b: RolloutBatch, kw: dict, temperature: float,
+                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full-logits path, for models `split_head` cannot split: logp, entropy [N, t]."""
+    t = b.completion_ids.shape[1]
+    # Only the last t+1 positions need the LM head: the prompt's logits would be thrown away.
+    logits = model(**kw, logits_to_keep=t + 1).logits[:, -(t + 1):-1, :]  # [N, t, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32, float64 kept
     if temperature != 1.0:
         logits = logits / temperature
-    # logit[token] - logsumexp(logits): no [N, T, V] log_softmax tensor is kept for backward
-    logp = logits.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    logp = logp * batch.completion_mask  # [N, T]
+    # logit[token] - logsumexp(logits): no [N, t, V] log_softmax tensor is kept for backward
+    logp = logits.gather(-1, b.completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logp = logp * b.completion_mask  # [N, t]
     ent = None
     if with_entropy:
-        with torch.no_grad():  # one sequence at a time: never more than one [T, V] temporary
-            ent = torch.stack([entropy_from_logits(row) for row in logits.detach()]) * batch.completion_mask
+        with torch.no_grad():  # one sequence at a time: never more than one [t, V] temporary
+            ent = torch.stack([entropy_from_logits(row) for row in logits.detach()]) * b.completion_mask
     return logp, ent
 
 

@@ -131,3 +131,48 @@ def test_per_row_sampling_draws_from_the_tempered_distribution(tmp_path, tempera
     assert ((freq - p).abs() <= 4 * se + 1e-9).all(), (freq - p).abs().max()
     if top_k:
         assert freq[p == 0].sum() == 0
+
+
+@pytest.mark.parametrize("name,lora", [("tiny-random-llama", True), ("tiny-random-qwen", False)])
+def test_logprobs_without_full_logits_equal_the_full_logits_path(tmp_path, name, lora):
+    """The chunked head on the decoder's hidden states, against model(...).logits: values, entropy,
+    and every trained parameter's gradient (LoRA factors; all weights, the head included, in full FT)."""
+    from worker.sampling import _logprobs_from_logits, split_head
+
+    spec = ModelSpec(name=name, lora=LoraSpec(r=4, dropout=0.0) if lora else None)
+    model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
+    assert split_head(model) is not None
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, temperature=0.9))
+    batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 3, seeds=[1, 2])
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    upstream = torch.randn(batch.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+
+    def run(fn):
+        logp, ent = fn()
+        grads = torch.autograd.grad((logp * upstream).sum(), params)
+        return logp.detach(), ent, grads
+
+    new = run(lambda: sequence_logprobs(model, batch, 0.7, with_entropy=True))
+    b = batch  # the full-logits path over the same (untrimmed) batch
+    kw = dict(input_ids=torch.cat([b.prompt_ids, b.completion_ids], 1),
+              attention_mask=torch.cat([b.prompt_mask, b.completion_mask], 1))
+    kw["position_ids"] = (kw["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    old = run(lambda: _logprobs_from_logits(model, b, {**kw, "use_cache": False}, 0.7, True))
+    assert new[0].shape == old[0].shape == batch.completion_ids.shape
+    torch.testing.assert_close(new[0], old[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new[1], old[1], rtol=1e-4, atol=1e-4)
+    for a, c in zip(new[2], old[2], strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
+
+
+def test_trimming_drops_only_columns_of_padding(tmp_path):
+    model, tok = _policy(tmp_path)
+    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=12, temperature=0.9))
+    batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 2, seeds=[1, 2])
+    short = batch.select([2, 3])  # the short prompt's rows
+    t = short.trimmed()
+    assert t.prompt_ids.shape[1] == int(short.prompt_mask.sum(1).max()) < short.prompt_ids.shape[1]
+    assert t.completion_mask.sum() == short.completion_mask.sum() and t.prompt_mask.all()
+    full = sequence_logprobs(model, short, 0.9)[0]
+    assert full.shape == short.completion_ids.shape

@@ -1,0 +1,100 @@
+"""Token log-probs through the LM head without the full-vocabulary logits.
+
+A policy-gradient loss needs log pi(token) of the sampled tokens only, yet `model(...).logits`
+materialises [rows, T, V] (V = 49,152 for SmolLM2: 0.8 GB in fp32 for 16 x 257 positions, and
+several copies through the cast, the temperature and logsumexp), and autograd keeps it for
+backward. Here the head runs over a few hundred positions at a time: the forward keeps one
+logsumexp per position, and the backward recomputes each chunk's logits to form its gradient
+(softmax - onehot), so no [positions, V] tensor outlives its chunk. The cost is one more pass of
+the head's matmul in backward. The same idea as Liger's fused linear cross-entropy and TRL's
+per-row selective log-softmax.
+
+Pure torch. Values equal `log_softmax((h @ W.T + b) / temperature)[target]` to float rounding:
+the head runs in the weights' dtype and the softmax in at least float32, as in `model(...).logits`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Logits held at once per chunk: 64 MiB of float32 (341 positions at V = 49,152).
+CHUNK_BYTES = 64 * 2**20
+
+
+def chunk_positions(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Positions per chunk so that one chunk's float32 logits stay within `chunk_bytes`."""
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """[C, H] -> [C, V] in at least float32, divided by the temperature."""
+    z = torch.nn.functional.linear(h, weight, bias)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z / temperature if temperature != 1.0 else z
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
+        # hidden [M, H], weight [V, H], bias [V] | None, targets [M] long
+        M = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(M, dtype=dtype, device=hidden.device)  # [M]
+        lse = torch.empty(M, dtype=dtype, device=hidden.device)  # [M]
+        ent = torch.empty(M, dtype=dtype, device=hidden.device) if with_entropy else None  # [M]
+        for i in range(0, M, chunk):
+            z = _logits(hidden[i:i + chunk], weight, bias, temperature)  # [C, V]
+            lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
+            logp[i:i + chunk] = z.gather(1, targets[i:i + chunk, None]).squeeze(1) - lse[i:i + chunk]
+            if with_entropy:  # logsumexp(z) - sum(softmax(z) * z)
+                ent[i:i + chunk] = lse[i:i + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if ent is None:
+            ent = torch.zeros(0, dtype=dtype, device=hidden.device)
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Summed over chunks in float32 at least, cast once at the end.
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for i in range(0, hidden.shape[0], chunk):
+            h = hidden[i:i + chunk]  # [C, H]
+            g = grad_logp[i:i + chunk]  # [C]
+            z = _logits(h, weight, bias, t)  # [C, V]
+            # d logp / d z = onehot(target) - softmax(z); times the incoming gradient, over t
+            dz = torch.exp(z - lse[i:i + chunk, None]).mul_(-g[:, None])
+            dz.scatter_add_(1, targets[i:i + chunk, None], g[:, None].to(dz.dtype))
+            if t != 1.0:
+                dz.div_(t)
+            if need_h:
+                grad_h[i:i + chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w += dz.T.to(acc) @ h.to(acc)
+            if need_b:
+                grad_b += dz.sum(0).to(acc)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,
+    temperature: float = 1.0, with_entropy: bool = False, chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax((hidden @ weight.T + bias) / temperature)[targets], one chunk of positions at a time.
+
+    hidden: [M, H] final hidden states (after the last norm), one per predicted token;
+    weight: [V, H] the LM head (tied embeddings included); bias: [V] or None; targets: [M] token ids.
+    Returns logp [M] (differentiable in hidden, weight and bias) and, if asked, the entropy [M] of
+    each position's distribution (no gradient). `chunk`: positions per chunk (default: 64 MiB of logits).
+    """
+    chunk = chunk or chunk_positions(weight.shape[0])
+    logp, ent = _TokenLogprobs.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy)
+    return logp, ent if with_entropy else None

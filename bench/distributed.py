@@ -25,7 +25,7 @@ from functools import wraps
 from pathlib import Path
 
 import torch.distributed as dist
-from memory import PeakRss  # bench/ is on the path when a bench runs
+from rss import PeakRss  # bench/ is on the path when a bench runs
 from pydantic import TypeAdapter
 
 from service.core.settings import get_settings

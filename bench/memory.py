@@ -1,59 +1,135 @@
-"""This process's resident memory, for the benchmarks: now, its peak, and a sampler for a window.
+"""Peak memory, step time and tokens/s of the demo spec at longer generation budgets, for this
+checkout's code and another's (today's path and the new one), side by side in one run.
 
-Read from /proc, not `ru_maxrss`: Linux carries ru_maxrss over exec from the parent process, so
-a child started by a bench would report its parent's peak instead of its own.
+    python bench/memory.py --baseline ../base-checkout            # every case, both codes
+    python bench/memory.py --baseline ../base --cases 24,256      # some cases
+    git worktree add /tmp/base <commit>                            # a baseline checkout
+
+Each case is a separate `grpo-jobs run` process of the demo spec (SmolLM2-135M, LoRA r=16, 4 prompts
+x 8 completions, micro_batch_size 16) for `--steps` steps, evaluation on one prompt. Cases:
+`24`, `256`, `1024`: grpo.max_new_tokens; `1024p`: 256 new tokens after a prompt of about 1,024
+tokens (a long system prompt). Peak RSS is read from /proc every 50 ms over the whole process; a
+process above `--limit-gb` is stopped and reported as over it. Step time is the median over steps
+after the first (which warms up), tokens/s the completion tokens of those steps over their time.
+A benchmark, never a test. Ends with one RESULT line per case.
 """
 
 from __future__ import annotations
 
-import threading
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "examples" / "demo-smollm2.yaml"
+RUN = "import sys; from service.cli import main; sys.argv[0] = 'grpo-jobs'; main()"
+# About 1,024 SmolLM2 tokens of system prompt: a long instruction, as a retrieval or agent prompt would be.
+LONG_PROMPT = ("You are a careful assistant. Read the question, think about the quantities it names, and "
+               "answer with the final number. ") * 40
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+@dataclass(frozen=True)
+class Case:
+    name: str
+    max_new_tokens: int
+    long_prompt: bool = False
 
 
-def rss_mb() -> float:
-    """Resident memory now."""
-    return _status_mb("VmRSS")
+CASES = {c.name: c for c in (Case("24", 24), Case("256", 256), Case("1024", 1024), Case("1024p", 256, True))}
 
 
-def high_water_mb() -> float:
-    """This process's peak resident memory since it started."""
-    return _status_mb("VmHWM")
+@dataclass(frozen=True)
+class Measured:
+    peak_gb: float
+    over_limit: bool
+    step_s: float  # median over steps after the first; nan when it did not finish
+    tokens_per_s: float
 
 
-class PeakRss:
-    """Samples resident memory every `every_s` in a thread, from `arm()` (or entering) on:
+def _rss_gb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 2**20
+    except (FileNotFoundError, StopIteration, ProcessLookupError):
+        return 0.0
 
-        with PeakRss() as peak:
-            work()
-        peak.peak_mb
-    """
 
-    def __init__(self, every_s: float = 0.005) -> None:
-        self.every_s = every_s
-        self.peak_mb = rss_mb()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+def spec_for(case: Case, steps: int) -> dict:
+    d = yaml.safe_load(SPEC.read_text())
+    g = d["grpo"]
+    g.update(steps=steps, max_new_tokens=case.max_new_tokens, eval_every=0, eval_prompts=1, samples_per_step=0,
+             checkpoint_every=0)
+    if case.long_prompt:
+        d["dataset"]["system_prompt"] = LONG_PROMPT
+    return d
 
-    def arm(self) -> None:
-        """Start the peak over from now (so a phase before it, like loading a model, does not count)."""
-        self.peak_mb = rss_mb()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.peak_mb = max(self.peak_mb, rss_mb())
+def run_case(case: Case, code: Path, *, steps: int, limit_gb: float, work: Path) -> Measured:
+    tag = f"{case.name}-{abs(hash(str(code)))}"
+    spec_file, out = work / f"{tag}.yaml", work / tag
+    spec_file.write_text(yaml.safe_dump(spec_for(case, steps)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", RUN, "run", str(spec_file), "--out", str(out)], env=env,
+                            cwd=code, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak, over = 0.0, False
+    while proc.poll() is None:
+        peak = max(peak, _rss_gb(proc.pid))
+        if peak > limit_gb:
+            over = True
+            proc.kill()
+            break
+        time.sleep(0.05)
+    err = proc.communicate()[1]
+    if proc.returncode != 0 and not over:
+        raise SystemExit(f"case {case.name} ({code}) failed ({proc.returncode}):\n{err[-3000:]}")
+    nan = float("nan")
+    if over:
+        return Measured(peak, True, nan, nan)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_m = [m["metrics"] for m in lines if m["step"] > 1 and "time/step_s" in m["metrics"]]
+    step_s = statistics.median(m["time/step_s"] for m in steps_m)
+    tps = sum(m["throughput/tokens_per_s"] * m["time/step_s"] for m in steps_m) / sum(m["time/step_s"] for m in steps_m)
+    return Measured(peak, False, step_s, tps)
 
-    def start(self) -> "PeakRss":
-        self._thread.start()
-        return self
 
-    def __enter__(self) -> "PeakRss":
-        self.arm()
-        return self.start()
+def _fmt(m: Measured, limit_gb: float) -> str:
+    peak = f">{limit_gb:.0f}" if m.over_limit else f"{m.peak_gb:.2f}"
+    return f"{peak:>7} GB {m.step_s:7.1f} s {m.tokens_per_s:7.1f} tok/s"
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", type=Path, help="another checkout (today's path); omitted: this checkout only")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--steps", type=int, default=3, help="steps per run (the first is not timed)")
+    ap.add_argument("--limit-gb", type=float, default=20.0, help="stop a run whose RSS passes this")
+    args = ap.parse_args()
+    codes = {"new": ROOT} | ({"base": args.baseline.resolve()} if args.baseline else {})
+    print(f"{'case':<6} " + "  ".join(f"{k + ' (' + str(v.name) + ')':<34}" for k, v in codes.items()))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.cases.split(","):
+            case = CASES[name]
+            got = {k: run_case(case, code, steps=args.steps, limit_gb=args.limit_gb, work=Path(tmp))
+                   for k, code in reversed(codes.items())}
+            print(f"{name:<6} " + "  ".join(f"{_fmt(got[k], args.limit_gb):<34}" for k in codes), flush=True)
+            new, base = got["new"], got.get("base")
+            ratios = ""
+            if base is not None:
+                ratios = (f" base_peak_gb={base.peak_gb:.2f} base_over_limit={base.over_limit} "
+                          f"peak_ratio={new.peak_gb / base.peak_gb:.3f} step_time_ratio={new.step_s / base.step_s:.3f}")
+            print(f"RESULT case={name} max_new_tokens={case.max_new_tokens} long_prompt={case.long_prompt} "
+                  f"peak_gb={new.peak_gb:.2f} over_limit={new.over_limit} step_s={new.step_s:.2f} "
+                  f"tokens_per_s={new.tokens_per_s:.1f}{ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memory import PeakRss, rss_mb  # bench/ is on the path when a bench runs
+from rss import PeakRss, rss_mb  # bench/ is on the path when a bench runs
 
 from service.core.settings import get_settings
 from service.core.specs import GRPOJob

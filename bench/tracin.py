@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from memory import PeakRss, high_water_mb  # bench/ is on the path when a bench runs
+from rss import PeakRss, high_water_mb  # bench/ is on the path when a bench runs
 
 from service.core.settings import get_settings
 from service.core.specs import TracInJob

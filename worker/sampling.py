@@ -14,6 +14,7 @@ split over several processes samples exactly what one process would.
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,42 @@ class RolloutBatch:
             truncated=torch.cat([b.truncated for b in batches]),
             completions=[c for b in batches for c in b.completions],
         )
+
+
+def micro_batches(batch: RolloutBatch, rows: list[int], *, max_rows: int, max_tokens: int | None = None,
+                  shuffle_seed: int | None = None) -> list[list[int]]:
+    """`rows` of `batch` in micro-batches of at most `max_rows` rows and, given `max_tokens`, at most
+    that many positions once padding is dropped (rows x (longest prompt + longest completion)); a row
+    longer than `max_tokens` goes alone. Shuffled first when a seed is given, then packed in order."""
+    order = list(rows)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    prompt = batch.prompt_mask.sum(1).tolist()  # [N]
+    completion = batch.completion_mask.sum(1).tolist()  # [N]
+    out: list[list[int]] = []
+    p = c = 0  # the open micro-batch's longest prompt and completion
+    for r in order:
+        wp, wc = max(p, prompt[r]), max(c, completion[r])
+        full = out and (len(out[-1]) >= max_rows or
+                        max_tokens is not None and (len(out[-1]) + 1) * (wp + wc) > max_tokens)
+        if not out or full:
+            out.append([])
+            wp, wc = prompt[r], completion[r]
+        out[-1].append(r)
+        p, c = wp, wc
+    return out
+
+
+@torch.no_grad()
+def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, micro: list[list[int]],
+                   device: torch.device | str) -> torch.Tensor:
+    """logp [N, T] of every row of `batch` under `model`, micro-batch by micro-batch, without gradient."""
+    out = torch.zeros(batch.completion_ids.shape, device=device)
+    for rows in micro:
+        lp = sequence_logprobs(model, batch.select(rows).to(device), temperature)[0]  # [n, T]
+        out = out.to(lp.dtype)  # float64 models keep float64
+        out[rows] = lp
+    return out
 
 
 # Configs whose CausalLM does more to the head's output than `lm_head(hidden)`: those keep the full logits.
@@ -289,10 +326,7 @@ class RolloutEngine:
         return batch
 
     @torch.no_grad()
-    def logprobs(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+    def logprobs(self, batch: RolloutBatch, micro_batch_size: int, micro_batch_tokens: int | None = None) -> torch.Tensor:
         """old_logp [N, T] under the rollout weights, in micro-batches."""
-        parts = [torch.zeros(0, batch.completion_ids.shape[1], device=self.device)]
-        for i in range(0, len(batch), micro_batch_size):
-            mb = batch.select(list(range(i, min(i + micro_batch_size, len(batch))))).to(self.device)
-            parts.append(sequence_logprobs(self.model, mb, self.params.temperature)[0])
-        return torch.cat(parts)
+        micro = micro_batches(batch, list(range(len(batch))), max_rows=micro_batch_size, max_tokens=micro_batch_tokens)
+        return batch_logprobs(self.model, batch, self.params.temperature, micro, self.device)

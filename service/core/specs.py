@@ -193,6 +193,11 @@ class GRPOSpec(_Section):
         1, ge=1, le=64, description="Passes over each rollout batch; clipping only bites from the second on."
     )
     micro_batch_size: int = Field(8, ge=1, le=4096, description="Sequences per forward/backward (gradient accumulation).")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, le=2**24, description="Also cap a micro-batch at this many token positions (rows x the "
+        "longest prompt + the longest completion among them, padding dropped): long completions get smaller "
+        "micro-batches, so activation memory follows the budget, not the longest row. A longer row goes alone. "
+        "Unset: micro_batch_size rows.")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")

@@ -54,7 +54,7 @@ def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, s
     def place(rows: list[int]) -> None:
         hooks.place(torch.tensor(rows))
 
-    p = update.backward_pass(s, ro, update.micro_batches(list(range(len(ro))), g.micro_batch_size),
+    p = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
                              update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step, with_entropy=with_entropy,
                              before=place if hooks is not None else None, after=after_micro_batch)
     return p.reduced(s.ranks).metrics()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -13,16 +12,15 @@ from worker.distributed import Ranks
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.loops.skeleton import Run
-from worker.sampling import RolloutBatch, sequence_logprobs
+from worker.sampling import RolloutBatch, batch_logprobs, micro_batches, sequence_logprobs
 from worker.training import grad_norm
 
 
-def micro_batches(rows: list[int], size: int, *, shuffle_seed: int | None = None) -> list[list[int]]:
-    """`rows` in chunks of `size`, shuffled first when a seed is given."""
-    order = list(rows)
-    if shuffle_seed is not None:
-        random.Random(shuffle_seed).shuffle(order)
-    return [order[i:i + size] for i in range(0, len(order), size)]
+def micro(s: Setup, batch: RolloutBatch, rows: list[int], *, shuffle_seed: int | None = None) -> list[list[int]]:
+    """The job's micro-batches of `rows` (grpo.micro_batch_size rows, grpo.micro_batch_tokens positions)."""
+    g = s.spec.grpo
+    return micro_batches(batch, rows, max_rows=g.micro_batch_size, max_tokens=g.micro_batch_tokens,
+                         shuffle_seed=shuffle_seed)
 
 
 def batch_normaliser(s: Setup, mask: torch.Tensor) -> Normaliser:
@@ -42,16 +40,11 @@ def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
     if not s.spec.grpo.with_reference:
         return None
     g = s.spec.grpo
-    parts = [torch.zeros(0, batch.completion_ids.shape[1], device=s.device)]
-    with torch.no_grad():
-        for rows in micro_batches(list(range(len(batch))), g.micro_batch_size):
-            mb = batch.select(rows).to(s.device)
-            if s.ref_model is None:
-                with s.model.disable_adapter():
-                    parts.append(sequence_logprobs(s.model, mb, g.temperature)[0])
-            else:
-                parts.append(sequence_logprobs(s.ref_model, mb, g.temperature)[0])
-    return torch.cat(parts)
+    rows = micro(s, batch, list(range(len(batch))))
+    if s.ref_model is not None:
+        return batch_logprobs(s.ref_model, batch, g.temperature, rows, s.device)
+    with s.model.disable_adapter():
+        return batch_logprobs(s.model, batch, g.temperature, rows, s.device)
 
 
 def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
@@ -61,7 +54,7 @@ def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
     g = s.spec.grpo
     if g.epochs_per_rollout_batch == 1:
         return None
-    return s.engine.logprobs(ro.batch, g.micro_batch_size)
+    return s.engine.logprobs(ro.batch, g.micro_batch_size, g.micro_batch_tokens)
 
 
 def clip_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
@@ -179,7 +172,7 @@ def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
     for epoch in range(g.epochs_per_rollout_batch):
         s.optimizer.zero_grad(set_to_none=True)
         seed = None if epoch == 0 else hash((g.seed, step, epoch)) % 2**31
-        epochs += backward_pass(s, ro, micro_batches(rows, g.micro_batch_size, shuffle_seed=seed), norm, old_logp,
+        epochs += backward_pass(s, ro, micro(s, ro.batch, rows, shuffle_seed=seed), norm, old_logp,
                                 ref_logp, step)
         norms.append(optimizer_step(run))
     n = g.epochs_per_rollout_batch

@@ -428,9 +428,6 @@ class TracInJob(_JobBase):
     def _needs_lora(self) -> "TracInJob":
         if self.model.lora is None:
             raise ValueError("model.lora is required for kind 'tracin': influence is computed over LoRA weights")
-        if self.model.gradient_checkpointing:
-            raise ValueError("model.gradient_checkpointing is not supported for kind 'tracin': recomputed "
-                             "forwards would count each sample's influence twice")
         _no_corpus(self.dataset)
         return self
 

@@ -41,7 +41,6 @@ def _err(spec: dict) -> str:
 @pytest.mark.parametrize("spec,needle", [
     ({"kind": "grpo", "grpo": {"num_generations": 1}}, "num_generations"),
     ({"kind": "tracin"}, "model.lora is required"),
-    ({"kind": "tracin", "model": {"lora": {}, "gradient_checkpointing": True}}, "gradient_checkpointing"),
     ({"kind": "tracin", "model": {"lora": {}}, "tracin": {"val_generations": 1}}, "val_generations"),
     ({"kind": "joint", "dataset": {"name": "arith"}}, "needs 'persona-facts' or 'jsonl'"),
     ({"kind": "grpo", "dataset": {"name": "file"}}, "dataset.train_file is required"),

@@ -63,11 +63,13 @@ def test_memory_options_learn_what_the_defaults_learn(tmp_path, settings_factory
     _assert_same(plain, saved)
 
 
-def test_tracin_with_a_token_budget_scores_the_same(tmp_path, settings_factory, digit_reward):
+@pytest.mark.parametrize("over", [{"grpo": {"micro_batch_tokens": 40}}, {"model": {"gradient_checkpointing": True}}],
+                         ids=["token-budget", "checkpointing"])
+def test_tracin_influence_is_the_same_with_the_memory_options(tmp_path, settings_factory, digit_reward, over):
+    """The ghost hooks see each micro-batch's activations once per backward, recomputed or not."""
     d = _merge(BASE, {"kind": "tracin", "tracin": {"val_prompts": 2}})
     plain = _metrics(TracInJob.model_validate(d), tmp_path, "plain", settings_factory(), loop=tracin)
-    budget = _metrics(TracInJob.model_validate(_merge(d, {"grpo": {"micro_batch_tokens": 40}})), tmp_path, "budget",
-                      settings_factory(), loop=tracin)
+    budget = _metrics(TracInJob.model_validate(_merge(d, over)), tmp_path, "budget", settings_factory(), loop=tracin)
     _assert_same(plain, budget)
     for x, y in zip(plain, budget, strict=True):
         for k in (k for k in x["metrics"] if k.startswith("tracin/") and not k.endswith("_s")):

@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/rewards.py
 	$(PY) bench/distributed.py
 	$(PY) bench/learning.py
+	$(PY) bench/memory.py
 
 clean:
 	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

@@ -123,6 +123,10 @@ def shard(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from worker.models import enable_checkpointing
+
+    if getattr(model, "is_gradient_checkpointing", False):  # FSDP2's hooks need the non-reentrant kind
+        enable_checkpointing(model, reentrant=False)
     mesh = init_device_mesh(torch.device(ranks.device).type, (ranks.world,))
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():

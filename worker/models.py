@@ -141,8 +141,22 @@ def load_base_model(spec: ModelSpec, *, tokenizer, models_root: Path, model_root
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model, reentrant=True)
     return model
+
+
+def enable_checkpointing(model: torch.nn.Module, *, reentrant: bool) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    Reentrant by default: its forward runs without autograd, so a layer keeps only its input. The
+    non-reentrant kind kept most of every layer's activations here (SmolLM2-135M with LoRA, a
+    16 x 326 micro-batch: +3.5 GB after the forward against +0.39 GB reentrant, +10.8 GB without
+    checkpointing). A reentrant layer needs an input that requires grad to be differentiated at
+    all, hence the embeddings' output is made to (frozen embeddings, LoRA). FSDP2 asks for the
+    non-reentrant kind (`worker.distributed.shard`)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        model.enable_input_require_grads()
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:

@@ -83,7 +83,11 @@ class ModelSpec(_Section):
         "log-probs and losses are computed in at least float32).",
     )
     lora: LoraSpec | None = Field(None, description="Train a LoRA adapter; omit for full fine-tuning.")
-    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute each decoder layer's activations in backward instead of keeping them: a "
+        "micro-batch keeps one layer's activations and every layer's input, for one more forward of training "
+        "compute. Unset: on when a micro-batch can hold 2,048 completion tokens or more (grpo.micro_batch_size x "
+        "grpo.max_new_tokens), where activations outgrow the weights many times over.")
     init_from: InitFrom | None = Field(
         None, description="Start from the weights of one of your own checkpoints (train on from it): it must be of "
         "the same model.name, and a LoRA adapter of the same r, alpha and target_modules (or full weights for full "
@@ -94,6 +98,17 @@ class ModelSpec(_Section):
     @classmethod
     def _known(cls, v: str) -> str:
         return _check_model_name(v, MODEL_PRESETS, "model")
+
+
+CHECKPOINT_FROM_TOKENS = 2048  # completion tokens a micro-batch can hold, from which checkpointing is on by default
+
+
+def wants_checkpointing(model: ModelSpec, grpo: GRPOSpec) -> bool:
+    """model.gradient_checkpointing, or when unset, whether a micro-batch can hold CHECKPOINT_FROM_TOKENS
+    completion tokens (the demo's 16 x 24 = 384 cannot; 16 x 256 can)."""
+    if model.gradient_checkpointing is not None:
+        return model.gradient_checkpointing
+    return grpo.micro_batch_size * grpo.max_new_tokens >= CHECKPOINT_FROM_TOKENS
 
 
 class DatasetSpec(_Section):

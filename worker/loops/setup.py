@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from service.core.settings import Settings
-from service.core.specs import GRPOJob, JointJob, TracInJob
+from service.core.specs import GRPOJob, JointJob, TracInJob, wants_checkpointing
 from worker import allocator
 from worker.algos.lora import is_lora
 from worker.checkpoints import (
@@ -73,7 +73,8 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     g = spec.grpo
     dev = policy_device(spec, ranks)
     device = torch.device(dev)
-    model, tok = load_policy(spec.model, models_root=settings.models_dir, device=dev, seed=g.seed,
+    mspec = spec.model.model_copy(update={"gradient_checkpointing": wants_checkpointing(spec.model, g)})
+    model, tok = load_policy(mspec, models_root=settings.models_dir, device=dev, seed=g.seed,
                              model_roots=settings.model_roots)
     if (init := spec.model.init_from) is not None:  # train on from an earlier checkpoint of the owner's
         found = reporter.init_checkpoint(init.job, init.step)

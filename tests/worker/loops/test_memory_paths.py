@@ -55,10 +55,13 @@ def test_chunked_head_learns_what_the_full_logits_learn(tmp_path, settings_facto
     _assert_same(full, chunked)
 
 
-@pytest.mark.parametrize("over", [{"grpo": {"micro_batch_tokens": 40}}, {"model": {"gradient_checkpointing": True}}],
-                         ids=["token-budget", "checkpointing"])
-def test_memory_options_learn_what_the_defaults_learn(tmp_path, settings_factory, digit_reward, over):
-    plain = _metrics(GRPOJob.model_validate(BASE), tmp_path, "plain", settings_factory())
+@pytest.mark.parametrize(("base", "over"), [
+    ({}, {"grpo": {"micro_batch_tokens": 40}}),
+    ({}, {"model": {"gradient_checkpointing": True}}),
+    ({"model": {"lora": None}}, {"model": {"lora": None, "gradient_checkpointing": True}}),  # and a KL reference copy
+], ids=["token-budget", "checkpointing", "checkpointing-full-ft"])
+def test_memory_options_learn_what_the_defaults_learn(tmp_path, settings_factory, digit_reward, base, over):
+    plain = _metrics(GRPOJob.model_validate(_merge(BASE, base)), tmp_path, "plain", settings_factory())
     saved = _metrics(GRPOJob.model_validate(_merge(BASE, over)), tmp_path, "saved", settings_factory())
     _assert_same(plain, saved)
 

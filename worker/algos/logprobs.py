@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.algos.losses import entropy_from_logits
+
 # Logits held at once per chunk: 64 MiB of float32 (341 positions at V = 49,152).
 CHUNK_BYTES = 64 * 2**20
 
@@ -46,8 +48,8 @@ class _TokenLogprobs(torch.autograd.Function):
             z = _logits(hidden[i:i + chunk], weight, bias, temperature)  # [C, V]
             lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
             logp[i:i + chunk] = z.gather(1, targets[i:i + chunk, None]).squeeze(1) - lse[i:i + chunk]
-            if with_entropy:  # logsumexp(z) - sum(softmax(z) * z)
-                ent[i:i + chunk] = lse[i:i + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if with_entropy:
+                ent[i:i + chunk] = entropy_from_logits(z)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         if ent is None:

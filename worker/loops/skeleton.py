@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from service.core.records import SampleRow
+from worker import memory
 from worker.checkpoints import gather_states, save_checkpoint
 from worker.loops.setup import Setup, resume
 from worker.reporting import LoopResult, Reporter
@@ -101,7 +102,9 @@ class StepTimer:
 
 def begin_step(run: Run, step: int) -> StepTimer:
     """Seed from (seed, step), so a resumed run samples what a straight one does; sync the frozen
-    rollout copy with the policy (the adapter only, with LoRA); start the step's clock."""
+    rollout copy with the policy (the adapter only, with LoRA); start the step's clock and its
+    memory peak."""
+    memory.reset_peak(run.s.device)
     timer = StepTimer()
     seed_everything(step_seed(run.s.spec.grpo.seed, step))
     run.s.engine.sync(run.s.model)
@@ -112,7 +115,8 @@ def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer
               samples: Sequence[SampleRow] = ()) -> None:
     """A step with nothing to learn from: no update, a warning event, what was measured."""
     run.reporter.event("skipped", f"step {step}: {why}; no update", level="warning")
-    run.reporter.metrics(step, {**metrics, "time/rollout_s": timer.rollout_s, "time/step_s": timer.elapsed()})
+    run.reporter.metrics(step, {**metrics, "time/rollout_s": timer.rollout_s, "time/step_s": timer.elapsed(),
+                                **memory.measure(run.s.device).metrics()})
     if samples:
         run.reporter.samples(step, list(samples))
     run.reporter.progress(step)
@@ -132,7 +136,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
         metrics.update(run.last_eval)
     dt = timer.elapsed()
     metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/step_s": dt,
-                    "throughput/tokens_per_s": tokens / dt})
+                    "throughput/tokens_per_s": tokens / dt, **memory.measure(run.s.device).metrics()})
     run.reporter.metrics(step, metrics)
     if samples:
         run.reporter.samples(step, list(samples))

@@ -10,6 +10,7 @@ import click
 
 from service.cli.common import load_spec_file
 from service.cli.group import main
+from service.cli.malloc import reexec_for_training
 from service.core.settings import get_settings
 
 
@@ -111,6 +112,7 @@ def run(spec_file: Path, out: Path) -> None:
         spec = parse_spec(load_spec_file(spec_file))
     except ValidationError as exc:
         raise click.ClickException(f"{spec_file}: invalid job spec\n{exc}") from exc
+    reexec_for_training(get_settings())
     from functools import partial
 
     # The composition root: the one place the service imports the worker (lazily: torch loads only

@@ -15,6 +15,7 @@ import httpx
 from service.cli.client import watch_job
 from service.cli.common import DEV_KEY_FILE, check, load_spec_file
 from service.cli.group import main
+from service.cli.malloc import training_env
 from service.core import queue
 from service.core.settings import get_settings
 
@@ -42,7 +43,7 @@ def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:
 @click.option("--loglevel", default="INFO")
 def worker(concurrency: int, loglevel: str) -> None:
     """Run a Celery worker on the `gpu` queue."""
-    os.execv(sys.executable, _worker_cmd(concurrency, loglevel))
+    os.execve(sys.executable, _worker_cmd(concurrency, loglevel), training_env(get_settings()))
 
 
 @main.command()
@@ -70,7 +71,7 @@ def dev(host: str, port: int) -> None:
     click.echo(f"API key:   {key}   (owner 'local'; saved in {key_file})")
     click.echo(f"dashboard: http://{host}:{port}/   API docs: http://{host}:{port}/docs", err=False)
     sys.stdout.flush()
-    proc = subprocess.Popen(_worker_cmd(1, "WARNING"))
+    proc = subprocess.Popen(_worker_cmd(1, "WARNING"), env=training_env(settings))
     # uvicorn re-raises SIGTERM once it has shut down; unhandled, that would end this process
     # before `finally` stops the worker, leaving it orphaned on the broker.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

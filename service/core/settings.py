@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -176,10 +177,16 @@ class Settings(BaseSettings):
         description="The most processes (`resources.processes`) one job may run as on a worker: "
         "one GPU each where the worker has GPUs, a share of its CPU cores otherwise.",
     )
+    malloc: Literal["jemalloc", "glibc"] = Field(
+        default="jemalloc", validation_alias="GRPO_MALLOC",
+        description="The malloc training processes (workers, `grpo-jobs run`) start with: jemalloc, "
+        "preloaded where the machine has it (its heap does not fragment under a step's activations), "
+        "or glibc's (worker/allocator.py).",
+    )
     keep_freed_memory: bool = Field(
         default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
-        description="Training on a CPU: keep freed memory in the worker for the next step instead of "
-        "faulting it in again (worker/allocator.py); handed back when the job ends.",
+        description="Training on a CPU under glibc's malloc: keep freed memory in the worker for the "
+        "next step instead of faulting it in again (worker/allocator.py); handed back when the job ends.",
     )
 
     @property

@@ -42,9 +42,10 @@ def test_metrics_leave_out_what_was_not_measured():
 
 
 @linux
-def test_a_twenty_step_job_stays_flat_after_its_second_step(tmp_path, models_root, digit_plugin):
-    """`grpo-jobs run` in its own process, with the allocator as shipped (freed memory kept for
-    the next step): every step has the same shape (a random model never stops early, a dense reward
+@pytest.mark.parametrize("malloc", ["jemalloc", "glibc"])
+def test_a_twenty_step_job_stays_flat_after_its_second_step(tmp_path, models_root, digit_plugin, malloc):
+    """`grpo-jobs run` in its own process, with either allocator as shipped (jemalloc where the
+    machine has it; else glibc, freed memory kept for the next step): every step has the same shape (a random model never stops early, a dense reward
     never ties), so whatever the heap grows by after step 2 is held across steps."""
     spec = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4, "dropout": 0.0}},
             "dataset": {"name": "arith", "num_train": 80, "num_val": 2}, "rewards": [{"name": "digit_share"}],
@@ -52,7 +53,8 @@ def test_a_twenty_step_job_stays_flat_after_its_second_step(tmp_path, models_roo
                      "micro_batch_size": 8, "kl_coef": 0.05, "learning_rate": 1e-3, "eval_every": 0,
                      "eval_prompts": 1, "samples_per_step": 0, "checkpoint_every": 0}}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "GRPO_DATA_DIR": str(tmp_path), "GRPO_MODELS_ROOT": str(models_root)}
+    env = {**os.environ, "GRPO_DATA_DIR": str(tmp_path), "GRPO_MODELS_ROOT": str(models_root),
+           "GRPO_MALLOC": malloc}
     run = [sys.executable, "-m", "service.cli", "run", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out")]
     subprocess.run(run, check=True, capture_output=True, env=env, timeout=600)
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

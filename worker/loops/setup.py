@@ -81,13 +81,11 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
         load_weights(found.path, model=model)
         reporter.event("initialised", f"weights from job {found.job}, step {found.step}",
                        data={"job": found.job, "step": found.step})
-    if device.type == "cpu" and settings.keep_freed_memory:
-        allocator.release_freed_memory()  # what loading and converting the weights used
-        allocator.keep_freed_memory()  # from here on, each step reuses the pages of the last one
+    malloc = allocator.prepare_for_steps(keep_freed=settings.keep_freed_memory) if device.type == "cpu" else None
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
-                   data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None})
+                   data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None, "malloc": malloc})
     params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                             top_k=g.top_k, stop=tuple(g.stop))
     ref = None

@@ -1,0 +1,56 @@
+"""Which malloc the training processes start with (`GRPO_MALLOC`).
+
+A process's allocator is chosen when it is loaded, so the processes that train (Celery workers,
+`grpo-jobs run`, and through them every rank they spawn) start with jemalloc preloaded: a step's
+activations no longer fragment glibc's heap (worker/allocator.py has the figures). Where the
+machine has no jemalloc (Debian: `apt install libjemalloc2`), they start as they are and glibc
+serves them with the worker's own settings.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import functools
+import logging
+import os
+import sys
+
+from service.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+JEMALLOC = "jemalloc"
+
+
+@functools.cache
+def jemalloc_library() -> str | None:
+    """The shared library to preload, by the name the dynamic linker finds it under. (Not opened
+    here: jemalloc loaded after start-up finds no room for its thread-local state.)"""
+    return ctypes.util.find_library(JEMALLOC)
+
+
+def training_env(settings: Settings, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a training process starts with: `env` (this one's by default) with the
+    chosen malloc preloaded."""
+    env = dict(os.environ if env is None else env)
+    if settings.malloc != JEMALLOC:
+        return env
+    lib = jemalloc_library()
+    if lib is None:
+        log.warning("GRPO_MALLOC=jemalloc but no libjemalloc on this machine: training processes use glibc")
+        return env
+    preload = env.get("LD_PRELOAD", "")
+    if lib not in preload.split():
+        env["LD_PRELOAD"] = f"{lib} {preload}".strip()
+    return env
+
+
+def reexec_for_training(settings: Settings) -> None:
+    """Start this command again with the chosen malloc, unless it already has it (or none is
+    found). Returns only when nothing changed."""
+    env = training_env(settings)
+    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "service.cli", *sys.argv[1:]], env)

@@ -1,0 +1,54 @@
+"""Training processes start with jemalloc preloaded where the machine has it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from service.cli import malloc
+from service.core.settings import Settings
+
+needs_jemalloc = pytest.mark.skipif(malloc.jemalloc_library() is None, reason="no libjemalloc on this machine")
+
+
+def test_glibc_leaves_the_environment_as_it_is(monkeypatch):
+    monkeypatch.setattr(malloc, "jemalloc_library", lambda: "libjemalloc.so.2")
+    env = {"LD_PRELOAD": "libother.so", "X": "1"}
+    assert malloc.training_env(Settings(GRPO_MALLOC="glibc"), env) == env
+
+
+def test_jemalloc_is_preloaded_once_beside_what_was_there(monkeypatch):
+    monkeypatch.setattr(malloc, "jemalloc_library", lambda: "libjemalloc.so.2")
+    env = malloc.training_env(Settings(), {"LD_PRELOAD": "libother.so"})
+    assert env["LD_PRELOAD"] == "libjemalloc.so.2 libother.so"
+    assert malloc.training_env(Settings(), env) == env
+
+
+def test_a_machine_without_jemalloc_trains_on_glibc(monkeypatch, caplog):
+    monkeypatch.setattr(malloc, "jemalloc_library", lambda: None)
+    assert malloc.training_env(Settings(), {"X": "1"}) == {"X": "1"}
+    assert "no libjemalloc" in caplog.text
+
+
+def test_the_settings_name_only_known_allocators():
+    with pytest.raises(ValueError, match="GRPO_MALLOC"):
+        Settings(GRPO_MALLOC="tcmalloc")
+
+
+@needs_jemalloc
+@pytest.mark.parametrize(("choice", "expected"), [("jemalloc", "jemalloc"), ("glibc", "glibc, freed memory kept")])
+def test_grpo_jobs_run_trains_under_the_chosen_malloc(tmp_path, models_root, choice, expected):
+    spec = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 2}},
+            "dataset": {"name": "arith", "num_train": 8, "num_val": 2}, "rewards": [{"name": "numeric_match"}],
+            "grpo": {"steps": 1, "prompts_per_step": 1, "num_generations": 2, "max_new_tokens": 4,
+                     "eval_prompts": 1, "samples_per_step": 0}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    env = {"GRPO_DATA_DIR": str(tmp_path), "GRPO_MODELS_ROOT": str(models_root), "GRPO_MALLOC": choice,
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-m", "service.cli", "run", str(tmp_path / "spec.yaml"), "--out",
+                    str(tmp_path / "out")], check=True, capture_output=True, env=env, timeout=300)
+    events = [json.loads(x) for x in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    loaded = next(e for e in events if e["type"] == "model_loaded")
+    assert loaded["data"]["malloc"] == expected

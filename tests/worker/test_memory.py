@@ -45,8 +45,8 @@ def test_metrics_leave_out_what_was_not_measured():
 @pytest.mark.parametrize("malloc", ["jemalloc", "glibc"])
 def test_a_twenty_step_job_stays_flat_after_its_second_step(tmp_path, models_root, digit_plugin, malloc):
     """`grpo-jobs run` in its own process, with either allocator as shipped (jemalloc where the
-    machine has it; else glibc, freed memory kept for the next step): every step has the same shape (a random model never stops early, a dense reward
-    never ties), so whatever the heap grows by after step 2 is held across steps."""
+    machine has it; else glibc, freed memory kept for the next step): every step has the same
+    shape (a random model never stops early, a dense reward never ties), so whatever the heap grows by after step 2 is held across steps."""
     spec = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4, "dropout": 0.0}},
             "dataset": {"name": "arith", "num_train": 80, "num_val": 2}, "rewards": [{"name": "digit_share"}],
             "grpo": {"steps": 20, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 32,

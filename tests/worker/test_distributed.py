@@ -13,6 +13,7 @@ from pydantic import TypeAdapter
 from safetensors.torch import load_file
 
 from service.core.specs import JobSpec
+from tests.metrics import MEASURED
 from worker.distributed import Ranks
 from worker.launch import RanksFailed, launch
 from worker.reporting import FileReporter
@@ -20,7 +21,6 @@ from worker.runner import loop_for, loop_on_ranks
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
          "eval_prompts": 3, "seed": 3, "samples_per_step": 48}
-TIMES = ("time/", "throughput/", "tracin/time_s", "sparsity/time_s")  # wall clock, not results
 CASES = {
     "grpo-lora": {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                   "grpo": {**STEPS, "learning_rate": 1e-2, "kl_coef": 0.05},
@@ -108,8 +108,8 @@ def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin)
     m1, m2 = _lines(one / "metrics.jsonl"), _lines(two / "metrics.jsonl")
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [0, 1, 2, 3]
     for a, b in zip(m1, m2):
-        kept = {k for k in a["metrics"] if not k.startswith(TIMES)}
-        assert kept == {k for k in b["metrics"] if not k.startswith(TIMES)}
+        kept = {k for k in a["metrics"] if not k.startswith(MEASURED)}
+        assert kept == {k for k in b["metrics"] if not k.startswith(MEASURED)}
         for k in kept:
             # the same values summed in another order; reward and advantage sums are float32 (~1e-7)
             assert b["metrics"][k] == pytest.approx(a["metrics"][k], rel=1e-6, abs=1e-9), (a["step"], k)

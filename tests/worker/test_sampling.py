@@ -3,6 +3,7 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from worker.models import load_policy
+from worker import sampling
 from worker.sampling import RolloutEngine, SamplingParams, sequence_logprobs
 
 
@@ -176,3 +177,23 @@ def test_trimming_drops_only_columns_of_padding(tmp_path):
     assert t.completion_mask.sum() == short.completion_mask.sum() and t.prompt_mask.all()
     full = sequence_logprobs(model, short, 0.9)[0]
     assert full.shape == short.completion_ids.shape
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_generation_with_a_preallocated_cache_and_chunked_prefill_samples_what_plain_generate_does(
+        tmp_path, monkeypatch, lora):
+    """The static KV cache and the prompts' forward in chunks (here of 8 positions, shorter than
+    the prompts) change memory and time, not the tokens: greedy and sampled, left padding included."""
+    model, tok = _policy(tmp_path, lora=lora)
+    prompts = ["Question: what is 12 + 30?\nAnswer:", "Hi", "Question: 7 * 6?\nAnswer:"]
+    params = SamplingParams(max_new_tokens=16, temperature=0.9)
+    monkeypatch.setattr(sampling, "GENERATE_MEMORY", {**sampling.GENERATE_MEMORY, "prefill_chunk_size": 8})
+    engine = RolloutEngine(model, tok, "cpu", params)
+    static = engine.generate(prompts, 3, seeds=[1, 2, 3]), engine.generate(prompts, 1, greedy=True)
+    monkeypatch.setattr(sampling, "GENERATE_MEMORY", {})
+    plain = engine.generate(prompts, 3, seeds=[1, 2, 3]), engine.generate(prompts, 1, greedy=True)
+    for a, b in zip(static, plain, strict=True):
+        assert a.completions == b.completions
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.completion_mask, b.completion_mask)
+    assert any(len(c) > 0 for c in static[0].completions)

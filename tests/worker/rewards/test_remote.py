@@ -12,6 +12,7 @@ import pytest
 from service.core.reward_specs import HttpReward
 from service.core.settings import Settings
 from tests.e2e.conftest import free_port
+from tests.metrics import MEASURED
 from worker.rewards import Item, RewardUnavailable, Scorer, numeric_match
 from worker.rewards.remote import HttpGrader
 
@@ -128,7 +129,7 @@ def test_a_job_trained_on_a_remote_grader_equals_the_builtin_run(grader, tmp_pat
     assert [m["step"] for m in local] == [m["step"] for m in remote] == [0, 1, 2, 3]
     for a, b in zip(local, remote):
         for k, v in a["metrics"].items():
-            if not k.startswith(("time/", "throughput/")):
+            if not k.startswith(MEASURED):
                 assert b["metrics"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), (a["step"], k)
         if a["step"] > 0:
             assert b["metrics"]["time/reward_s"] > 0

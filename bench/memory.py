@@ -63,8 +63,15 @@ def _rss_gb(pid: int) -> float:
         return 0.0
 
 
-def spec_for(case: Case, steps: int) -> dict:
+def spec_for(case: Case, steps: int, overrides: tuple[str, ...] = ()) -> dict:
     d = yaml.safe_load(SPEC.read_text())
+    for item in overrides:  # "grpo.micro_batch_size=8": a dotted path, a YAML value
+        path, _, value = item.partition("=")
+        *parents, leaf = path.split(".")
+        node = d
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
     g = d["grpo"]
     g.update(steps=steps, max_new_tokens=case.max_new_tokens, eval_every=0, eval_prompts=1, samples_per_step=0,
              checkpoint_every=0)
@@ -73,10 +80,11 @@ def spec_for(case: Case, steps: int) -> dict:
     return d
 
 
-def run_case(case: Case, code: Path, *, steps: int, limit_gb: float, work: Path) -> Measured:
+def run_case(case: Case, code: Path, *, steps: int, limit_gb: float, work: Path,
+             overrides: tuple[str, ...] = ()) -> Measured:
     tag = f"{case.name}-{abs(hash(str(code)))}"
     spec_file, out = work / f"{tag}.yaml", work / tag
-    spec_file.write_text(yaml.safe_dump(spec_for(case, steps)))
+    spec_file.write_text(yaml.safe_dump(spec_for(case, steps, overrides)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", RUN, "run", str(spec_file), "--out", str(out)], env=env,
                             cwd=code, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -111,6 +119,8 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another checkout (today's path); omitted: this checkout only")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first is not timed)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="change the spec for both codes, e.g. --set model.gradient_checkpointing=true")
     ap.add_argument("--limit-gb", type=float, default=20.0, help="stop a run whose RSS passes this")
     args = ap.parse_args()
     codes = {"new": ROOT} | ({"base": args.baseline.resolve()} if args.baseline else {})
@@ -118,7 +128,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases.split(","):
             case = CASES[name]
-            got = {k: run_case(case, code, steps=args.steps, limit_gb=args.limit_gb, work=Path(tmp))
+            got = {k: run_case(case, code, steps=args.steps, limit_gb=args.limit_gb, work=Path(tmp),
+                               overrides=tuple(args.overrides))
                    for k, code in reversed(codes.items())}
             print(f"{name:<6} " + "  ".join(f"{_fmt(got[k], args.limit_gb):<34}" for k in codes), flush=True)
             new, base = got["new"], got.get("base")

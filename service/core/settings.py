@@ -185,8 +185,9 @@ class Settings(BaseSettings):
     )
     keep_freed_memory: bool = Field(
         default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
-        description="Training on a CPU under glibc's malloc: keep freed memory in the worker for the "
-        "next step instead of faulting it in again (worker/allocator.py); handed back when the job ends.",
+        description="Training on a CPU: keep freed memory in the worker for the next step instead of "
+        "faulting it in again (worker/allocator.py; under jemalloc, `MALLOC_CONF` unless set); handed back "
+        "when the job ends.",
     )
 
     @property

@@ -75,9 +75,10 @@ def test_names_known_to_the_worker():
 
 
 @pytest.mark.parametrize(("model", "grpo", "on"), [
-    ({}, {"micro_batch_size": 16, "max_new_tokens": 24}, False),  # the demo: 384 completion tokens a micro-batch
-    ({}, {"micro_batch_size": 16, "max_new_tokens": 256}, True),  # 4,096
-    ({}, {"micro_batch_size": 8, "max_new_tokens": 256}, True),  # 2,048: from here on
+    ({}, {"micro_batch_size": 16, "max_new_tokens": 24}, True),  # the demo: 384 completion tokens a micro-batch
+    ({}, {"micro_batch_size": 8, "max_new_tokens": 32}, True),  # 256: from here on
+    ({}, {"micro_batch_size": 8, "max_new_tokens": 24}, False),  # 192
+    ({}, {"micro_batch_size": 16, "max_new_tokens": 256, "micro_batch_tokens": 200}, False),  # the budget holds less
     ({"gradient_checkpointing": False}, {"micro_batch_size": 16, "max_new_tokens": 1024}, False),  # asked for
     ({"gradient_checkpointing": True}, {"micro_batch_size": 1, "max_new_tokens": 8}, True),
 ])

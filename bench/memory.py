@@ -11,6 +11,8 @@ x 8 completions, micro_batch_size 16) for `--steps` steps, evaluation on one pro
 tokens (a long system prompt). Peak RSS is read from /proc every 50 ms over the whole process; a
 process above `--limit-gb` is stopped and reported as over it. Step time is the median over steps
 after the first (which warms up), tokens/s the completion tokens of those steps over their time.
+On a GPU (`--set devices.policy=cuda`) the most any step allocated there (`memory/cuda_peak_gb`)
+is printed too, for the code that reports it. `--set KEY=VALUE` changes the spec for both codes.
 A benchmark, never a test. Ends with one RESULT line per case.
 """
 
@@ -53,6 +55,7 @@ class Measured:
     over_limit: bool
     step_s: float  # median over steps after the first; nan when it did not finish
     tokens_per_s: float
+    cuda_peak_gb: float | None = None  # the most any step had allocated on the GPU (memory/cuda_peak_gb)
 
 
 def _rss_gb(pid: int) -> float:
@@ -106,12 +109,21 @@ def run_case(case: Case, code: Path, *, steps: int, limit_gb: float, work: Path,
     steps_m = [m["metrics"] for m in lines if m["step"] > 1 and "time/step_s" in m["metrics"]]
     step_s = statistics.median(m["time/step_s"] for m in steps_m)
     tps = sum(m["throughput/tokens_per_s"] * m["time/step_s"] for m in steps_m) / sum(m["time/step_s"] for m in steps_m)
-    return Measured(peak, False, step_s, tps)
+    cuda = [m["metrics"]["memory/cuda_peak_gb"] for m in lines if "memory/cuda_peak_gb" in m["metrics"]]
+    return Measured(peak, False, step_s, tps, max(cuda) if cuda else None)
 
 
 def _fmt(m: Measured, limit_gb: float) -> str:
     peak = f">{limit_gb:.0f}" if m.over_limit else f"{m.peak_gb:.2f}"
-    return f"{peak:>7} GB {m.step_s:7.1f} s {m.tokens_per_s:7.1f} tok/s"
+    cuda = "" if m.cuda_peak_gb is None else f" ({m.cuda_peak_gb:.2f} GB CUDA)"
+    return f"{peak:>7} GB{cuda} {m.step_s:7.1f} s {m.tokens_per_s:7.1f} tok/s"
+
+
+def _cuda(new: Measured, base: Measured | None) -> str:
+    out = "" if new.cuda_peak_gb is None else f" cuda_peak_gb={new.cuda_peak_gb:.2f}"
+    if base is not None and base.cuda_peak_gb is not None:
+        out += f" base_cuda_peak_gb={base.cuda_peak_gb:.2f}"
+    return out
 
 
 def main() -> None:
@@ -139,7 +151,7 @@ def main() -> None:
                           f"peak_ratio={new.peak_gb / base.peak_gb:.3f} step_time_ratio={new.step_s / base.step_s:.3f}")
             print(f"RESULT case={name} max_new_tokens={case.max_new_tokens} long_prompt={case.long_prompt} "
                   f"peak_gb={new.peak_gb:.2f} over_limit={new.over_limit} step_s={new.step_s:.2f} "
-                  f"tokens_per_s={new.tokens_per_s:.1f}{ratios}", flush=True)
+                  f"tokens_per_s={new.tokens_per_s:.1f}{_cuda(new, base)}{ratios}", flush=True)
 
 
 if __name__ == "__main__":

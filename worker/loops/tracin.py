@@ -11,7 +11,9 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
   5. the update uses only the selected samples, each with the weight it has in the whole batch's
      loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no
      second backward; with `positive`, folded in micro-batch by micro-batch); with more epochs,
-     the epochs run on them.
+     the epochs run on them;
+  6. (`tracin.check_prediction`) the validation objective is re-evaluated after the update, and its
+     predicted change is recorded beside the actual one (worker/loops/prediction.py).
 With no sample selected the step makes no update, and an event says so.
 
 Run it:  grpo-jobs run examples/tracin-minimal.yaml --out runs/tracin
@@ -32,7 +34,7 @@ from service.core.specs import TracInJob
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
 from worker.distributed import SINGLE, Ranks
-from worker.loops import evaluation, skeleton, update
+from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
     collect_rollouts,
@@ -203,8 +205,17 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
         hooks = GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy")
         scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
         reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
+        check = t.check_prediction and scored.n_selected > 0
+        t_check = time.perf_counter()
+        theta_t = prediction.before_update(s, val.ro, val.ref_logp, hooks) if check else None
+        lr, t_check = s.scheduler.get_last_lr()[0], time.perf_counter() - t_check
         metrics = {**ro.metrics(), **val_stats, **scored.train_stats,
                    **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}
+        if theta_t is not None:
+            t1 = time.perf_counter()
+            metrics.update(prediction.after_update(s, val.ro, val.ref_logp, hooks, theta_t, lr=lr,
+                                                   selected_influence=float(scored.every[scored.chosen_all].sum())))
+            metrics["time/tracin_check_s"] = t_check + time.perf_counter() - t1
         hooks.release()
         timer.train_s = time.perf_counter() - t0
         metrics.update({"tracin/mean_ip": float(scored.every.mean()), "tracin/num_selected": float(scored.n_selected),

@@ -1,0 +1,73 @@
+"""TracIn's claim, checked on every step: the predicted change of the validation objective against the
+change that happened.
+
+The validation objective L_val(theta) is the loss whose gradient G_val the training samples are scored
+against: the validation batch's clipped GRPO surrogate (plus the KL term when the job has one), with
+its ratios taken against the batch's log-probs at theta_t, so every ratio is exactly 1 at theta_t.
+Lower is better. Per step with an update:
+
+    predicted_delta     = <G_val, theta_{t+1} - theta_t>        first order, for any optimizer (Adam too)
+    predicted_delta_sgd = -lr * sum_{i selected} <g_i, G_val>   the influence scores read as one SGD step
+    actual_delta        = L_val(theta_{t+1}) - L_val(theta_t)   re-evaluated on the same validation rollouts
+
+Both evaluations run without dropout (eval mode), so the actual change is the weights' doing alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.algos.influence import GhostHooks
+from worker.algos.losses import sample_losses
+from worker.loops import update
+from worker.loops.rollouts import Rollouts
+from worker.loops.setup import Setup
+from worker.sampling import batch_logprobs
+
+
+def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
+              ref_logp: torch.Tensor | None) -> tuple[float, torch.Tensor]:
+    """(L_val over every rank's rows, this rank's log-probs [N, T]) at the current weights; old_logp
+    None: the ratios are taken against these log-probs, so L_val is its value at theta_t."""
+    g = s.spec.grpo
+    was_training = s.model.training
+    s.model.eval()
+    try:
+        logp = batch_logprobs(s.model, ro.batch, g.temperature, update.micro(s, ro.batch, list(range(len(ro)))),
+                              s.device)
+    finally:
+        s.model.train(was_training)
+    parts = sample_losses(logp, logp if old_logp is None else old_logp, ro.advantages.to(s.device),
+                          ro.loss_mask.to(s.device), update.batch_normaliser(s, ro.loss_mask),
+                          ref_logp=None if ref_logp is None else ref_logp.to(s.device),
+                          clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
+    return s.ranks.sum({"loss": float(parts.loss.sum())})["loss"], logp
+
+
+@dataclass(frozen=True)
+class Before:
+    """What the check keeps from theta_t."""
+
+    logp: torch.Tensor  # [N_val, T] validation log-probs at theta_t: the ratios' denominators
+    value: float  # L_val(theta_t)
+    weights: list[torch.Tensor]  # every LoRA A and B at theta_t, in GhostHooks.val_grads order
+
+
+def before_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hooks: GhostHooks) -> Before:
+    value, logp = objective(s, val_ro, None, val_ref)
+    weights = [w.detach().clone() for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
+    return Before(logp=logp, value=value, weights=weights)
+
+
+def after_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hooks: GhostHooks, before: Before,
+                 *, selected_influence: float, lr: float) -> dict[str, float]:
+    """The step's metrics: both predictions and the actual change (G_val is still in the hooks)."""
+    value, _ = objective(s, val_ro, before.logp, val_ref)
+    grads = [g for i in range(len(hooks.layers)) for g in hooks.val_grads[i]]
+    now = [w for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
+    predicted = sum(float((g.double() * (w.detach().double() - w0.double())).sum())
+                    for g, w, w0 in zip(grads, now, before.weights))
+    return {"tracin/predicted_delta": predicted, "tracin/predicted_delta_sgd": -lr * selected_influence,
+            "tracin/actual_delta": value - before.value, "tracin/val_objective": before.value}

@@ -315,18 +315,25 @@ class SparsitySpec(_Section):
         return sorted(v)
 
 
+# Selections that use no influence: no validation batch, no hooks, the cost of plain GRPO.
+BASELINES = ("random", "pass_rate", "all")
+
+
 class TracInSpec(_Section):
     val_prompts: int = Field(4, ge=1, le=1024, description="Validation prompts per step.")
     val_generations: int = Field(
         4, ge=2, le=256, description="Sampled responses per validation prompt (>= 2: one response has zero advantage)."
     )
     val_regenerate_every: int = Field(1, ge=1, description="Regenerate the validation batch every N steps.")
-    selection: Literal["positive", "top_fraction", "greedy", "random"] = Field(
+    selection: Literal["positive", "top_fraction", "top_cosine", "greedy", "random", "pass_rate", "all"] = Field(
         "positive",
-        description="positive: influence > 0; top_fraction: the best `fraction`; greedy: GREATS-style "
-        "with interactions; random: a random subset of `fraction` (baseline).",
+        description="By influence: positive (influence > 0), top_fraction (the `fraction` with the largest inner "
+        "product), top_cosine (the `fraction` with the largest cosine to the validation gradient), greedy "
+        "(GREATS-style, with interactions). Baselines, with no influence computed: random (a random `fraction`), "
+        "pass_rate (whole groups nearest 50% correct, up to `fraction`), all (uniform GRPO).",
     )
-    fraction: float = Field(0.5, gt=0.0, le=1.0, description="top_fraction / greedy / random: share of samples kept.")
+    fraction: float = Field(0.5, gt=0.0, le=1.0, description="Share of samples kept (every selection but positive "
+                            "and all).")
     check_prediction: bool = Field(
         True, description="Every step with an update, re-evaluate the validation objective after it and record the "
         "predicted change (tracin/predicted_delta) beside the actual one (tracin/actual_delta): two forwards of "
@@ -334,8 +341,11 @@ class TracInSpec(_Section):
 
     @model_validator(mode="after")
     def _fraction(self) -> "TracInSpec":
-        if self.selection == "positive":
-            reject_unused(self, "tracin", ("fraction",), unless="to selection top_fraction, greedy and random")
+        if self.selection in ("positive", "all"):
+            reject_unused(self, "tracin", ("fraction",), unless="to selections that keep a fraction")
+        if self.selection in BASELINES:
+            reject_unused(self, "tracin", ("val_prompts", "val_generations", "val_regenerate_every",
+                                           "check_prediction"), unless="to selections by influence")
         return self
 
 

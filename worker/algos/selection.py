@@ -1,7 +1,8 @@
-"""Which training samples to keep, given their influence on the validation batch. Pure torch.
+"""Which training samples to keep. Pure torch.
 
 Every policy returns a bool mask [N]. `scores` [N] are TracIn inner products <grad L_i, grad L_val>:
 a positive score means a gradient step on sample i lowers the validation loss (to first order).
+The baselines (random, pass_rate, all) use no influence, so a job running them pays none of its cost.
 """
 
 from __future__ import annotations
@@ -21,6 +22,29 @@ def top_fraction(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     k = max(1, math.ceil(fraction * scores.numel()))
     mask = torch.zeros_like(scores, dtype=torch.bool)
     mask[torch.topk(scores, k).indices] = True
+    return mask
+
+
+def top_cosine(scores: torch.Tensor, sq_norms: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Keep the ceil(fraction * N) samples whose gradient points most along the validation gradient:
+    cos(g_i, G_val) = score_i / (|g_i| |G_val|), ranked by score_i / |g_i| (|G_val| is the same for all).
+    sq_norms: [N] |g_i|^2; a zero gradient (a zero-advantage sample) has cosine 0."""
+    norms = sq_norms.clamp(min=0).sqrt().to(scores.dtype)
+    cos = torch.where(norms > 0, scores / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.zeros_like(scores))
+    return top_fraction(cos, fraction)
+
+
+def pass_rate(correct: torch.Tensor, group_size: int, fraction: float) -> torch.Tensor:
+    """Keep whole groups, those whose share of correct answers is nearest 50% first (where GRPO's
+    advantages are largest), until ceil(fraction * N) samples are kept. correct: [N] 0/1, group-major."""
+    n = correct.numel()
+    rate = correct.double().reshape(-1, group_size).mean(1)  # [groups]
+    order = sorted(range(rate.numel()), key=lambda g: (abs(float(rate[g]) - 0.5), g))
+    mask = torch.zeros(n, dtype=torch.bool)
+    for g in order:
+        if int(mask.sum()) >= max(1, math.ceil(fraction * n)):
+            break
+        mask[g * group_size:(g + 1) * group_size] = True
     return mask
 
 

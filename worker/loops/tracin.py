@@ -7,7 +7,7 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
      LoRA gradient G_val is kept per layer;
   3. the training batch's forward/backward runs with ghost hooks: sample i's influence
      <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py);
-  4. a selection policy (positive / top_fraction / greedy / random) keeps samples;
+  4. a selection policy (positive / top_fraction / top_cosine / greedy) keeps samples;
   5. the update uses only the selected samples, each with the weight it has in the whole batch's
      loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no
      second backward; with `positive`, folded in micro-batch by micro-batch); with more epochs,
@@ -15,6 +15,9 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
   6. (`tracin.check_prediction`) the validation objective is re-evaluated after the update, and its
      predicted change is recorded beside the actual one (worker/loops/prediction.py).
 With no sample selected the step makes no update, and an event says so.
+
+The baselines (random, pass_rate, all) skip 1-4 and 6: no validation batch and no influence, so their
+step costs what plain GRPO's does, and `all` is uniform GRPO.
 
 Run it:  grpo-jobs run examples/tracin-minimal.yaml --out runs/tracin
 """
@@ -30,7 +33,8 @@ import torch
 
 from service.core.records import SelectionRecord
 from service.core.settings import Settings
-from service.core.specs import TracInJob
+from service.core.specs import BASELINES, TracInJob
+from worker import rewards
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
 from worker.distributed import SINGLE, Ranks
@@ -51,8 +55,6 @@ def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, s
                         after_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """Every sample's share of the batch loss, forward and backward in micro-batches: the hooks see
     each one and place its samples by their rows."""
-    g = s.spec.grpo
-
     def place(rows: list[int]) -> None:
         hooks.place(torch.tensor(rows))
 
@@ -63,15 +65,29 @@ def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, s
 
 
 def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int, ro: Rollouts) -> torch.Tensor:
-    """bool [N]: the samples of the whole batch (every rank's) that tracin.selection keeps."""
+    """bool [N]: the samples of the whole batch (every rank's) that a selection by influence keeps."""
     t = spec.tracin
     if t.selection == "positive":
         return sel.positive(scores)
     if t.selection == "top_fraction":
         return sel.top_fraction(scores, t.fraction)
+    gram = hooks.gram(ro.gather)
+    if t.selection == "top_cosine":
+        return sel.top_cosine(scores, gram.diagonal(), t.fraction)
+    return sel.greedy(scores, gram, t.fraction, eta=spec.grpo.learning_rate)
+
+
+def select_baseline(s: Setup, ro: Rollouts, step: int) -> torch.Tensor:
+    """bool [N]: the samples of the whole batch that a baseline keeps, without influence."""
+    t, n = s.spec.tracin, ro.total
+    if t.selection == "all":
+        return torch.ones(n, dtype=torch.bool)
     if t.selection == "random":
-        return sel.random_subset(scores.numel(), t.fraction, torch.Generator().manual_seed(step_seed(spec.grpo.seed, step)))
-    return sel.greedy(scores, hooks.gram(ro.gather), t.fraction, eta=spec.grpo.learning_rate)
+        return sel.random_subset(n, t.fraction, torch.Generator().manual_seed(step_seed(s.spec.grpo.seed, step)))
+    check = rewards.REGISTRY[s.spec.dataset.accuracy_check].fn
+    G = ro.group_size
+    correct = torch.tensor([float(check(c, ro.examples[i // G].answers)) for i, c in enumerate(ro.batch.completions)])
+    return sel.pass_rate(ro.gather(correct), G, t.fraction)
 
 
 def selection_record(step: int, policy: str, scores: torch.Tensor, chosen: torch.Tensor) -> SelectionRecord:
@@ -171,27 +187,64 @@ def update_selected(run: skeleton.Run, ro: Rollouts, scored: Scored, hooks: Ghos
     return update.train_epochs(run, ro, old_logp, ref_logp, step, rows=rows, norm_rows=list(range(len(ro))))
 
 
+def baseline_step(run: skeleton.Run, ro: Rollouts, step: int) -> tuple[dict[str, float], torch.Tensor]:
+    """A baseline's update: plain GRPO epochs on the rows it keeps, each with its weight in the whole
+    batch's loss. Returns the metrics and this rank's rows' selection."""
+    s = run.s
+    chosen = select_baseline(s, ro, step)[ro.positions]
+    rows = chosen.nonzero().flatten().tolist()
+    old_logp, ref_logp = update.old_logprobs(s, ro), update.reference_logprobs(s, ro.batch)
+    s.optimizer.zero_grad(set_to_none=True)
+    return update.train_epochs(run, ro, old_logp, ref_logp, step, rows=rows, norm_rows=list(range(len(ro)))), chosen
+
+
+def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) -> tuple[dict[str, float], Scored]:
+    """2-6 on one step's rollouts: score, select, update, and check the prediction."""
+    s, t = run.s, run.s.spec.tracin
+    one_epoch = s.spec.grpo.epochs_per_rollout_batch == 1
+    stream_positive = one_epoch and t.selection == "positive"
+    old_logp = update.old_logprobs(s, ro)
+    ref_logp = update.reference_logprobs(s, ro.batch)
+    hooks = GhostHooks(s.model, keep_factors=one_epoch or t.selection in ("greedy", "top_cosine"))
+    scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
+    run.reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
+    t_check = time.perf_counter()
+    check = t.check_prediction and scored.n_selected > 0
+    theta_t = prediction.before_update(s, val.ro, val.ref_logp, hooks) if check else None
+    lr, t_check = s.scheduler.get_last_lr()[0], time.perf_counter() - t_check
+    metrics = {**scored.train_stats,
+               **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}
+    if theta_t is not None:
+        t1 = time.perf_counter()
+        metrics.update(prediction.after_update(s, val.ro, val.ref_logp, hooks, theta_t, lr=lr,
+                                               selected_influence=float(scored.every[scored.chosen_all].sum())))
+        metrics["time/tracin_check_s"] = t_check + time.perf_counter() - t1
+    hooks.release()
+    metrics.update({"tracin/mean_ip": float(scored.every.mean()), "tracin/time_s": scored.time_s})
+    return metrics, scored
+
+
 def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = SINGLE) -> LoopResult:
     g, t = spec.grpo, spec.tracin
     seed_everything(g.seed)
     s = build(spec, settings, reporter, ranks=ranks)
     run = skeleton.start(s, reporter, partial(evaluation.evaluate, s))
-    one_epoch = g.epochs_per_rollout_batch == 1
-    stream_positive = one_epoch and t.selection == "positive"
+    by_influence = t.selection not in BASELINES
     val = Validation()
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
         timer = skeleton.begin_step(run, step)  # seed, sync the rollout copy from the policy
         ro = collect_train_rollouts(s, step, reporter)
-        val_stats = validation_batch(s, val, step, reporter)
+        val_stats = validation_batch(s, val, step, reporter) if by_influence else {}
         timer.rollouts_done()
         if ro is None:
             skeleton.skip_step(run, step, "every training group's rewards tied (no signal)",
                                {**val_stats, "frac_reward_zero_std": 1.0, "tracin/num_selected": 0.0}, timer=timer)
             continue
-        if val.ro is None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
-            n, mine = ro.total, len(ro)
+        n = ro.total
+        if by_influence and val.ro is None:  # G_val = 0, so every influence is exactly 0 and nothing is selected
+            mine = len(ro)
             reporter.selection(selection_record(step, t.selection, torch.zeros(n), torch.zeros(n, dtype=torch.bool)))
             skeleton.skip_step(run, step, "every validation group's rewards tied (no signal)",
                                {**ro.metrics(), **val_stats, "tracin/mean_ip": 0.0, "tracin/num_selected": 0.0,
@@ -199,28 +252,17 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
                                samples=ro.sample_rows(n if g.samples_per_step else 0, influence=[0.0] * mine,
                                                       selected=[False] * mine))
             continue
-        old_logp = update.old_logprobs(s, ro)
-        ref_logp = update.reference_logprobs(s, ro.batch)
         t0 = time.perf_counter()
-        hooks = GhostHooks(s.model, keep_factors=one_epoch or t.selection == "greedy")
-        scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
-        reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
-        check = t.check_prediction and scored.n_selected > 0
-        t_check = time.perf_counter()
-        theta_t = prediction.before_update(s, val.ro, val.ref_logp, hooks) if check else None
-        lr, t_check = s.scheduler.get_last_lr()[0], time.perf_counter() - t_check
-        metrics = {**ro.metrics(), **val_stats, **scored.train_stats,
-                   **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}
-        if theta_t is not None:
-            t1 = time.perf_counter()
-            metrics.update(prediction.after_update(s, val.ro, val.ref_logp, hooks, theta_t, lr=lr,
-                                                   selected_influence=float(scored.every[scored.chosen_all].sum())))
-            metrics["time/tracin_check_s"] = t_check + time.perf_counter() - t1
-        hooks.release()
+        if by_influence:
+            metrics, scored = influence_step(run, ro, val, step)
+            chosen, influence, n_selected = scored.chosen, scored.mine.tolist(), scored.n_selected
+        else:
+            metrics, chosen = baseline_step(run, ro, step)
+            influence, n_selected = None, int(ro.ranks.sum({"n": float(chosen.sum())})["n"])
         timer.train_s = time.perf_counter() - t0
-        metrics.update({"tracin/mean_ip": float(scored.every.mean()), "tracin/num_selected": float(scored.n_selected),
-                        "tracin/selection_ratio": scored.n_selected / len(scored.every), "tracin/time_s": scored.time_s})
+        metrics.update({**ro.metrics(), **val_stats, "tracin/num_selected": float(n_selected),
+                        "tracin/selection_ratio": n_selected / n})
         skeleton.finish_step(run, step, metrics, timer=timer, tokens=float(ro.batch.completion_mask.sum()),
-                             samples=ro.sample_rows(len(scored.every) if g.samples_per_step else 0,
-                                                    influence=scored.mine.tolist(), selected=scored.chosen.tolist()))
+                             samples=ro.sample_rows(n if g.samples_per_step else 0, influence=influence,
+                                                    selected=chosen.tolist()))
     return skeleton.finish(run)

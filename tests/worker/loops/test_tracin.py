@@ -20,8 +20,8 @@ def _lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("selection,epochs", [("positive", 1), ("top_fraction", 1), ("greedy", 1),
-                                              ("random", 1), ("positive", 2)])
+@pytest.mark.parametrize("selection,epochs", [("positive", 1), ("top_fraction", 1), ("top_cosine", 1), ("greedy", 1),
+                                              ("positive", 2)])
 def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward, selection, epochs):
     spec = TracInJob.model_validate(_spec(selection, epochs, val_regenerate_every=2))
     assert tracin.run(spec, FileReporter(tmp_path), settings=settings_factory()).status == "succeeded"
@@ -33,8 +33,10 @@ def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward,
         assert s["total"] == 8 and s["selected"] == sum(chosen)
         if selection == "positive":
             assert chosen == [v > 0 for v in scores]
-        if selection in ("top_fraction", "random"):
+        if selection in ("top_fraction", "top_cosine"):
             assert s["selected"] == 4
+        if selection == "top_fraction":
+            assert min(v for v, c in zip(scores, chosen) if c) >= max(v for v, c in zip(scores, chosen) if not c)
         if selection == "greedy":
             assert s["selected"] <= 4 and all(v > 0 for v, c in zip(scores, chosen) if c)
         assert sum(s["histogram"]["counts"]) == 8
@@ -48,6 +50,34 @@ def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward,
     for x in samples:  # zero-advantage samples have zero influence
         if x["advantage"] == 0.0:
             assert x["influence"] == 0.0
+
+
+@pytest.mark.parametrize("selection", ["random", "pass_rate", "all"])
+def test_baselines_train_without_influence(tmp_path, settings_factory, digit_reward, selection):
+    spec = _spec(selection)
+    spec["tracin"] = {"selection": selection} | ({} if selection == "all" else {"fraction": 0.5})
+    spec["dataset"] = {"name": "arith", "difficulty": 0, "num_train": 60, "num_val": 8}
+    assert tracin.run(TracInJob.model_validate(spec), FileReporter(tmp_path),
+                      settings=settings_factory()).status == "succeeded"
+    assert not (tmp_path / "selections.jsonl").exists()  # no influence, so no selection records
+    metrics = [m["metrics"] for m in _lines(tmp_path / "metrics.jsonl") if "tracin/num_selected" in m["metrics"]]
+    assert metrics and not any("tracin/mean_ip" in m or "tracin/val_refill_rounds" in m for m in metrics)
+    for step, m in enumerate(metrics, 1):
+        samples = [x for x in _lines(tmp_path / "samples.jsonl") if x["step"] == step]
+        assert all(x["influence"] is None for x in samples)
+        assert m["tracin/num_selected"] == sum(x["selected"] for x in samples)
+        assert m["tracin/num_selected"] == {"all": 8, "random": 4}.get(selection, m["tracin/num_selected"])
+        if selection == "pass_rate":  # whole groups of 4
+            assert m["tracin/num_selected"] in (4, 8)
+
+
+def test_baselines_refuse_validation_settings():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="tracin.val_prompts"):
+        TracInJob.model_validate({**_spec(), "tracin": {"selection": "all", "val_prompts": 3}})
+    with pytest.raises(ValidationError, match="tracin.fraction"):
+        TracInJob.model_validate({**_spec(), "tracin": {"selection": "all", "fraction": 0.3}})
 
 
 def test_tracin_job_through_the_api(sqlite_api, digit_reward):

@@ -10,6 +10,9 @@ from fastapi.responses import StreamingResponse
 from service.api.deps import MAX_INT, JobDep, SessionDep, SettingsDep
 from service.api.schemas import (
     CheckpointOut,
+    CorrelationOut,
+    PredictionCheckOut,
+    PredictionPoint,
     SampleOut,
     SelectionOut,
     SparsityOut,
@@ -18,8 +21,12 @@ from service.api.schemas import (
     error_responses,
 )
 from service.archive import downloadable, tar_gz
+from service.core import evidence
 from service.core.artifacts import checkpoint_key, open_store
+from service.store import metrics as metrics_q
 from service.store import records
+
+PREDICTION_KEYS = ("tracin/predicted_delta", "tracin/predicted_delta_sgd", "tracin/actual_delta")
 
 router = APIRouter(prefix="/v1/jobs", tags=["reports"], responses=error_responses(401, 404, 422, 503))
 
@@ -35,6 +42,23 @@ def job_selections(job: JobDep, session: SessionDep,
         for o in out:
             o.scores = None
     return out
+
+
+@router.get("/{job_id}/tracin/prediction", response_model=PredictionCheckOut)
+def tracin_prediction(job: JobDep, session: SessionDep):
+    """Per step, the predicted and the actual change of the validation objective, and their correlations
+    (empty for a job that records none: another kind, a baseline selection, or tracin.check_prediction off)."""
+    rows = metrics_q.values_by_step(session, job_id=job.id, keys=PREDICTION_KEYS)
+    points = [PredictionPoint(step=step, predicted=v["tracin/predicted_delta"], actual=v["tracin/actual_delta"],
+                              predicted_sgd=v.get("tracin/predicted_delta_sgd"))
+              for step, v in rows.items() if "tracin/predicted_delta" in v and "tracin/actual_delta" in v]
+    actual = [p.actual for p in points]
+    with_sgd = [p for p in points if p.predicted_sgd is not None]
+    return PredictionCheckOut(
+        job_id=job.id, points=points,
+        update=CorrelationOut.model_validate(evidence.correlation([p.predicted for p in points], actual)),
+        influence=CorrelationOut.model_validate(evidence.correlation([p.predicted_sgd for p in with_sgd],
+                                                                     [p.actual for p in with_sgd])))
 
 
 @router.get("/{job_id}/sparsity", response_model=list[SparsityOut])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.core.sparsity import SparsityReport
 from service.core.specs import JobSpec
@@ -145,6 +145,40 @@ class SelectionOut(_Out):
     max_influence: float
     histogram: dict[str, Any]
     scores: list[Any] | None = None
+
+
+class IntervalOut(_Out):
+    estimate: float
+    low: float = Field(description="Lower bound of the 95% interval.")
+    high: float = Field(description="Upper bound of the 95% interval.")
+
+
+class CorrelationOut(_Out):
+    """How well a prediction tracks the actual change over n steps; null where undefined (fewer than 3
+    steps, or a constant series). Intervals: 95% paired percentile bootstrap over steps, 2,000 resamples."""
+
+    n: int
+    pearson: IntervalOut | None
+    spearman: IntervalOut | None
+
+
+class PredictionPoint(BaseModel):
+    step: int
+    predicted: float = Field(description="tracin/predicted_delta: <G_val, theta_{t+1} - theta_t>.")
+    predicted_sgd: float | None = Field(description="tracin/predicted_delta_sgd: -lr * (sum of the selected "
+                                        "samples' influence).")
+    actual: float = Field(description="tracin/actual_delta: L_val(theta_{t+1}) - L_val(theta_t).")
+
+
+class PredictionCheckOut(BaseModel):
+    """TracIn's first-order prediction of each step's change of the validation objective against the change
+    that happened, and their correlation over the job's steps so far."""
+
+    job_id: int
+    points: list[PredictionPoint] = Field(description="Every step with an update, by step: the values the "
+                                          "correlations are computed from (also served as metrics).")
+    update: CorrelationOut = Field(description="predicted (from the actual parameter update) against actual.")
+    influence: CorrelationOut = Field(description="predicted_sgd (from the influence scores) against actual.")
 
 
 class SparsityOut(_Out):

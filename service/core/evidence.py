@@ -7,6 +7,7 @@ so an outside script that recomputes a figure from the served numbers gets the s
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,8 +56,10 @@ def _interval(statistic, x: np.ndarray, y: np.ndarray, seed: int) -> Interval | 
     estimate = float(statistic(x, y))
     if math.isnan(estimate):
         return None
-    boot = stats.bootstrap((x, y), statistic, paired=True, vectorized=True, n_resamples=RESAMPLES,
-                           confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed))
+    with warnings.catch_warnings():  # a few points give degenerate resamples: handled below
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        boot = stats.bootstrap((x, y), statistic, paired=True, vectorized=True, n_resamples=RESAMPLES,
+                               confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed))
     low, high = boot.confidence_interval
     # a resample that repeats one point is constant (nan); the percentile ignores none of them, so
     # fall back to the resamples that are defined

@@ -223,3 +223,15 @@ def points_between(session: Session, *, job_id: int, after_step: int, to_step: i
     for s, k, v in rows:
         out.setdefault(s, {})[k] = v
     return out
+
+
+def values_by_step(session: Session, *, job_id: int, keys: Iterable[str]) -> dict[int, dict[str, float]]:
+    """Every recorded value of `keys`, undownsampled, grouped by step in step order."""
+    rows = session.execute(
+        select(Metric.step, MetricKey.name, Metric.value).join(MetricKey, MetricKey.id == Metric.key_id)
+        .where(Metric.job_id == job_id, MetricKey.name.in_(list(keys))).order_by(Metric.step)
+    ).all()
+    out: dict[int, dict[str, float]] = {}
+    for s, k, v in rows:
+        out.setdefault(s, {})[k] = v
+    return out

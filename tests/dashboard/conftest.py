@@ -26,7 +26,7 @@ SPARSE_JOB = {**TINY_JOB, "name": "grpo-sparsity", "dataset": DIGIT_DATA, "rewar
               "sparsity": {"measure_interval": 2, "quality": {"enabled": True, "probe_size": 2}}}
 TRACIN_JOB = {"kind": "tracin", "name": "tracin-tiny", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
               "dataset": DIGIT_DATA, "rewards": DIGIT_REWARD,
-              "grpo": {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
+              "grpo": {"steps": 5, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
                        "learning_rate": 1e-2},
               "tracin": {"val_prompts": 4, "val_generations": 4}}
 JOINT_JOB = {"kind": "joint", "name": "joint-tiny", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},

@@ -101,6 +101,12 @@ def test_tracin_and_joint_panels(page, service):
     page.wait_for_function(f"() => document.querySelector('#selection-summary').textContent.startsWith('step {sels[0]['step']} ')")
     page.wait_for_selector("#samples-body tr")
     assert page.locator("#samples-body tr td:nth-child(6)").first.inner_text() != "–"  # influence recorded
+    # the prediction check: one scatter point per checked step, and the correlations served by the API
+    check = service.client.get(f"/v1/jobs/{t['id']}/tracin/prediction").json()
+    assert check["points"], "no step was checked"
+    page.wait_for_selector("#prediction .chart canvas")
+    assert page.locator("#prediction .chart").get_attribute("data-points") == str(len(check["points"]))
+    assert page.locator("#prediction-summary").inner_text().startswith(f"{len(check['points'])} step")
     page.shot("tracin")
     j = service.jobs["joint"]
     page.goto(f"{service.base}/#/jobs/{j['id']}")

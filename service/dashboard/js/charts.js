@@ -185,3 +185,24 @@ export function heatmap(title, rowLabel, grid, note) {
         h("tbody", {}, rows.map((r) => h("tr", {}, h("th", {}, r), cols.map((c) => cell(grid[r][c]))))))),
     note ? h("div", { class: "legend-note" }, note) : null);
 }
+
+/** Points (x, y) with the line y = x for reference: e.g. a predicted change against the actual one. */
+export function scatterChart(title, points, { xLabel, yLabel, note } = {}) {
+  const { el, plot } = frame(title, note);
+  el.dataset.points = String(points.length);
+  if (!points.length) { plot.append(h("div", { class: "empty" }, "no data yet")); return el; }
+  const sorted = [...points].sort((a, b) => a.x - b.x); // uPlot wants x ascending
+  const xs = sorted.map((p) => p.x);
+  const min = Math.min(xs[0], ...sorted.map((p) => p.y)), max = Math.max(xs.at(-1), ...sorted.map((p) => p.y));
+  const pad = (max - min) * 0.08 || Math.abs(max) * 0.1 || 1; // keep the outermost points off the frame
+  const lo = min - pad, hi = max + pad;
+  queueMicrotask(() => draw(el, plot, {
+    scales: { x: { time: false, range: [lo, hi] }, y: { range: [lo, hi] } },
+    series: [{ label: xLabel, value: (u, v) => fmt(v, 4) },
+             { label: yLabel, stroke: COLORS[0], paths: () => null, points: { show: true, size: 7, fill: COLORS[0] },
+               value: (u, v) => fmt(v, 4) },
+             { label: "y = x", stroke: "#9ca3af", dash: [4, 4], width: 1, points: { show: false }, spanGaps: true }],
+    axes: [{ label: xLabel, values: (u, vs) => vs.map((v) => fmt(v, 3)) }, { ...Y_AXIS, label: yLabel }],
+  }, [[lo, ...xs, hi], [null, ...sorted.map((p) => p.y), null], [lo, ...xs.map(() => null), hi]]));
+  return el;
+}

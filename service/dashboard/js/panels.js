@@ -27,7 +27,11 @@ export const SECTIONS = [
     { title: "Selection ratio", keys: ["tracin/selection_ratio"] },
     { title: "Mean influence <grad L_i, grad L_val>", keys: ["tracin/mean_ip"] },
     { title: "Selected samples", keys: ["tracin/num_selected"] },
-    { title: "Scoring time (s)", keys: ["tracin/time_s"] },
+    { title: "Validation objective change: predicted vs actual",
+      keys: ["tracin/predicted_delta", "tracin/actual_delta", "tracin/predicted_delta_sgd"],
+      note: "negative: the step lowered the validation objective; predicted from the update (first order)" },
+    { title: "Validation objective L_val", keys: ["tracin/val_objective"] },
+    { title: "Scoring time (s)", keys: ["tracin/time_s", "time/tracin_check_s"] },
   ] },
   { title: "Retriever", panels: [
     { title: "Retriever reward", keys: ["retriever/reward_mean"] },

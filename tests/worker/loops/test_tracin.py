@@ -1,6 +1,9 @@
+import dataclasses
 import json
 
 import pytest
+
+from service.core import evidence
 
 from service.core.specs import TracInJob
 from worker.loops import tracin
@@ -82,13 +85,33 @@ def test_baselines_refuse_validation_settings():
 
 def test_tracin_job_through_the_api(sqlite_api, digit_reward):
     api = sqlite_api
-    jid = api.run_job(_spec())
+    spec = _spec()
+    spec["grpo"]["steps"] = 5
+    jid = api.run_job(spec)
     sels = api.get(f"/v1/jobs/{jid}/selections").json()
-    assert [s["step"] for s in sels] == [1, 2, 3] and all(len(s["scores"]) == 8 for s in sels)
+    assert [s["step"] for s in sels] == [1, 2, 3, 4, 5] and all(len(s["scores"]) == 8 for s in sels)
     samples = api.get(f"/v1/jobs/{jid}/samples", params={"step": 2}).json()
     assert len(samples) == 8 and all(s["selected"] is not None for s in samples)
     latest = api.get(f"/v1/jobs/{jid}/metrics/latest").json()
     assert "tracin/selection_ratio" in latest
+    # the prediction check: its points are the served metrics, and its correlations are computed from them
+    check = api.get(f"/v1/jobs/{jid}/tracin/prediction").json()
+    keys = "tracin/predicted_delta,tracin/actual_delta"
+    series = {s["key"]: {p["step"]: p["value"] for p in s["points"]}
+              for s in api.get(f"/v1/jobs/{jid}/metrics", params={"keys": keys}).json()["series"]}
+    assert [p["step"] for p in check["points"]] == sorted(series["tracin/actual_delta"]) != []
+    for p in check["points"]:
+        assert (p["predicted"], p["actual"]) == (series["tracin/predicted_delta"][p["step"]],
+                                                 series["tracin/actual_delta"][p["step"]])
+    expected = evidence.correlation([p["predicted"] for p in check["points"]], [p["actual"] for p in check["points"]])
+    assert check["update"]["n"] == expected.n == len(check["points"])
+    assert expected.pearson is not None and check["update"]["pearson"] == dataclasses.asdict(expected.pearson)
+    pearson = check["update"]["pearson"]
+    assert pearson["low"] <= pearson["estimate"] <= pearson["high"]
+    grpo_job = api.run_job({k: v for k, v in _spec().items() if k != "tracin"} | {"kind": "grpo"})
+    assert api.get(f"/v1/jobs/{grpo_job}/tracin/prediction").json() == {
+        "job_id": grpo_job, "points": [], "update": {"n": 0, "pearson": None, "spearman": None},
+        "influence": {"n": 0, "pearson": None, "spearman": None}}
 
 
 def test_validation_group_of_one_is_refused():

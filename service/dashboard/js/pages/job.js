@@ -5,7 +5,7 @@ import { api, metrics, streamJob } from "../api.js";
 import { StepChart } from "../charts.js";
 import { TERMINAL, badge, duration, h, progress, runTime } from "../dom.js";
 import { SECTIONS, claimed, keysOf } from "../panels.js";
-import { checkpointsSection, eventsSection, samplesSection, selectionSection, sparsitySection } from "./reports.js";
+import { checkpointsSection, eventsSection, predictionSection, samplesSection, selectionSection, sparsitySection } from "./reports.js";
 
 export async function jobPage({ app, onLeave }, id) {
   let job = await api(`/v1/jobs/${id}`);
@@ -15,7 +15,7 @@ export async function jobPage({ app, onLeave }, id) {
   const checkpoints = checkpointsSection(id);
   const samples = samplesSection(id, job);
   app.append(head, chartsRoot);
-  if (job.kind === "tracin") app.append(selectionSection(id));
+  if (job.kind === "tracin") app.append(selectionSection(id), predictionSection(id));
   if (job.spec?.sparsity) app.append(sparsitySection(id));
   app.append(samples.el, events.el, checkpoints.el);
 

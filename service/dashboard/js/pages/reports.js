@@ -1,6 +1,6 @@
 // The job page's report sections: TracIn selections, sparsity reports, samples, events, checkpoints.
 import { api, auth, qs } from "../api.js";
-import { categoryChart, heatmap, histogramChart } from "../charts.js";
+import { categoryChart, heatmap, histogramChart, scatterChart } from "../charts.js";
 import { fmt, h, parseTime, size } from "../dom.js";
 
 const section = (title, id, ...children) => h("section", { id }, h("h2", {}, title), ...children);
@@ -29,6 +29,28 @@ export function selectionSection(jobId) {
   };
   load();
   return section("TracIn selections", "selections", body);
+}
+
+const interval = (iv) => (iv ? `${fmt(iv.estimate, 3)} [${fmt(iv.low, 3)}, ${fmt(iv.high, 3)}]` : "–");
+
+/** TracIn's prediction checked: each step's predicted change of the validation objective against the actual one. */
+export function predictionSection(jobId) {
+  const body = h("div", {});
+  const load = async () => {
+    const c = await api(`/v1/jobs/${jobId}/tracin/prediction`);
+    if (!c.points.length) { body.replaceChildren(h("p", { class: "muted" }, "No step checked yet (tracin.check_prediction, a selection by influence).")); return; }
+    body.replaceChildren(
+      h("div", { class: "toolbar" }, h("button", { onclick: load }, "Refresh")),
+      h("p", { id: "prediction-summary" }, `${c.update.n} step${c.update.n === 1 ? "" : "s"}: Pearson ${interval(c.update.pearson)}, `,
+        `Spearman ${interval(c.update.spearman)} (95% bootstrap intervals); from the influence scores alone: `,
+        `Pearson ${interval(c.influence.pearson)}`),
+      h("div", { class: "grid" }, scatterChart("Predicted against actual change of L_val",
+        c.points.map((p) => ({ x: p.predicted, y: p.actual })),
+        { xLabel: "predicted <G_val, Δθ>", yLabel: "actual ΔL_val",
+          note: "one point per step; on the dashed line the first-order prediction is exact" })));
+  };
+  load();
+  return section("TracIn prediction check", "prediction", body);
 }
 
 const thresholdLabels = (obj) => Object.keys(obj).sort((a, b) => Number(a) - Number(b));

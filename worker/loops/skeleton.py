@@ -111,10 +111,21 @@ def begin_step(run: Run, step: int) -> StepTimer:
     return timer
 
 
+def evaluate_if_due(run: Run, step: int) -> dict[str, float]:
+    """The evaluation after `step` when grpo.eval_every or the last step calls for one (else {})."""
+    g = run.s.spec.grpo
+    if g.eval_every and step % g.eval_every == 0 or step == g.steps:
+        run.last_eval = run.evaluate(step)
+        return run.last_eval
+    return {}
+
+
 def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer: StepTimer,
               samples: Sequence[SampleRow] = ()) -> None:
-    """A step with nothing to learn from: no update, a warning event, what was measured."""
+    """A step with nothing to learn from: no update, a warning event, what was measured, and the
+    evaluation when one is due (the last step's is the job's result)."""
     run.reporter.event("skipped", f"step {step}: {why}; no update", level="warning")
+    metrics = {**metrics, **evaluate_if_due(run, step)}
     run.reporter.metrics(step, {**metrics, "time/rollout_s": timer.rollout_s, "time/step_s": timer.elapsed(),
                                 **memory.measure(run.s.device).metrics()})
     if samples:
@@ -131,9 +142,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
     tokens = run.s.ranks.sum({"tokens": tokens})["tokens"]
     if run.tracker is not None:
         metrics.update(run.tracker.pop_metrics())
-    if g.eval_every and step % g.eval_every == 0 or step == g.steps:
-        run.last_eval = run.evaluate(step)
-        metrics.update(run.last_eval)
+    metrics.update(evaluate_if_due(run, step))
     dt = timer.elapsed()
     metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/step_s": dt,
                     "throughput/tokens_per_s": tokens / dt, **memory.measure(run.s.device).metrics()})

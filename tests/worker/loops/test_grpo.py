@@ -119,3 +119,22 @@ def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, digit_rew
     b = load_file(measured / "checkpoints" / "step-2" / "adapter_model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k])
+
+
+def test_a_skipped_last_step_still_evaluates(tmp_path, settings_factory, monkeypatch):
+    """Every group ties (a constant reward), so every step is skipped; the evaluation due after the last
+    step still runs and is the job's result, not the step-0 one carried over."""
+    from service.core import reward_specs
+    from worker import rewards as R
+
+    monkeypatch.setitem(R.REGISTRY, "constant", R.RewardInfo(lambda completion, answers: 0.5))
+    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "constant", "0.5 for every completion (tests)")
+    spec = GRPOJob.model_validate({"model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+                                   "dataset": {"num_train": 20, "num_val": 4}, "rewards": [{"name": "constant"}],
+                                   "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2,
+                                            "max_new_tokens": 4, "eval_prompts": 2, "eval_every": 0}})
+    result = grpo.run(spec, FileReporter(tmp_path), settings=settings_factory())
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "eval/accuracy" in m["metrics"]] == [0, 2]
+    assert all(m["metrics"].get("frac_reward_zero_std") == 1.0 for m in lines if m["step"] > 0)
+    assert result.eval == {k: v for m in lines if m["step"] == 2 for k, v in m["metrics"].items() if k.startswith("eval/")}

@@ -45,6 +45,7 @@ class SeedRun:
     accuracy: dict[int, float]  # step -> eval/accuracy
     reward_mean: float  # mean of reward/mean over the training steps
     wall_s: float
+    means: dict[str, float]  # every training metric's mean over the steps that recorded it
 
     def gain(self, last: int) -> float:
         return self.accuracy[last] - self.accuracy[0]
@@ -56,12 +57,13 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
 
 
-def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path) -> SeedRun:
+def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag: str = "") -> SeedRun:
+    """`spec` run with grpo.seed = seed by `grpo-jobs run` in its own process, in work/<tag>seed-<seed>."""
     d = json.loads(json.dumps(spec))
     d.setdefault("grpo", {})["seed"] = seed
     d["grpo"]["samples_per_step"] = 0
     d["grpo"]["checkpoint_every"] = 0
-    spec_file, out = work / f"seed-{seed}.yaml", work / f"seed-{seed}"
+    spec_file, out = work / f"{tag}seed-{seed}.yaml", work / f"{tag}seed-{seed}"
     spec_file.write_text(yaml.safe_dump(d))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -74,7 +76,13 @@ def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path) -> 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     acc = {m["step"]: m["metrics"]["eval/accuracy"] for m in lines if "eval/accuracy" in m["metrics"]}
     rewards = [m["metrics"]["reward/mean"] for m in lines if m["step"] > 0 and "reward/mean" in m["metrics"]]
-    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall)
+    per_key: dict[str, list[float]] = {}
+    for m in lines:
+        if m["step"] > 0:
+            for k, v in m["metrics"].items():
+                per_key.setdefault(k, []).append(v)
+    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall,
+                   {k: statistics.fmean(v) for k, v in per_key.items()})
 
 
 def bench_spec(path: Path, args: argparse.Namespace) -> None:

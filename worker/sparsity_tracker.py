@@ -2,6 +2,10 @@
 parameters against the previous measurement (the window) and against the start (cumulative),
 and test whether the large-magnitude part of the window's update reproduces the updated model.
 
+Each report also gives the unchanged shares in float32 and bfloat16 at the literature's tolerances,
+and KL(pi_0 || pi) on held-out task prompts: pi_0 samples one completion per prompt at the start,
+and each measurement scores those tokens under the current policy.
+
 Snapshots are CPU copies in float32 (float64 for float64 weights): the start, and the previous
 measurement (the two are one copy until the first measurement). With LoRA, the adapter factors
 are tracked, and so is the effective merged weight W0 + s * B @ A of each adapted matrix, which is what the base model sees.
@@ -24,9 +28,12 @@ from worker.algos.sparsity import (
     logit_agreement,
     magnitude_mask,
     random_mask_like,
+    task_kl,
 )
 from worker.datasets import render_prompt
 from worker.reporting import Reporter
+from worker.sampling import RolloutBatch, batch_logprobs, micro_batches
+from worker.training import step_seed
 
 
 def _cpu_copy(p: torch.Tensor) -> torch.Tensor:
@@ -34,6 +41,14 @@ def _cpu_copy(p: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor):  # sharded (FSDP2): gathered whole, a collective every rank calls
         p = p.full_tensor()
     return p.detach().to("cpu", torch.promote_types(p.dtype, torch.float32), copy=True)
+
+
+@dataclass(frozen=True)
+class TaskProbe:
+    """pi_0's own completions of held-out task prompts, and their log-probs under pi_0."""
+
+    batch: RolloutBatch  # [B] rows, one completion per prompt
+    logp0: torch.Tensor  # [B, T]
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,7 @@ class SparsityTracker:
         self.prev_merged = self.start_merged
         self.pending: dict[str, float] = {}
         self.probe = self._probe_batch()
+        self.task = self._task_probe()
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """The trained parameters as CPU copies in at least float32 (on rank 0; gathered by every rank)."""
@@ -92,6 +108,39 @@ class SparsityTracker:
         return ProbeBatch(input_ids=enc["input_ids"].to(s.device), attention_mask=mask.to(s.device),
                           position_ids=pos.to(s.device))
 
+    # -- KL to the starting policy on the task --------------------------------------------------
+    def _micro(self, batch: RolloutBatch) -> list[list[int]]:
+        g = self.s.spec.grpo
+        return micro_batches(batch, list(range(len(batch))), max_rows=g.micro_batch_size,
+                             max_tokens=g.micro_batch_tokens)
+
+    def _task_probe(self) -> TaskProbe | None:
+        """Every rank samples the same completions (a sharded model's forwards run in lockstep)."""
+        s, n = self.s, self.spec.kl_prompts
+        examples = s.task.val[:n]
+        if not examples:
+            return None
+        prompts = [render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+                   for ex in examples]
+        s.engine.sync(s.model)
+        seed = step_seed(s.spec.grpo.seed, -1)  # a stream no training step draws from
+        batch = s.engine.generate(prompts, 1, seeds=[seed + i for i in range(len(prompts))])
+        return TaskProbe(batch=batch, logp0=self._task_logprobs(batch))
+
+    def _task_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        was_training = self.s.model.training
+        self.s.model.eval()
+        try:
+            return batch_logprobs(self.s.model, batch, self.s.spec.grpo.temperature, self._micro(batch), self.s.device)
+        finally:
+            self.s.model.train(was_training)
+
+    def _kl_task(self) -> tuple[float, float] | None:
+        if self.task is None:
+            return None
+        logp = self._task_logprobs(self.task.batch)
+        return task_kl(self.task.logp0, logp, self.task.batch.completion_mask.to(logp.device))
+
     @torch.no_grad()
     def _probe_logits(self) -> torch.Tensor:
         p = self.probe
@@ -111,6 +160,7 @@ class SparsityTracker:
     def measure(self, step: int) -> None:
         t0 = time.perf_counter()
         after = self._snapshot()
+        kl = self._kl_task()  # on every rank: a sharded model's forward is a collective
         if not self.keeps:
             return
         merged_after = {n: self._merged(m, after, n) for n, m in self.lora_modules}
@@ -118,15 +168,16 @@ class SparsityTracker:
         cumulative = self._report(self.start, self.start_merged, after, merged_after)
         quality = self._quality(after, step) if self.probe is not None else None
         dt = time.perf_counter() - t0
-        window = window.model_copy(update={"quality": quality, "time_s": dt})
-        cumulative = cumulative.model_copy(update={"time_s": dt})
+        kl_fields = {} if kl is None else {"kl_task": kl[0], "kl_task_per_token": kl[1]}
+        window = window.model_copy(update={"quality": quality, "time_s": dt, **kl_fields})
+        cumulative = cumulative.model_copy(update={"time_s": dt, **kl_fields})
         for scope, rep, frm in (("window", window, self.prev_step), ("cumulative", cumulative, self.start_step)):
             self.reporter.sparsity(SparsityRecord(step=step, from_step=frm, scope=scope,
                                                   sparsity=rep.sparsity_primary, report=rep))
         self.pending.update({"sparsity/ratio": window.sparsity_primary,
                              "sparsity/sign_flip_ratio": window.sign_flip_ratio,
                              "sparsity/cumulative_ratio": cumulative.sparsity_primary,
-                             "sparsity/time_s": dt})
+                             "sparsity/time_s": dt, **({} if kl is None else {"sparsity/kl_task": kl[0]})})
         self.prev, self.prev_merged, self.prev_step = after, merged_after, step
 
     def _report(self, before: dict[str, torch.Tensor], merged_before: dict[str, torch.Tensor],

@@ -19,6 +19,19 @@ class _Report(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+# The tolerances the literature reports unchanged parameters at (|delta| <= t), in both precisions.
+LITERATURE_TOLERANCES = (0.0, 1e-5, 1e-4)
+
+
+class PrecisionSparsity(_Report):
+    """Unchanged shares at LITERATURE_TOLERANCES, keyed by the tolerance as text ("0.0", "1e-05", "0.0001")."""
+
+    fp32: dict[str, float] = Field(description="|after - before| <= t, compared in float32 (float64 weights: float64).")
+    bf16: dict[str, float] = Field(description="|bf16(after) - bf16(before)| <= t: both snapshots rounded to bfloat16 "
+                                   "first, as released checkpoints are compared; rounding hides updates smaller than "
+                                   "half a bf16 step (2^-8 of the weight's magnitude).")
+
+
 class ChangeStats(_Report):
     """How much one set of parameters changed from `before` to `after`, elementwise."""
 
@@ -29,6 +42,8 @@ class ChangeStats(_Report):
     max_abs_change: Measured
     mean_rel_change: Measured
     sign_flip_ratio: float = Field(description="Share of elements whose sign flipped (both sides non-zero).")
+    precision: PrecisionSparsity | None = Field(None, description="Unchanged shares in float32 and in bfloat16 at "
+                                                "the literature's tolerances (null in reports stored before them).")
 
 
 class DiffReport(ChangeStats):
@@ -66,3 +81,7 @@ class SparsityReport(DiffReport):
     merged: DiffReport | None = Field(None, description="LoRA only: the change of the effective merged weights.")
     quality: list[QualityRow] | None = Field(None, description="Window reports with the quality probe on.")
     time_s: float | None = Field(None, description="Seconds the measurement took.")
+    kl_task: Measured = Field(None, description="KL(pi_0 || pi) on held-out task prompts, nats per completion: the "
+                              "policy against the one the job started from (in both scopes), estimated from pi_0's "
+                              "own samples (sparsity.kl_prompts, drawn once at the start) with the k3 estimator.")
+    kl_task_per_token: Measured = Field(None, description="kl_task per completion token.")

@@ -306,6 +306,10 @@ class SparsitySpec(_Section):
     primary_threshold: float = Field(0.0, ge=0.0, description="Threshold of the headline `sparsity/ratio`.")
     rtol: float = Field(1e-3, ge=0.0, description="Relative tolerance: |delta| <= rtol * |w| counts as unchanged.")
     quality: SparsityQualitySpec = Field(default_factory=SparsityQualitySpec)
+    kl_prompts: int = Field(8, ge=0, le=1024, description="Held-out task prompts (the first of the validation split) "
+                            "on which each report measures KL(pi_0 || pi) against the starting policy: one completion "
+                            "each is sampled from pi_0 at the start, and every measurement is one forward over them. "
+                            "0: not measured.")
 
     @field_validator("thresholds")
     @classmethod

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.core.sparsity import ChangeStats, DiffReport, LogitAgreement
+from service.core.sparsity import LITERATURE_TOLERANCES, ChangeStats, DiffReport, LogitAgreement, PrecisionSparsity
+from worker.algos.losses import k3_kl
 
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 _COMPONENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -72,6 +73,8 @@ class Counter:
     abs_max: float = 0.0
     rel_sum: float = 0.0
     sign_flips: int = 0
+    fp32: list[int] = field(default_factory=lambda: [0] * len(LITERATURE_TOLERANCES))  # at LITERATURE_TOLERANCES
+    bf16: list[int] = field(default_factory=lambda: [0] * len(LITERATURE_TOLERANCES))  # both sides rounded to bf16
 
     def __post_init__(self) -> None:
         if not self.unchanged:
@@ -91,6 +94,10 @@ class Counter:
         self.rel_sum += float((a / wabs.clamp(min=1e-12)).sum(dtype=torch.float64))
         # a sign flip: both sides non-zero with opposite signs
         self.sign_flips += int(((before * after) < 0).sum())
+        a16 = (after.to(torch.bfloat16).float() - before.to(torch.bfloat16).float()).abs()
+        for i, t in enumerate(LITERATURE_TOLERANCES):
+            self.fp32[i] += int((a <= t).sum())
+            self.bf16[i] += int((a16 <= t).sum())
 
     def merge(self, other: Counter) -> None:
         self.numel += other.numel
@@ -100,6 +107,8 @@ class Counter:
         self.abs_max = max(self.abs_max, other.abs_max)
         self.rel_sum += other.rel_sum
         self.sign_flips += other.sign_flips
+        self.fp32 = [a + b for a, b in zip(self.fp32, other.fp32)]
+        self.bf16 = [a + b for a, b in zip(self.bf16, other.bf16)]
 
     def summary(self) -> ChangeStats:
         n = max(self.numel, 1)
@@ -111,6 +120,8 @@ class Counter:
             max_abs_change=self.abs_max,
             mean_rel_change=self.rel_sum / n,
             sign_flip_ratio=self.sign_flips / n,
+            precision=PrecisionSparsity(fp32={str(t): u / n for t, u in zip(LITERATURE_TOLERANCES, self.fp32)},
+                                        bf16={str(t): u / n for t, u in zip(LITERATURE_TOLERANCES, self.bf16)}),
         )
 
 
@@ -147,6 +158,15 @@ def diff_report(
         per_component={k: v.summary() for k, v in sorted(per_comp.items())},
         per_layer_component={k: grid[k] for k in layers},
     )
+
+
+def task_kl(logp0: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """KL(pi_0 || pi) from completions sampled from pi_0: the k3 estimator r - 1 - log r per token,
+    r = pi / pi_0 (unbiased and non-negative under pi_0's samples). logp0, logp, mask: [B, T].
+    Returns (nats per completion: the mean over completions of their token sum, nats per token)."""
+    k = k3_kl(logp0.double(), logp.double()) * mask  # [B, T]
+    per_completion = float(k.sum(1).mean()) if k.shape[0] else 0.0
+    return per_completion, float(k.sum() / mask.sum().clamp(min=1))
 
 
 def magnitude_mask(delta: torch.Tensor, threshold: float) -> torch.Tensor:

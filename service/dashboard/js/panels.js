@@ -44,7 +44,9 @@ export const SECTIONS = [
     { title: "Unchanged parameters (primary threshold)", keys: ["sparsity/ratio", "sparsity/cumulative_ratio"],
       note: "window: since the previous measurement; cumulative: since the start" },
     { title: "Sign flips", keys: ["sparsity/sign_flip_ratio"] },
-    { title: "Measurement time (s)", match: (k) => k.startsWith("sparsity/") && !["sparsity/ratio", "sparsity/cumulative_ratio", "sparsity/sign_flip_ratio"].includes(k) },
+    { title: "KL(π₀ ‖ π) on held-out task prompts", keys: ["sparsity/kl_task"],
+      note: "nats per completion: how far the policy moved from where it started, where it matters" },
+    { title: "Measurement time (s)", match: (k) => k.startsWith("sparsity/") && !["sparsity/ratio", "sparsity/cumulative_ratio", "sparsity/sign_flip_ratio", "sparsity/kl_task"].includes(k) },
   ] },
 ];
 

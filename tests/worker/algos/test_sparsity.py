@@ -17,6 +17,33 @@ def test_docstrings():
     assert doctest.testmod(sp).failed == 0
 
 
+def test_unchanged_shares_in_fp32_and_bf16_at_the_literatures_tolerances():
+    before = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.001, 0.001, 0.5])
+    after = before + torch.tensor([0.0, 2e-6, 3e-5, 2e-3, 1e-2, 3e-6, 2e-4, 0.0])
+    r = diff_report([("model.layers.0.mlp.up_proj.weight", before, after)], thresholds=[0.0], rtol=0.0, primary=0.0)
+    # fp32: unchanged are the two zeros; within 1e-5 also +2e-6 and +3e-6; within 1e-4 also +3e-5
+    assert r.precision.fp32 == {"0.0": 2 / 8, "1e-05": 4 / 8, "0.0001": 5 / 8}
+    # bf16 keeps 8 significant bits: near 1 its step is 2^-7, so +2e-6, +3e-5 and +2e-3 round back to 1.0
+    # (only +1e-2 reaches the next value, 1 + 2^-7); near 0.001 the step is 2^-17 ~ 7.6e-6, so +3e-6 rounds
+    # back and +2e-4 moves 26 steps (1.98e-4): unchanged at every tolerance are 6 of the 8
+    assert r.precision.bf16 == {"0.0": 6 / 8, "1e-05": 6 / 8, "0.0001": 6 / 8}
+    assert r.per_layer["0"].precision == r.precision  # per layer and component too
+
+
+def test_task_kl_is_k3_under_the_starting_policys_samples():
+    import math
+
+    logp0 = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.2, 0.2, 0.2]]))
+    logp = torch.log(torch.tensor([[0.25, 0.25, 0.1], [0.4, 0.2, 0.2]]))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the third token of row 0 is padding
+    per_completion, per_token = sp.task_kl(logp0, logp, mask)
+    k = lambda r: r - 1 - math.log(r)  # noqa: E731  r = pi / pi_0
+    row0, row1 = k(0.5) + k(1.0), k(2.0)
+    assert per_completion == pytest.approx((row0 + row1) / 2)
+    assert per_token == pytest.approx((row0 + row1) / 3)
+    assert sp.task_kl(logp0, logp0, mask) == (0.0, 0.0)
+
+
 def test_known_sparsity_at_each_threshold():
     before = torch.zeros(10)
     after = torch.tensor([0, 0, 0, 0, 1e-9, 1e-9, 1e-7, 1e-5, 1e-3, 1.0])

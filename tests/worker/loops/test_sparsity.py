@@ -42,9 +42,16 @@ def test_sparsity_job_end_to_end_matches_checkpoint_diff(tmp_path, settings_fact
         assert window["sparsity"][t] == pytest.approx(v)
     q0 = next(q for q in window["quality"] if q["threshold"] == 0.0)
     assert q0["magnitude"]["kl"] == pytest.approx(0.0, abs=1e-6) and q0["magnitude"]["top1_agreement"] == 1.0
+    assert window["precision"] == mine.precision.model_dump()  # fp32 and bf16 at the literature's tolerances
     metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
     assert metrics[4]["sparsity/ratio"] == reports[2]["sparsity"]
     assert "sparsity/sign_flip_ratio" in metrics[2]
+    # KL to the starting policy on the task: the same in both scopes, > 0 once the weights moved
+    kls = [(r["step"], r["scope"], r["report"]["kl_task"]) for r in reports]
+    assert all(kl > 0 for _, _, kl in kls) and kls[0][2] == kls[1][2] and kls[2][2] == kls[3][2]
+    assert metrics[4]["sparsity/kl_task"] == reports[3]["report"]["kl_task"]
+    tokens = window["kl_task"] / window["kl_task_per_token"]  # completion tokens per completion, at most 16
+    assert 1 <= tokens <= 16
 
 
 def test_quality_analysis_restores_weights_bit_for_bit(tmp_path, settings_factory):

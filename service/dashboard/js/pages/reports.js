@@ -65,6 +65,13 @@ export function sparsitySection(jobId) {
       [{ label: "adapter", y: labels.map((t) => report.sparsity[t]) },
        ...(report.merged ? [{ label: "merged weights", y: labels.map((t) => report.merged.sparsity[t] ?? null) }] : [])],
       "fraction of parameters whose change is at most the threshold")];
+    const precise = report.merged?.precision ?? report.precision; // LoRA: the merged weights compare with released models
+    if (precise) {
+      const tl = Object.keys(precise.fp32);
+      charts.push(categoryChart(`Unchanged at the literature's tolerances${report.merged?.precision ? " (merged weights)" : ""}`, tl,
+        [{ label: "float32", y: tl.map((t) => precise.fp32[t]) }, { label: "bfloat16 (both rounded)", y: tl.map((t) => precise.bf16[t]) }],
+        "fraction with |Δ| ≤ tolerance; bf16 rounding hides updates below half a bf16 step"));
+    }
     if (report.quality?.length) {
       const q = [...report.quality].sort((a, b) => a.threshold - b.threshold);
       const ql = q.map((row) => `${row.threshold} (${fmt(row.density, 2)})`);
@@ -78,7 +85,8 @@ export function sparsitySection(jobId) {
     if (report.per_layer_component) charts.push(heatmap(`Unchanged fraction by layer × component (threshold ${report.primary_threshold})`, "layer", report.per_layer_component));
     if (report.merged?.per_layer_component) charts.push(heatmap("Merged weights: layer × component", "layer", report.merged.per_layer_component));
     detail.replaceChildren(h("p", { id: "sparsity-summary" }, `steps ${r.from_step}→${r.step} (${r.scope}): `,
-      `${fmt(100 * report.sparsity_primary, 2)}% unchanged, sign flips ${fmt(report.sign_flip_ratio, 4)}`), h("div", { class: "grid" }, charts));
+      `${fmt(100 * report.sparsity_primary, 2)}% unchanged, sign flips ${fmt(report.sign_flip_ratio, 4)}`,
+      report.kl_task != null ? `, KL(π₀ ‖ π) on the task ${fmt(report.kl_task, 4)} nats per completion` : ""), h("div", { class: "grid" }, charts));
   };
   const detail = h("div", {});
   (async () => {

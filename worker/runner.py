@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
 # requeued: a process of a multi-process job was killed; the job is queued again and resumes
 Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued"]
-LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint"}
+LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint",
+         "sft": "worker.loops.sft"}
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
 
 

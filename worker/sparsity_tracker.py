@@ -110,7 +110,7 @@ class SparsityTracker:
 
     # -- KL to the starting policy on the task --------------------------------------------------
     def _micro(self, batch: RolloutBatch) -> list[list[int]]:
-        g = self.s.spec.grpo
+        g = self.s.spec.train
         return micro_batches(batch, list(range(len(batch))), max_rows=g.micro_batch_size,
                              max_tokens=g.micro_batch_tokens)
 
@@ -123,7 +123,7 @@ class SparsityTracker:
         prompts = [render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
                    for ex in examples]
         s.engine.sync(s.model)
-        seed = step_seed(s.spec.grpo.seed, -1)  # a stream no training step draws from
+        seed = step_seed(s.spec.train.seed, -1)  # a stream no training step draws from
         batch = s.engine.generate(prompts, 1, seeds=[seed + i for i in range(len(prompts))])
         return TaskProbe(batch=batch, logp0=self._task_logprobs(batch))
 
@@ -131,7 +131,8 @@ class SparsityTracker:
         was_training = self.s.model.training
         self.s.model.eval()
         try:
-            return batch_logprobs(self.s.model, batch, self.s.spec.grpo.temperature, self._micro(batch), self.s.device)
+            return batch_logprobs(self.s.model, batch, self.s.engine.params.temperature, self._micro(batch),
+                                  self.s.device)
         finally:
             self.s.model.train(was_training)
 

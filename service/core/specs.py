@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import PurePosixPath
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
@@ -106,7 +106,7 @@ class ModelSpec(_Section):
 CHECKPOINT_FROM_TOKENS = 256
 
 
-def wants_checkpointing(model: ModelSpec, grpo: GRPOSpec) -> bool:
+def wants_checkpointing(model: ModelSpec, grpo: TrainSpec) -> bool:
     """model.gradient_checkpointing, or when unset, whether a micro-batch can hold CHECKPOINT_FROM_TOKENS
     completion tokens (the demo's 16 x 24 = 384 can; 8 x 24 cannot)."""
     if model.gradient_checkpointing is not None:
@@ -196,23 +196,13 @@ class DatasetSpec(_Section):
         return self
 
 
-class GRPOSpec(_Section):
-    steps: int = Field(10, ge=1, le=1_000_000, description="Training steps; one rollout batch per step.")
-    prompts_per_step: int = Field(4, ge=1, le=4096, description="P: prompts sampled per step.")
-    num_generations: int = Field(
-        4, ge=2, le=512, description="G: completions per prompt; the group that advantages are normalised in."
-    )
-    max_new_tokens: int = Field(64, ge=1, le=32768, description="Generation budget per completion.")
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; log-probs use the same scaling.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+class TrainSpec(_Section):
+    """What every kind's loop shares: how long and how fast it trains, and how it evaluates and saves."""
+
+    steps: int = Field(10, ge=1, le=1_000_000, description="Training steps; one batch per step.")
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Generation budget per completion (the greedy "
+                                "evaluation's, and GRPO's sampling).")
     stop: list[str] = Field(default_factory=list, description="Stop strings; the completion ends after the first one.")
-    mask_truncated_completions: bool = Field(
-        False, description="Exclude completions that hit max_new_tokens without EOS or a stop string from the loss."
-    )
-    epochs_per_rollout_batch: int = Field(
-        1, ge=1, le=64, description="Passes over each rollout batch; clipping only bites from the second on."
-    )
     micro_batch_size: int = Field(8, ge=1, le=4096, description="Sequences per forward/backward (gradient accumulation).")
     micro_batch_tokens: int | None = Field(
         None, ge=1, le=2**24, description="Also cap a micro-batch at this many token positions (rows x the "
@@ -222,43 +212,112 @@ class GRPOSpec(_Section):
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant or cosine decay to 0.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant or cosine "
+                                                       "decay to 0.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping norm; null disables clipping.")
+    eval_every: int = Field(0, ge=0, description="Greedy evaluation on the validation split every N steps (0: only "
+                            "at start and end).")
+    eval_prompts: int = Field(32, ge=1, le=10_000, description="Validation prompts per evaluation.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds the data order, sampling and initialisation.")
+
+    SECTION: ClassVar[str] = "train"  # the spec key, in messages
+
+    @property
+    def with_reference(self) -> bool:
+        """A frozen reference is needed (GRPO's KL)."""
+        return False
+
+    @property
+    def epochs_per_step(self) -> int:
+        """Optimizer steps per training step."""
+        return 1
+
+    @property
+    def per_step(self) -> tuple[str, int]:
+        """(field, value): the units a step splits among processes."""
+        raise NotImplementedError
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "TrainSpec":
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"{self.SECTION}.warmup_steps must not exceed {self.SECTION}.steps")
+        return self
+
+
+class GRPOSpec(TrainSpec):
+    prompts_per_step: int = Field(4, ge=1, le=4096, description="P: prompts sampled per step.")
+    num_generations: int = Field(
+        4, ge=2, le=512, description="G: completions per prompt; the group that advantages are normalised in."
+    )
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; log-probs use the same "
+                               "scaling.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    mask_truncated_completions: bool = Field(
+        False, description="Exclude completions that hit max_new_tokens without EOS or a stop string from the loss."
+    )
+    epochs_per_rollout_batch: int = Field(
+        1, ge=1, le=64, description="Passes over each rollout batch; clipping only bites from the second on."
+    )
     clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="Ratio clip above: 1 + clip_eps_high (DAPO's clip-higher when larger).")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to the frozen reference; 0 skips the reference pass.")
+    clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="Ratio clip above: 1 + clip_eps_high (DAPO's "
+                                 "clip-higher when larger).")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to the frozen reference; 0 skips the "
+                           "reference pass.")
     measure_kl: bool = Field(
         False, description="Report `kl` even when kl_coef is 0: one more no-grad forward per micro-batch (and a "
         "frozen copy of the model with full fine-tuning). With kl_coef > 0 it is always reported."
     )
     loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field(
-        "token_mean", description="token_mean: over all tokens; seq_mean: mean of per-sequence means; dr_grpo: sum / (B * T)."
+        "token_mean", description="token_mean: over all tokens; seq_mean: mean of per-sequence means; dr_grpo: "
+        "sum / (B * T)."
     )
-    normalize_advantages: bool = Field(True, description="Divide group-centred rewards by the group std (Dr. GRPO: false).")
+    normalize_advantages: bool = Field(True, description="Divide group-centred rewards by the group std (Dr. GRPO: "
+                                       "false).")
     advantage_eps: float = Field(1e-4, gt=0.0, description="Added to the group std before dividing.")
     drop_zero_std_groups: bool = Field(
         False, description="Drop groups whose rewards all tie (no signal) and refill with fresh prompts."
     )
     max_refill_rounds: int = Field(2, ge=0, le=16, description="Refill rounds per step when dropping zero-std groups.")
-    eval_every: int = Field(0, ge=0, description="Greedy evaluation on the validation split every N steps (0: only at start and end).")
-    eval_prompts: int = Field(32, ge=1, le=10_000, description="Validation prompts per evaluation.")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
-    samples_per_step: int = Field(8, ge=0, le=1024, description="Completions per step recorded with reward and advantage.")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds prompt order, sampling and initialisation.")
+    samples_per_step: int = Field(8, ge=0, le=1024, description="Completions per step recorded with reward and "
+                                  "advantage.")
+
+    SECTION: ClassVar[str] = "grpo"
 
     @property
     def with_reference(self) -> bool:
         """KL to the frozen reference is measured: in the loss (kl_coef > 0) or asked for (measure_kl)."""
         return self.kl_coef > 0 or self.measure_kl
 
+    @property
+    def epochs_per_step(self) -> int:
+        return self.epochs_per_rollout_batch
+
+    @property
+    def per_step(self) -> tuple[str, int]:
+        return "grpo.prompts_per_step", self.prompts_per_step
+
     @model_validator(mode="after")
-    def _schedule(self) -> "GRPOSpec":
-        if self.warmup_steps > self.steps:
-            raise ValueError("grpo.warmup_steps must not exceed grpo.steps")
+    def _refills(self) -> "GRPOSpec":
         if not self.drop_zero_std_groups:
             reject_unused(self, "grpo", ("max_refill_rounds",), unless="with grpo.drop_zero_std_groups: true")
         return self
+
+
+class SFTSpec(TrainSpec):
+    batch_size: int = Field(8, ge=1, le=4096, description="Examples per step: the train split in a shuffled order "
+                            "(reshuffled each pass, seeded by `seed`), in micro-batches of micro_batch_size.")
+    learning_rate: float = Field(1e-4, gt=0.0, le=1.0, description="AdamW peak learning rate.")
+    val_batches: int = Field(1, ge=0, le=1000, description="Validation batches of batch_size examples whose "
+                             "cross-entropy (loss/val) is measured at each evaluation; 0: not measured.")
+
+    SECTION: ClassVar[str] = "sft"
+
+    @property
+    def per_step(self) -> tuple[str, int]:
+        return "sft.batch_size", self.batch_size
 
 
 class DevicesSpec(_Section):
@@ -394,10 +453,14 @@ class _JobBase(_Section):
     rewards: list[RewardSpec] | None = Field(
         None, min_length=1, description="Reward functions, summed with weights; default depends on the dataset."
     )
-    grpo: GRPOSpec = Field(default_factory=GRPOSpec)
     devices: DevicesSpec = Field(default_factory=DevicesSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     sparsity: SparsitySpec | None = Field(None, description="Parameter-update sparsity reports; omit to skip.")
+
+    @property
+    def train(self) -> TrainSpec:
+        """The kind's training section (grpo, sft): what every loop's skeleton reads."""
+        raise NotImplementedError
 
     def reward_specs(self) -> list[RewardSpec]:
         if self.rewards:
@@ -415,9 +478,10 @@ class _JobBase(_Section):
         if self.resources.sharding == "fsdp" and self.resources.processes < 2:
             raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 to shard across")
         if (n := self.resources.processes) > 1:
-            if self.grpo.prompts_per_step % n:
-                raise ValueError(f"grpo.prompts_per_step ({self.grpo.prompts_per_step}) must be divisible by "
-                                 f"resources.processes ({n}): each process takes an equal share of the prompts")
+            field, units = self.train.per_step
+            if units % n:
+                raise ValueError(f"{field} ({units}) must be divisible by resources.processes ({n}): each process "
+                                 "takes an equal share of a step")
             if self.resources.sharding == "fsdp":
                 if self.kind != "grpo":
                     raise ValueError(f"resources.sharding 'fsdp' is supported for kind 'grpo', not {self.kind!r}: "
@@ -425,7 +489,7 @@ class _JobBase(_Section):
                 if self.model.lora is not None:
                     raise ValueError("resources.sharding 'fsdp' shards a fully fine-tuned model: remove model.lora "
                                      "(a LoRA job's trained weights are small; use sharding 'none')")
-                if self.grpo.drop_zero_std_groups:
+                if getattr(self.train, "drop_zero_std_groups", False):
                     raise ValueError("resources.sharding 'fsdp' runs every process's forwards in lockstep, so each "
                                      "takes the same number of prompts: grpo.drop_zero_std_groups (refills of "
                                      "uneven size) is not supported with it")
@@ -446,7 +510,17 @@ def _no_corpus(d: DatasetSpec) -> None:
     reject_unused(d, "dataset", ("corpus_path", "corpus_file"), unless="to kind 'joint' (a corpus to retrieve from)")
 
 
-class GRPOJob(_JobBase):
+class _GRPOKinds(_JobBase):
+    """The kinds that train with GRPO."""
+
+    grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+
+    @property
+    def train(self) -> GRPOSpec:
+        return self.grpo
+
+
+class GRPOJob(_GRPOKinds):
     """GRPO / GRPO-Clip: group sampling, group-normalised advantages, clipped surrogate, k3 KL."""
 
     kind: Literal["grpo"] = "grpo"
@@ -457,7 +531,7 @@ class GRPOJob(_JobBase):
         return self
 
 
-class TracInJob(_JobBase):
+class TracInJob(_GRPOKinds):
     """GRPO that trains only on samples whose TracIn influence on a validation batch helps."""
 
     kind: Literal["tracin"] = "tracin"
@@ -471,7 +545,7 @@ class TracInJob(_JobBase):
         return self
 
 
-class JointJob(_JobBase):
+class JointJob(_GRPOKinds):
     """Joint retriever + generator GRPO: k documents per query, G answers per document."""
 
     kind: Literal["joint"] = "joint"
@@ -489,13 +563,29 @@ class JointJob(_JobBase):
         return self
 
 
-JOB_MODELS = (GRPOJob, TracInJob, JointJob)
+class SFTJob(_JobBase):
+    """Supervised fine-tuning: cross-entropy on the answer tokens of {prompt, answer} rows."""
+
+    kind: Literal["sft"] = "sft"
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+
+    @property
+    def train(self) -> SFTSpec:
+        return self.sft
+
+    @model_validator(mode="after")
+    def _dataset(self) -> "SFTJob":
+        _no_corpus(self.dataset)
+        return self
+
+
+JOB_MODELS = (GRPOJob, TracInJob, JointJob, SFTJob)
 JobSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]
 KINDS: tuple[str, ...] = tuple(m.model_fields["kind"].annotation.__args__[0] for m in JOB_MODELS)  # the `kind` tags
 _JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)
 
 
-def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob:
+def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob | SFTJob:
     """A job spec from its JSON form (a request body, a stored row, a YAML file); ValidationError if wrong."""
     return _JOB_SPEC.validate_python(data)
 

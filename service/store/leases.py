@@ -28,7 +28,7 @@ def submit_job(url: str, *, owner: str, spec: JobSpec, idempotency_key: str | No
     its message names, and a broker that is down must be able to fail a job that exists."""
     with session_scope(url) as session:
         job, created = create_job(session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"),
-                                  name=spec.name, total_steps=spec.grpo.steps, idempotency_key=idempotency_key)
+                                  name=spec.name, total_steps=spec.train.steps, idempotency_key=idempotency_key)
     return Submitted(job=job, created=created)
 
 

@@ -22,7 +22,7 @@ def greedy_completions(s: Setup, prompts: list[str], *, filler: str) -> list[str
     n = len(prompts)
     if s.sharded:
         prompts = prompts + [filler] * (int(s.ranks.max({"n": n})["n"]) - n)
-    bs = max(1, s.spec.grpo.micro_batch_size * 2)
+    bs = max(1, s.spec.train.micro_batch_size * 2)
     out = [c for i in range(0, len(prompts), bs) for c in s.engine.generate(prompts[i:i + bs], 1, greedy=True).completions]
     return out[:n]
 
@@ -50,7 +50,7 @@ def shard(s: Setup, examples: list[Example]) -> list[Example]:
 
 def evaluate(s: Setup, step: int) -> dict[str, float]:
     """The first grpo.eval_prompts validation examples, answered greedily, after `step`."""
-    every = s.task.val[: s.spec.grpo.eval_prompts]
+    every = s.task.val[: s.spec.train.eval_prompts]
     examples = shard(s, every)
     completions = greedy_completions(s, [prompt_for(s, ex) for ex in examples], filler=prompt_for(s, every[0]))
     return score_completions(s, completions, examples, step=step)

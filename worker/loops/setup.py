@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from service.core.settings import Settings
-from service.core.specs import GRPOJob, JointJob, TracInJob, wants_checkpointing
+from service.core.specs import GRPOJob, GRPOSpec, JointJob, SFTJob, TracInJob, wants_checkpointing
 from worker import allocator
 from worker.algos.lora import is_lora
 from worker.checkpoints import (
@@ -27,7 +27,7 @@ from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.sampling import RolloutEngine, SamplingParams
 from worker.training import make_optimizer, make_scheduler, trainable
 
-AnySpec = GRPOJob | TracInJob | JointJob
+AnySpec = GRPOJob | TracInJob | JointJob | SFTJob
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
           ranks: Ranks = SINGLE) -> Setup:
     """Load the policy (and `model.init_from`'s weights), the rollout copy, the reference, the
     optimizer and schedule, and the task (unless the loop loaded its own)."""
-    g = spec.grpo
+    g = spec.train
     dev = policy_device(spec, ranks)
     device = torch.device(dev)
     mspec = spec.model.model_copy(update={"gradient_checkpointing": wants_checkpointing(spec.model, g)})
@@ -86,8 +86,9 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     n_all = sum(p.numel() for p in model.parameters())
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None, "malloc": malloc})
-    params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                            top_k=g.top_k, stop=tuple(g.stop))
+    params = SamplingParams(max_new_tokens=g.max_new_tokens, stop=tuple(g.stop))  # SFT only samples greedily
+    if isinstance(g, GRPOSpec):
+        params = dataclasses.replace(params, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
     ref = None
     if g.with_reference and not is_lora(model):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -98,8 +99,8 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
             shard(ref, ranks)
     engine = RolloutEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
-    sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_rollout_batch,
-                           total=g.steps * g.epochs_per_rollout_batch)
+    sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_step,
+                           total=g.steps * g.epochs_per_step)
     entries = spec.reward_specs()
     scorer = build_scorer(entries, settings=settings, device=dev, job_id=reporter.job_id,
                           on_failures=partial(warn_reward_failures, reporter))
@@ -134,5 +135,5 @@ def resume(s: Setup, reporter: Reporter) -> Resumed:
         return Resumed()
     state = load_checkpoint(ckpt, s.trainables())
     reporter.event("resumed", f"resumed from checkpoint at step {state.step}", data={"step": state.step})
-    opt_steps = state.opt_steps if state.opt_steps is not None else state.step * s.spec.grpo.epochs_per_rollout_batch
+    opt_steps = state.opt_steps if state.opt_steps is not None else state.step * s.spec.train.epochs_per_step
     return Resumed(state.step, opt_steps)

@@ -41,7 +41,7 @@ class Run:
     last_eval: dict[str, float] = field(default_factory=dict)
 
     def steps(self) -> range:
-        return range(self.start_step + 1, self.s.spec.grpo.steps + 1)
+        return range(self.start_step + 1, self.s.spec.train.steps + 1)
 
     def after_optimizer_step(self) -> None:
         self.opt_steps += 1
@@ -106,14 +106,14 @@ def begin_step(run: Run, step: int) -> StepTimer:
     memory peak."""
     memory.reset_peak(run.s.device)
     timer = StepTimer()
-    seed_everything(step_seed(run.s.spec.grpo.seed, step))
+    seed_everything(step_seed(run.s.spec.train.seed, step))
     run.s.engine.sync(run.s.model)
     return timer
 
 
 def evaluate_if_due(run: Run, step: int) -> dict[str, float]:
     """The evaluation after `step` when grpo.eval_every or the last step calls for one (else {})."""
-    g = run.s.spec.grpo
+    g = run.s.spec.train
     if g.eval_every and step % g.eval_every == 0 or step == g.steps:
         run.last_eval = run.evaluate(step)
         return run.last_eval
@@ -137,7 +137,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
                 samples: Sequence[SampleRow] = ()) -> None:
     """The end of every step: sparsity, evaluation when due, timings, samples, progress, checkpoint.
     `tokens`: this rank's completion tokens."""
-    g = run.s.spec.grpo
+    g = run.s.spec.train
     metrics = dict(metrics)
     tokens = run.s.ranks.sum({"tokens": tokens})["tokens"]
     if run.tracker is not None:
@@ -156,6 +156,6 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
 
 def finish(run: Run) -> LoopResult:
     """The final checkpoint; the result the runner records."""
-    steps = run.s.spec.grpo.steps
+    steps = run.s.spec.train.steps
     save(run, steps)
     return LoopResult("succeeded", steps, run.last_eval)

@@ -17,8 +17,8 @@ from worker.training import grad_norm
 
 
 def micro(s: Setup, batch: RolloutBatch, rows: list[int], *, shuffle_seed: int | None = None) -> list[list[int]]:
-    """The job's micro-batches of `rows` (grpo.micro_batch_size rows, grpo.micro_batch_tokens positions)."""
-    g = s.spec.grpo
+    """The job's micro-batches of `rows` (micro_batch_size rows, micro_batch_tokens positions)."""
+    g = s.spec.train
     return micro_batches(batch, rows, max_rows=g.micro_batch_size, max_tokens=g.micro_batch_tokens,
                          shuffle_seed=shuffle_seed)
 
@@ -70,10 +70,10 @@ def clip_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optim
 
 
 def optimizer_step(run: Run) -> float:
-    """The policy's step (grpo.max_grad_norm); returns the gradient norm before clipping."""
+    """The policy's step (max_grad_norm); returns the gradient norm before clipping."""
     s = run.s
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
-    max_norm = s.spec.grpo.max_grad_norm
+    max_norm = s.spec.train.max_grad_norm
     if s.sharded:  # FSDP2 summed each backward's gradient into this rank's shards; the norm is over all of them
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")).full_tensor()
         norm = float(norm)

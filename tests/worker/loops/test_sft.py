@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from service.core.specs import SFTJob
+from worker.loops import sft
+from worker.loops.setup import build
+from worker.reporting import FileReporter
+
+
+def _spec(lora=None, **over):
+    return {"kind": "sft", "model": {"name": "tiny-random-llama", "lora": lora},
+            "dataset": {"name": "arith", "difficulty": 0, "num_train": 40, "num_val": 8},
+            "sft": {"steps": 6, "batch_size": 4, "micro_batch_size": 3, "max_new_tokens": 8, "eval_prompts": 4,
+                    "learning_rate": 1e-2, "lr_schedule": "cosine", "warmup_steps": 1, "checkpoint_every": 3, **over}}
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+class StopsAfter(FileReporter):
+    def __init__(self, out, after=None):
+        super().__init__(out)
+        self.after = after
+
+    def should_stop(self):
+        done = [m for m in _metrics(self.out) if m["step"] > 0] if (self.out / "metrics.jsonl").exists() else []
+        return self.after is not None and len(done) >= self.after
+
+
+def test_first_step_loss_is_the_answer_tokens_cross_entropy(tmp_path, settings_factory):
+    """loss/train of step 1 is the token-mean cross-entropy of the answers (and EOS) given the prompts,
+    computed here from the model's full logits, one example at a time."""
+    spec = SFTJob.model_validate(_spec())
+    settings = settings_factory()
+    assert sft.run(spec, FileReporter(tmp_path), settings=settings).status == "succeeded"
+    s = build(spec, settings, FileReporter(tmp_path / "again"))  # the same initial weights (seeded)
+    nll, tokens = 0.0, 0
+    for ex in sft.step_examples(s, 1):
+        prompt = s.tokenizer(sft.prompt_for(s, ex), add_special_tokens=False)["input_ids"]
+        answer = s.tokenizer(ex.answers[0], add_special_tokens=False)["input_ids"] + [s.tokenizer.eos_token_id]
+        with torch.no_grad():
+            logits = s.model(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+        nll += float(torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer), reduction="sum"))
+        tokens += len(answer)
+    m = {x["step"]: x["metrics"] for x in _metrics(tmp_path)}
+    assert m[1]["loss/train"] == pytest.approx(nll / tokens, rel=1e-5)
+    assert m[1]["sft/answer_tokens"] == tokens
+    assert m[6]["loss/train"] < m[1]["loss/train"]  # it learns
+    assert {"loss/val", "eval/token_accuracy", "eval/accuracy", "eval/reward_mean"} <= m[0].keys() & m[6].keys()
+    assert m[6]["loss/val"] < m[0]["loss/val"]
+
+
+def test_batches_cover_the_train_split_once_per_pass(tmp_path, settings_factory):
+    spec = SFTJob.model_validate(_spec(batch_size=8))
+    s = build(spec, settings_factory(), FileReporter(tmp_path))
+    seen = [ex.question for step in range(1, 6) for ex in sft.step_examples(s, step)]  # 40 = one pass
+    assert sorted(seen) == sorted(ex.question for ex in s.task.train)
+    assert [ex.question for ex in sft.step_examples(s, 6)] != seen[:8]  # the next pass has its own order
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4}])
+def test_resume_equals_straight_run(tmp_path, settings_factory, lora):
+    settings = settings_factory()
+    spec = SFTJob.model_validate(_spec(lora))
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert sft.run(spec, StopsAfter(straight), settings=settings).status == "succeeded"
+    assert sft.run(spec, StopsAfter(split, after=3), settings=settings).status == "cancelled"
+    assert sft.run(spec, StopsAfter(split), settings=settings).status == "succeeded"
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = load_file(straight / "checkpoints" / "step-6" / name), load_file(split / "checkpoints" / "step-6" / name)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)  # the same computation, resumed: bit for bit
+    assert "resumed" in [json.loads(x)["type"] for x in (split / "events.jsonl").read_text().splitlines()]
+
+
+def test_long_answers_are_cut_and_counted(tmp_path, settings_factory):
+    spec = SFTJob.model_validate(_spec(steps=1, max_new_tokens=1))  # every answer is a digit and EOS: 2 tokens
+    assert sft.run(spec, FileReporter(tmp_path), settings=settings_factory()).status == "succeeded"
+    m = {x["step"]: x["metrics"] for x in _metrics(tmp_path)}[1]
+    assert m["sft/truncated_ratio"] == 1.0 and m["sft/answer_tokens"] == 4
+
+
+def test_sft_job_through_the_api(sqlite_api):
+    api = sqlite_api
+    jid = api.run_job(_spec({"r": 4}, steps=2, checkpoint_every=0) | {"sparsity": {"measure_interval": 1}})
+    job = api.get(f"/v1/jobs/{jid}").json()
+    assert (job["kind"], job["status"], job["total_steps"]) == ("sft", "succeeded", 2)
+    latest = api.get(f"/v1/jobs/{jid}/metrics/latest").json()
+    assert {"loss/train", "loss/val", "eval/token_accuracy", "sparsity/kl_task"} <= latest.keys()
+    assert [c["step"] for c in api.get(f"/v1/jobs/{jid}/checkpoints").json()] == [2]
+    reports = api.get(f"/v1/jobs/{jid}/sparsity").json()
+    assert reports and reports[0]["report"]["precision"]["bf16"]
+
+
+def test_sft_refuses_grpo_settings():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="num_generations"):
+        SFTJob.model_validate(_spec(num_generations=4))
+    with pytest.raises(ValidationError, match="grpo"):
+        SFTJob.model_validate({**_spec(), "grpo": {"steps": 2}})

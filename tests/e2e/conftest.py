@@ -21,6 +21,13 @@ TINY_JOB = {"kind": "grpo", "name": "e2e",
                      "eval_prompts": 2, "checkpoint_every": 2}}
 
 
+# the same task fine-tuned with supervision, as two processes (each takes half of a step's examples)
+SFT_JOB = {"kind": "sft", "name": "e2e-sft", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+           "dataset": {"name": "arith", "num_train": 40, "num_val": 8}, "resources": {"processes": 2},
+           "sft": {"steps": 3, "batch_size": 4, "micro_batch_size": 2, "max_new_tokens": 8, "eval_prompts": 4,
+                   "learning_rate": 1e-2, "checkpoint_every": 2}, "sparsity": {"measure_interval": 3}}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,3 +110,16 @@ def check_finished_job(client: httpx.Client, job: dict) -> None:
     assert [c["step"] for c in ckpts] == [2, 3]
     assert all(c["format"] == "peft-lora" and c["size_bytes"] > 0 and "path" not in c for c in ckpts)
     assert client.get(f"/v1/jobs/{jid}/samples").json()
+
+
+def check_finished_sft_job(client: httpx.Client, job: dict) -> None:
+    """SFT_JOB, finished: its losses every step, evaluations at the start and the end, checkpoints and a
+    sparsity report with KL on the task."""
+    assert job["status"] == "succeeded", job
+    jid = job["id"]
+    series = {s["key"]: [p["step"] for p in s["points"]] for s in client.get(
+        f"/v1/jobs/{jid}/metrics", params={"keys": "loss/train,loss/val,eval/token_accuracy"}).json()["series"]}
+    assert series == {"loss/train": [1, 2, 3], "loss/val": [0, 3], "eval/token_accuracy": [0, 3]}
+    assert [c["step"] for c in client.get(f"/v1/jobs/{jid}/checkpoints").json()] == [2, 3]
+    report = client.get(f"/v1/jobs/{jid}/sparsity", params={"scope": "cumulative"}).json()[0]["report"]
+    assert report["kl_task"] > 0 and set(report["merged"]["precision"]["bf16"]) == {"0.0", "1e-05", "0.0001"}

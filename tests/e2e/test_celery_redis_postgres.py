@@ -7,8 +7,10 @@ from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
 from tests.e2e.conftest import (
+    SFT_JOB,
     TINY_JOB,
     check_finished_job,
+    check_finished_sft_job,
     free_port,
     wait_http,
     wait_job,
@@ -37,3 +39,6 @@ def test_job_over_http_on_redis_and_postgres(procs, pg_url, redis_url):
         assert r.status_code == 201, r.text
         job = wait_job(c, r.json()["id"], procs)
         check_finished_job(c, job)
+        r = c.post("/v1/jobs", json=SFT_JOB)  # a second job on the same worker, of another kind, as 2 processes
+        assert r.status_code == 201, r.text
+        check_finished_sft_job(c, wait_job(c, r.json()["id"], procs))

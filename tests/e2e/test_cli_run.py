@@ -1,7 +1,7 @@
 """`grpo-jobs run SPEC --out DIR` on every shipped example: the files the contract promises, and
 that each example shows what its kind does (rewards that differ, updates, a strict TracIn subset,
-a retriever that trains, sparsity reports). The minimal ones run as shipped; the longer SmolLM2
-ones run their first 2 steps."""
+a retriever that trains, sparsity reports, a supervised loss that falls). The minimal ones run as
+shipped; the longer SmolLM2 ones run their first 2 steps, evaluated on 8 prompts."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ import yaml
 from tests.e2e.conftest import BIN
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-MINIMAL = ["grpo-minimal", "tracin-minimal", "joint-minimal", "sparsity-minimal"]
+MINIMAL = ["grpo-minimal", "tracin-minimal", "joint-minimal", "sparsity-minimal", "sft-minimal"]
 
 
 def _lines(path):
@@ -24,8 +24,10 @@ def _lines(path):
 @pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.yaml")))
 def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
     spec = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    kind = spec["kind"]
+    train = spec["sft" if kind == "sft" else "grpo"]
     if name not in MINIMAL:
-        spec["grpo"]["steps"] = 2
+        train.update(steps=2, eval_prompts=min(8, train.get("eval_prompts", 32)))
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"
@@ -34,18 +36,20 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
-    total = spec["grpo"]["steps"]
+    total = train["steps"]
     metrics = {m["step"]: m["metrics"] for m in _lines(out / "metrics.jsonl")}
     assert sorted(metrics) == list(range(0, total + 1))
     types = [e["type"] for e in _lines(out / "events.jsonl")]
     assert types[-1] == "succeeded" and "skipped" not in types
     steps = [metrics[s] for s in range(1, total + 1)]
-    assert any(m["frac_reward_zero_std"] < 1 for m in steps), "no group ever had rewards that differ"
+    if kind == "sft":
+        assert steps[-1]["loss/train"] < steps[0]["loss/train"] and metrics[total]["loss/val"] < metrics[0]["loss/val"]
+    else:
+        assert any(m["frac_reward_zero_std"] < 1 for m in steps), "no group ever had rewards that differ"
     last = out / "checkpoints" / f"step-{total}"
     weights = "adapter_model.safetensors" if spec["model"].get("lora") else "model.safetensors"
     assert (last / weights).exists() and (last / "trainer_state.pt").exists()
 
-    kind = spec["kind"]
     if kind == "tracin":
         sels = _lines(out / "selections.jsonl")
         assert [s["step"] for s in sels] == list(range(1, total + 1))

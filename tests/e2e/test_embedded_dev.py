@@ -6,8 +6,10 @@ from pathlib import Path
 import httpx
 
 from tests.e2e.conftest import (
+    SFT_JOB,
     TINY_JOB,
     check_finished_job,
+    check_finished_sft_job,
     free_port,
     parent_pid,
     wait_http,
@@ -34,6 +36,9 @@ def test_dev_runs_a_job_end_to_end(procs):
         r = c.post("/v1/jobs", json={**TINY_JOB, "resources": {"processes": 2}})
         assert r.status_code == 201, r.text
         check_finished_job(c, wait_job(c, r.json()["id"], procs))
+        r = c.post("/v1/jobs", json=SFT_JOB)
+        assert r.status_code == 201, r.text
+        check_finished_sft_job(c, wait_job(c, r.json()["id"], procs))
         # a long job can be cancelled while it runs and keeps what it recorded
         long = {**TINY_JOB, "grpo": {**TINY_JOB["grpo"], "steps": 500, "checkpoint_every": 0}}
         jid = c.post("/v1/jobs", json=long).json()["id"]

@@ -29,6 +29,9 @@ TRACIN_JOB = {"kind": "tracin", "name": "tracin-tiny", "model": {"name": "tiny-r
               "grpo": {"steps": 5, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
                        "learning_rate": 1e-2},
               "tracin": {"val_prompts": 4, "val_generations": 4}}
+SFT_JOB = {"kind": "sft", "name": "sft-tiny", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+           "dataset": DIGIT_DATA, "sft": {"steps": 3, "batch_size": 4, "max_new_tokens": 8, "eval_prompts": 2,
+                                          "learning_rate": 1e-2}}
 JOINT_JOB = {"kind": "joint", "name": "joint-tiny", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
              "retriever": {"name": "tiny-random-bert", "k": 2, "candidates": 4},
              "dataset": {"name": "persona-facts", "corpus_size": 12, "num_val": 4},
@@ -95,7 +98,7 @@ def service(tmp_path_factory, models_root):
 
         store_url = Settings(GRPO_DATA_DIR=tmp / "data").store_url
         svc = Service(base, key_file.read_text().strip(), procs, store_url)
-        for name, spec in (("sparse", SPARSE_JOB), ("tracin", TRACIN_JOB), ("joint", JOINT_JOB)):
+        for name, spec in (("sparse", SPARSE_JOB), ("tracin", TRACIN_JOB), ("joint", JOINT_JOB), ("sft", SFT_JOB)):
             svc.jobs[name] = svc.submit(spec)
         for name, job in svc.jobs.items():
             svc.jobs[name] = done = wait_job(svc.client, job["id"], procs)

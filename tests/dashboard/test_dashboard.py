@@ -111,6 +111,11 @@ def test_tracin_and_joint_panels(page, service):
     assert page.locator("#prediction .chart").get_attribute("data-points") == str(len(check["points"]))
     assert page.locator("#prediction-summary").inner_text().startswith(f"{len(check['points'])} step")
     page.shot("tracin")
+    f = service.jobs["sft"]  # a supervised job: its header and its training and validation losses
+    page.goto(f"{service.base}/#/jobs/{f['id']}")
+    page.wait_for_selector('.chart[data-title="Loss"] canvas')
+    assert chart(page, "Loss").get_attribute("data-series") == "loss/train,loss/val"
+    assert "4 examples a step, lr 0.01" in page.locator("#job-header").inner_text()
     j = service.jobs["joint"]
     page.goto(f"{service.base}/#/jobs/{j['id']}")
     page.wait_for_selector('section[data-section="Retriever"] .chart canvas')

@@ -108,7 +108,8 @@ function header(job, cancel) {
         h("dt", {}, "dataset"), h("dd", {}, spec.dataset?.name ?? "–"),
         h("dt", {}, "rewards"), h("dd", {}, rewards || "–"),
         h("dt", {}, "batch"), h("dd", {}, spec.grpo?.prompts_per_step
-          ? `${spec.grpo.prompts_per_step} prompts × ${spec.grpo.num_generations} completions, lr ${spec.grpo.learning_rate}` : "–"))),
+          ? `${spec.grpo.prompts_per_step} prompts × ${spec.grpo.num_generations} completions, lr ${spec.grpo.learning_rate}`
+          : spec.sft ? `${spec.sft.batch_size} examples a step, lr ${spec.sft.learning_rate}` : "–"))),
     h("div", { class: "card" },
       progress(job.step, job.total_steps),
       h("dl", { class: "kv", style: { marginTop: "10px" } },

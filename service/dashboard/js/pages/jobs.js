@@ -3,7 +3,7 @@ import { api, qs } from "../api.js";
 import { ago, badge, duration, fmt, h, progress, runTime } from "../dom.js";
 
 const STATUSES = ["", "queued", "running", "succeeded", "failed", "cancelled"];
-const KINDS = ["", "grpo", "tracin", "joint"];
+const KINDS = ["", "grpo", "tracin", "joint", "sft"];
 const PAGE = 50;
 const REFRESH_MS = 3000;
 

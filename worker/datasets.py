@@ -168,14 +168,26 @@ def load_task(spec: DatasetSpec, *, settings: Settings, reward_names: list[str],
     return TaskData(train=train, val=val, instruction=instruction)
 
 
-def render_prompt(tokenizer, question: str, instruction: str, *, chat: bool = True) -> str:
-    """The text the policy is conditioned on: the chat template when the tokenizer has one."""
+def render_prompt(tokenizer, question: str, instruction: str, *, chat: bool = True,
+                  history: list[dict] | None = None) -> str:
+    """The text the policy is conditioned on: the chat template when the tokenizer has one. `history`:
+    a chat row's conversation before its answer, rendered in place of the question (its own system
+    turn, if any, replaces the instruction)."""
+    messages = list(history) if history else [{"role": "user", "content": question}]
+    if instruction and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": instruction})
     if chat and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": instruction}] if instruction else [])
-        messages.append({"role": "user", "content": question})
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    head = f"{instruction}\n\n" if instruction else ""
-    return f"{head}Question: {question}\nAnswer:"
+    if not history:
+        head = f"{instruction}\n\n" if instruction else ""
+        return f"{head}Question: {question}\nAnswer:"
+    turns = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return f"{turns}Assistant:"
+
+
+def render_example(tokenizer, ex: Example, instruction: str, *, chat: bool = True) -> str:
+    """render_prompt of one example (a chat row renders its whole conversation)."""
+    return render_prompt(tokenizer, ex.question, instruction, chat=chat, history=ex.meta.get("messages"))
 
 
 # -- persona-facts: a generated corpus about made-up people, and questions answered by one document --

@@ -30,7 +30,7 @@ from worker.algos.sparsity import (
     random_mask_like,
     task_kl,
 )
-from worker.datasets import render_prompt
+from worker.datasets import render_example
 from worker.reporting import Reporter
 from worker.sampling import RolloutBatch, batch_logprobs, micro_batches
 from worker.training import step_seed
@@ -100,7 +100,7 @@ class SparsityTracker:
             return None
         s = self.s
         tok = s.tokenizer
-        texts = [render_prompt(tok, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+        texts = [render_example(tok, ex, s.task.instruction, chat=s.spec.dataset.chat_template)
                  + " " + ex.answers[0] for ex in s.task.val[: self.spec.quality.probe_size]]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         mask = enc["attention_mask"]
@@ -120,7 +120,7 @@ class SparsityTracker:
         examples = s.task.val[:n]
         if not examples:
             return None
-        prompts = [render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+        prompts = [render_example(s.tokenizer, ex, s.task.instruction, chat=s.spec.dataset.chat_template)
                    for ex in examples]
         s.engine.sync(s.model)
         seed = step_seed(s.spec.train.seed, -1)  # a stream no training step draws from

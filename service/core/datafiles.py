@@ -4,7 +4,9 @@ One definition for both ends: the API checks an upload with `check_file` before 
 and the worker reads the same rows with `read_rows` and `task_row` / `corpus_row`.
 
 - `train` / `eval` rows: `{"prompt": str, "answer": str | number}`, or `"answers": [...]` for
-  several references; joint jobs may write `query` for `prompt` and add `gold_doc_id`.
+  several references; joint jobs may write `query` for `prompt` and add `gold_doc_id`. Or chat
+  rows, `{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}` ending with
+  the assistant's turn: the conversation before it is the prompt and its content the answer.
 - `corpus` rows: `{"id": str | int, "text": str}`, ids unique.
 
 An upload is untrusted: a 41 KB Parquet file can decode to gigabytes, a 100 KB one can hold 20
@@ -80,11 +82,40 @@ def _scalar(v: Any) -> bool:
     return isinstance(v, (str, int, float)) and not isinstance(v, bool)
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def chat_row(row: dict[str, Any]) -> TaskRow:
+    """A `messages` row: the question is the last user turn, the answer the final assistant turn, and
+    meta["messages"] the conversation before it (what the prompt renders)."""
+    messages = row["messages"]
+    if not isinstance(messages, list) or len(messages) < 2:
+        raise ValueError("'messages' must be a list of at least a user and an assistant turn")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise ValueError(f"messages[{i}] must be an object with exactly 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {m['role']!r}")
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise ValueError(f"messages[{i}].content must be a non-empty string")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("the last of 'messages' must be the assistant's turn: it is the answer")
+    users = [m for m in messages[:-1] if m["role"] == "user"]
+    if not users:
+        raise ValueError("'messages' needs a user turn before the assistant's answer")
+    if other := sorted(set(row) - {"messages"}):
+        raise ValueError(f"a 'messages' row takes no other fields: {', '.join(other)}")
+    return TaskRow(users[-1]["content"], (messages[-1]["content"],),
+                   {"messages": [dict(m) for m in messages[:-1]]})
+
+
 def task_row(row: dict[str, Any]) -> TaskRow:
     """A train/eval row, or ValueError saying what it lacks."""
+    if "messages" in row:
+        return chat_row(row)
     question = row.get("prompt", row.get("query"))
     if not isinstance(question, str) or not question.strip():
-        raise ValueError("needs a non-empty string 'prompt' (or 'query')")
+        raise ValueError("needs a non-empty string 'prompt' (or 'query'), or 'messages'")
     if "answers" in row:
         answers = row["answers"]
         if not isinstance(answers, list) or not answers or not all(_scalar(a) for a in answers):

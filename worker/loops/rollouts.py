@@ -21,7 +21,7 @@ import torch
 from service.core.records import SampleRow
 from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
-from worker.datasets import Example, render_prompt
+from worker.datasets import Example, render_example
 from worker.distributed import SINGLE, Ranks, row_seed
 from worker.loops.setup import Setup
 from worker.reporting import Reporter
@@ -161,7 +161,7 @@ class _Scored:
 
 
 def prompt_for(s: Setup, ex: Example) -> str:
-    return render_prompt(s.tokenizer, ex.question, s.task.instruction, chat=s.spec.dataset.chat_template)
+    return render_example(s.tokenizer, ex, s.task.instruction, chat=s.spec.dataset.chat_template)
 
 
 @dataclass(frozen=True)

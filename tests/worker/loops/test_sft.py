@@ -104,3 +104,21 @@ def test_sft_refuses_grpo_settings():
         SFTJob.model_validate(_spec(num_generations=4))
     with pytest.raises(ValidationError, match="grpo"):
         SFTJob.model_validate({**_spec(), "grpo": {"steps": 2}})
+
+
+def test_sft_on_chat_rows(tmp_path, settings_factory):
+    """`messages` rows: the conversation before the final assistant turn is the prompt, that turn the answer."""
+    rows = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": w}]}
+            for w in ("yes", "no", "maybe", "ok") * 5]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    settings = settings_factory(GRPO_DATASETS_ROOT=tmp_path)
+    spec = SFTJob.model_validate({**_spec(steps=4), "dataset": {"name": "jsonl", "path": "chat.jsonl", "num_val": 4},
+                                  "rewards": [{"name": "exact_match"}]})
+    assert sft.run(spec, FileReporter(tmp_path / "out"), settings=settings).status == "succeeded"
+    m = {x["step"]: x["metrics"] for x in _metrics(tmp_path / "out")}
+    assert m[4]["loss/train"] < m[1]["loss/train"] and m[4]["loss/val"] < m[0]["loss/val"]
+    s = build(spec, settings, FileReporter(tmp_path / "again"))
+    ex = sft.step_examples(s, 1)[0]
+    batch = sft.encode(s, [ex])
+    prompt = s.tokenizer.decode(batch.prompt_ids[0][batch.prompt_mask[0].bool()])
+    assert prompt == f"User: {ex.question}\nAssistant:" and batch.completions == [ex.answers[0]]

@@ -14,7 +14,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT.parent / "s
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
 def test_examples_are_accepted(path):
     spec = SPEC.validate_python(yaml.safe_load(path.read_text()))
-    assert spec.grpo.steps >= 1
+    assert spec.train.steps >= 1
 
 
 def test_project_ships_the_shared_examples():

@@ -53,6 +53,8 @@ bench: install
 	$(PY) bench/distributed.py
 	$(PY) bench/learning.py
 	$(PY) bench/memory.py
+	$(PY) bench/selection.py
+	$(PY) bench/rl_vs_sft.py
 
 clean:
 	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache

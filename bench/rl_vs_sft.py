@@ -9,8 +9,8 @@ held-out prompts), the rank of the updates, and what each forgot of a task it di
    GRPO's final one (matched accuracy), else at its last (said so).
 3. For both: held-out accuracy, the cumulative report's `precision` (fp32 and bf16 at 0, 1e-5, 1e-4)
    and `kl_task`; the update's numerical rank (singular values above 1e-3 of the largest) on every
-   weight matrix of three layers; and greedy accuracy on a second task neither trained on (write a
-   word in capital letters), base model included: the drop is forgetting.
+   weight matrix of three layers; and greedy accuracy on a second task neither trained on (the
+   plural of a noun), base model included: the drop is forgetting.
 
     python bench/rl_vs_sft.py                      # about 30 minutes on 2 cores
     python bench/rl_vs_sft.py --grpo-steps 4 --sft-steps 8
@@ -37,9 +37,10 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "import sys; from service.cli import main; sys.argv[0] = 'grpo-jobs'; main()"
-WORDS = ["apple", "river", "stone", "cloud", "music", "table", "green", "light", "paper", "horse", "bread", "chair",
-         "dream", "ocean", "smile", "train", "water", "zebra", "honey", "tiger", "plant", "mouse", "sugar", "glass",
-         "candle", "forest", "garden", "pencil", "rocket", "silver", "winter", "yellow"]
+# nouns whose plural adds an s: the second task (the base model answers about half of them right)
+WORDS = ["apple", "river", "stone", "cloud", "table", "light", "paper", "horse", "chair", "dream", "ocean", "smile",
+         "train", "tiger", "plant", "candle", "forest", "garden", "pencil", "rocket", "window", "flower", "bottle",
+         "button", "camera", "doctor", "island", "jacket", "ladder", "monkey", "planet", "rabbit"]
 RANK_LAYERS = ("model.layers.0.", "model.layers.15.", "model.layers.29.")
 
 
@@ -89,7 +90,7 @@ def update_rank(base: dict[str, torch.Tensor], tuned: dict[str, torch.Tensor]) -
 
 def forgetting_prompts(n: int) -> list[tuple[str, str]]:
     rng = random.Random(7)
-    return [(f"Write the word '{w}' in capital letters.", w.upper()) for w in rng.sample(WORDS, n)]
+    return [(f"What is the plural of '{w}'? Answer with one word.", f"{w}s") for w in rng.sample(WORDS, n)]
 
 
 @torch.no_grad()
@@ -106,7 +107,7 @@ def second_task_accuracy(folder: Path, prompts: list[tuple[str, str]]) -> float:
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     answers = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return sum(expected in a for a, (_, expected) in zip(answers, prompts)) / len(prompts)
+    return sum(expected in a.lower() for a, (_, expected) in zip(answers, prompts)) / len(prompts)
 
 
 def read(method: str, out: Path, step: int, acc: float, base_folder: Path, prompts, note: str = "") -> Reading:
@@ -152,7 +153,7 @@ def main() -> None:
     base_forget = second_task_accuracy(base_folder, prompts)
     readings = [Reading("base", 0, g_acc[0], {}, 0.0, 0.0, trained[0].rank_of, base_forget, "the starting point"),
                 *trained]
-    print(f"\nSmolLM2-135M, full fine-tuning, one-digit sums; second task: {len(prompts)} words to write in capitals")
+    print(f"\nSmolLM2-135M, full fine-tuning, one-digit sums; second task: the plural of {len(prompts)} nouns")
     print(f"{'method':<7}{'step':>5} {'acc':>6} {'bf16 =0':>8} {'bf16 1e-5':>10} {'fp32 =0':>8} {'fp32 1e-5':>10} "
           f"{'KL task':>8} {'rank':>11} {'2nd task':>9}  note")
     for r in readings:

@@ -26,6 +26,7 @@ import os
 import statistics
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -47,6 +48,29 @@ def mode_spec(spec: dict, mode: str, fraction: float | None) -> dict:
     if mode not in ("positive", "all"):
         tracin["fraction"] = round(min(1.0, max(fraction or 0.5, 0.01)), 3)
     return {**spec, "tracin": tracin}
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    """One mode over the paired seeds, against `all` on the same seeds."""
+
+    mode: str
+    acc_mean: float
+    acc_se: float
+    diff: evidence.Interval  # accuracy minus `all`'s, paired by seed (nan with one seed)
+    step_ratio: float  # mean over seeds of time/step_s / `all`'s
+    kept: float  # mean tracin/selection_ratio
+
+
+def summarise(mode: str, runs: dict[int, SeedRun], base: dict[int, SeedRun], seeds: list[int],
+              last: int) -> ModeSummary:
+    acc = [runs[s].accuracy[last] for s in seeds]
+    nan = float("nan")
+    diff = evidence.mean_interval([runs[s].accuracy[last] - base[s].accuracy[last] for s in seeds])
+    return ModeSummary(
+        mode, statistics.fmean(acc), evidence.standard_error(acc), diff or evidence.Interval(nan, nan, nan),
+        statistics.fmean(runs[s].means["time/step_s"] / base[s].means["time/step_s"] for s in seeds),
+        statistics.fmean(runs[s].means.get("tracin/selection_ratio", nan) for s in seeds))
 
 
 def main() -> None:
@@ -83,25 +107,18 @@ def main() -> None:
         list(pool.map(lambda ms: run(ms[0], ms[1], matched[ms[1]]), rest))
 
     base = runs["all"]
+    summaries = [summarise(mode, runs[mode], base, seeds, last) for mode in modes]
     print(f"\n{args.spec.name}: {len(seeds)} paired seeds, {last} steps, eval/accuracy on "
           f"{spec['grpo'].get('eval_prompts', 32)} held-out prompts at step {last}")
     print(f"{'mode':<13}{'acc mean ± se':<17}{'vs all: diff [95% CI]':<30}{'step time / all':<17}kept")
-    for mode in modes:
-        acc = [runs[mode][s].accuracy[last] for s in seeds]
-        diff = evidence.mean_interval([runs[mode][s].accuracy[last] - base[s].accuracy[last] for s in seeds])
-        ratio = statistics.fmean(runs[mode][s].means["time/step_s"] / base[s].means["time/step_s"] for s in seeds)
-        kept = statistics.fmean(runs[mode][s].means.get("tracin/selection_ratio", float("nan")) for s in seeds)
-        ci = "–" if diff is None or mode == "all" else f"{diff.estimate:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]"
-        print(f"{mode:<13}{statistics.fmean(acc):.3f} ± {evidence.standard_error(acc):.3f}    {ci:<30}"
-              f"{ratio:<17.2f}{kept:.2f}")
-    for mode in modes:
-        acc = [runs[mode][s].accuracy[last] for s in seeds]
-        diff = evidence.mean_interval([runs[mode][s].accuracy[last] - base[s].accuracy[last] for s in seeds])
-        d = diff or evidence.Interval(float("nan"), float("nan"), float("nan"))
-        ratio = statistics.fmean(runs[mode][s].means["time/step_s"] / base[s].means["time/step_s"] for s in seeds)
-        print(f"RESULT mode={mode} seeds={len(seeds)} acc_mean={statistics.fmean(acc):.3f} "
-              f"acc_se={evidence.standard_error(acc):.3f} diff={d.estimate:+.3f} lo={d.low:+.3f} hi={d.high:+.3f} "
-              f"step_ratio={ratio:.2f}", flush=True)
+    for m in summaries:
+        d = m.diff
+        ci = "–" if m.mode == "all" else f"{d.estimate:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
+        print(f"{m.mode:<13}{m.acc_mean:.3f} ± {m.acc_se:.3f}    {ci:<30}{m.step_ratio:<17.2f}{m.kept:.2f}")
+    for m in summaries:
+        d = m.diff
+        print(f"RESULT mode={m.mode} seeds={len(seeds)} acc_mean={m.acc_mean:.3f} acc_se={m.acc_se:.3f} "
+              f"diff={d.estimate:+.3f} lo={d.low:+.3f} hi={d.high:+.3f} step_ratio={m.step_ratio:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,14 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     return decoder, head
 
 
+def forward_inputs(b: RolloutBatch) -> dict[str, torch.Tensor | bool]:
+    """The model's keyword inputs for prompt + completion rows [N, P+T]: positions count real tokens
+    only, as generate() does with left padding; no KV cache."""
+    attn = torch.cat([b.prompt_mask, b.completion_mask], dim=1)  # [N, P+T]
+    return dict(input_ids=torch.cat([b.prompt_ids, b.completion_ids], dim=1), attention_mask=attn,
+                position_ids=(attn.long().cumsum(1) - 1).clamp(min=0), use_cache=False)
+
+
 def sequence_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, temperature: float, *, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,11 +169,7 @@ def sequence_logprobs(
     N, T = batch.completion_ids.shape
     b = batch.trimmed()
     t = b.completion_ids.shape[1]
-    input_ids = torch.cat([b.prompt_ids, b.completion_ids], dim=1)  # [N, P+t]
-    attn = torch.cat([b.prompt_mask, b.completion_mask], dim=1)  # [N, P+t]
-    # Positions count real tokens only, as generate() does with left padding.
-    position_ids = (attn.long().cumsum(1) - 1).clamp(min=0)  # [N, P+t]
-    kw = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
+    kw = forward_inputs(b)  # [N, P+t]
     parts = split_head(model)
     if parts is None:
         logp, ent = _logprobs_from_logits(model, b, kw, temperature, with_entropy)

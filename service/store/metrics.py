@@ -212,26 +212,23 @@ def latest_of(session: Session, *, job_ids: Iterable[int], keys: Iterable[str] |
     return out
 
 
-def points_between(session: Session, *, job_id: int, after_step: int, to_step: int) -> dict[int, dict[str, float]]:
-    """All points with after_step < step <= to_step, grouped by step (for live streams)."""
+def _by_step(session: Session, *where) -> dict[int, dict[str, float]]:
+    """Every point matching `where`, undownsampled, grouped by step in step order."""
     rows = session.execute(
         select(Metric.step, MetricKey.name, Metric.value).join(MetricKey, MetricKey.id == Metric.key_id)
-        .where(Metric.job_id == job_id, Metric.step > after_step, Metric.step <= to_step)
-        .order_by(Metric.step)
+        .where(*where).order_by(Metric.step)
     ).all()
     out: dict[int, dict[str, float]] = {}
     for s, k, v in rows:
         out.setdefault(s, {})[k] = v
     return out
+
+
+def points_between(session: Session, *, job_id: int, after_step: int, to_step: int) -> dict[int, dict[str, float]]:
+    """All points with after_step < step <= to_step, grouped by step (for live streams)."""
+    return _by_step(session, Metric.job_id == job_id, Metric.step > after_step, Metric.step <= to_step)
 
 
 def values_by_step(session: Session, *, job_id: int, keys: Iterable[str]) -> dict[int, dict[str, float]]:
     """Every recorded value of `keys`, undownsampled, grouped by step in step order."""
-    rows = session.execute(
-        select(Metric.step, MetricKey.name, Metric.value).join(MetricKey, MetricKey.id == Metric.key_id)
-        .where(Metric.job_id == job_id, MetricKey.name.in_(list(keys))).order_by(Metric.step)
-    ).all()
-    out: dict[int, dict[str, float]] = {}
-    for s, k, v in rows:
-        out.setdefault(s, {})[k] = v
-    return out
+    return _by_step(session, Metric.job_id == job_id, MetricKey.name.in_(list(keys)))

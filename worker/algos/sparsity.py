@@ -86,8 +86,9 @@ class Counter:
         delta = after - before
         a = delta.abs()
         self.numel += a.numel()
+        within = {t: int(torch.count_nonzero(a <= t)) for t in {*self.thresholds, *LITERATURE_TOLERANCES}}
         for i, t in enumerate(self.thresholds):
-            self.unchanged[i] += int(torch.count_nonzero(a <= t))
+            self.unchanged[i] += within[t]
         wabs = before.abs()
         self.unchanged_rel += int(torch.count_nonzero(a <= self.rtol * wabs))
         self.abs_sum += float(a.sum(dtype=torch.float64))
@@ -97,7 +98,7 @@ class Counter:
         self.sign_flips += int(torch.count_nonzero((before * after) < 0))
         a16 = (after.to(torch.bfloat16).float() - before.to(torch.bfloat16).float()).abs()  # exact: both are bf16
         for i, t in enumerate(LITERATURE_TOLERANCES):
-            self.fp32[i] += int(torch.count_nonzero(a <= t))
+            self.fp32[i] += within[t]
             self.bf16[i] += int(torch.count_nonzero(a16 <= t))
 
     def merge(self, other: Counter) -> None:

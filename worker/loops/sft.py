@@ -33,7 +33,7 @@ from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
-from worker.sampling import RolloutBatch, sequence_logprobs
+from worker.sampling import RolloutBatch, forward_inputs, sequence_logprobs
 from worker.training import seed_everything
 
 
@@ -114,11 +114,8 @@ def answer_stats(s: Setup, batch: RolloutBatch) -> AnswerStats:
         for idx in update.micro(s, batch, list(range(len(batch)))):
             b = batch.select(idx).trimmed().to(s.device)
             t = b.completion_ids.shape[1]
-            attn = torch.cat([b.prompt_mask, b.completion_mask], 1)  # [n, P+t]
             # [n, t, V]: the position before answer token j predicts it
-            logits = s.model(input_ids=torch.cat([b.prompt_ids, b.completion_ids], 1), attention_mask=attn,
-                             position_ids=(attn.cumsum(1) - 1).clamp(min=0), use_cache=False,
-                             logits_to_keep=t + 1).logits[:, -(t + 1):-1].float()
+            logits = s.model(**forward_inputs(b), logits_to_keep=t + 1).logits[:, -(t + 1):-1].float()
             real = b.completion_mask.bool()
             nll += float(torch.nn.functional.cross_entropy(logits[real], b.completion_ids[real], reduction="sum"))
             hits += float((logits.argmax(-1) == b.completion_ids)[real].sum())

@@ -33,7 +33,7 @@ from worker.algos.sparsity import (
 from worker.datasets import render_example
 from worker.reporting import Reporter
 from worker.sampling import RolloutBatch, batch_logprobs, micro_batches
-from worker.training import step_seed
+from worker.training import eval_mode, step_seed
 
 
 def _cpu_copy(p: torch.Tensor) -> torch.Tensor:
@@ -128,13 +128,9 @@ class SparsityTracker:
         return TaskProbe(batch=batch, logp0=self._task_logprobs(batch))
 
     def _task_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        was_training = self.s.model.training
-        self.s.model.eval()
-        try:
+        with eval_mode(self.s.model):
             return batch_logprobs(self.s.model, batch, self.s.engine.params.temperature, self._micro(batch),
                                   self.s.device)
-        finally:
-            self.s.model.train(was_training)
 
     def _kl_task(self) -> tuple[float, float] | None:
         if self.task is None:

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from worker.models import trainable_parameters
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model without dropout for the block, then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def seed_everything(seed: int) -> None:

@@ -25,6 +25,7 @@ from worker.loops import update
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.sampling import batch_logprobs
+from worker.training import eval_mode
 
 
 def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
@@ -32,13 +33,9 @@ def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
     """(L_val over every rank's rows, this rank's log-probs [N, T]) at the current weights; old_logp
     None: the ratios are taken against these log-probs, so L_val is its value at theta_t."""
     g = s.spec.grpo
-    was_training = s.model.training
-    s.model.eval()
-    try:
+    with eval_mode(s.model):
         logp = batch_logprobs(s.model, ro.batch, g.temperature, update.micro(s, ro.batch, list(range(len(ro)))),
                               s.device)
-    finally:
-        s.model.train(was_training)
     parts = sample_losses(logp, logp if old_logp is None else old_logp, ro.advantages.to(s.device),
                           ro.loss_mask.to(s.device), update.batch_normaliser(s, ro.loss_mask),
                           ref_logp=None if ref_logp is None else ref_logp.to(s.device),

@@ -34,7 +34,7 @@ from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
 from worker.sampling import RolloutBatch, forward_inputs, sequence_logprobs
-from worker.training import seed_everything
+from worker.training import eval_mode, seed_everything
 
 
 def step_examples(s: Setup, step: int) -> list[Example]:
@@ -107,10 +107,8 @@ class AnswerStats:
 def answer_stats(s: Setup, batch: RolloutBatch) -> AnswerStats:
     """Teacher-forced over `batch`, without dropout: one forward per micro-batch, the logits of the
     answer positions only."""
-    was_training = s.model.training
-    s.model.eval()
     nll = hits = 0.0
-    try:
+    with eval_mode(s.model):
         for idx in update.micro(s, batch, list(range(len(batch)))):
             b = batch.select(idx).trimmed().to(s.device)
             t = b.completion_ids.shape[1]
@@ -119,8 +117,6 @@ def answer_stats(s: Setup, batch: RolloutBatch) -> AnswerStats:
             real = b.completion_mask.bool()
             nll += float(torch.nn.functional.cross_entropy(logits[real], b.completion_ids[real], reduction="sum"))
             hits += float((logits.argmax(-1) == b.completion_ids)[real].sum())
-    finally:
-        s.model.train(was_training)
     t = s.ranks.sum({"nll": nll, "hits": hits, "tokens": float(batch.completion_mask.sum())})
     return AnswerStats(t["nll"], t["hits"], t["tokens"])
 

@@ -1,4 +1,15 @@
-"""The GRPO-Clip objective: clipped surrogate + k3 KL, with three token aggregations.
+"""The GRPO-Clip objective and its GSPO and CISPO variants, + k3 KL, with three token aggregations.
+
+Each variant is a small function from (logp, old_logp, advantages, mask) to a per-token surrogate;
+`SURROGATES` names them:
+  grpo:  -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = pi/pi_old per token (DeepSeekMath);
+  gspo:  the same with the sequence's length-normalised ratio s = exp(mean_t log r), one value
+         broadcast to every token of the sequence (Zheng et al. 2025, "GSPO"); with seq_mean it is
+         exactly GSPO's sequence objective;
+  cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi: a REINFORCE term whose importance weight is
+         clipped and carries no gradient, so clipped tokens still train (MiniMax-M1, "CISPO").
+An optional `weights` [B, T] (the rollout correction, worker/algos/correction.py) multiplies each
+token's surrogate; it carries no gradient.
 
 One definition: `sample_losses` gives each sample's share of the batch loss, divided by a
 `Normaliser` fixed for the whole batch, so shares from any split into micro-batches (or any
@@ -16,6 +27,7 @@ import torch
 
 Agg = Literal["token_mean", "seq_mean", "dr_grpo"]
 AGGREGATIONS: tuple[Agg, ...] = ("token_mean", "seq_mean", "dr_grpo")
+LossName = Literal["grpo", "gspo", "cispo"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -110,6 +122,41 @@ class SampleLosses:
     tokens: TokenStats
 
 
+@dataclass(frozen=True)
+class Surrogate:
+    """A variant's per-token surrogate [B, T] (to be minimised), the ratio its statistics report
+    [B, T], and where its clip changed the value [B, T] bool."""
+
+    per_token: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+
+
+def grpo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate:
+    """Token-level clipped surrogate. logp, old_logp, mask: [B, T]; adv: [B, 1]."""
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, lo, hi) * adv  # [B, T]
+    return Surrogate(-torch.minimum(unclipped, clipped), ratio, clipped < unclipped)
+
+
+def gspo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate:
+    """Sequence-level clipped surrogate on s = exp(mean over real tokens of log r), broadcast [B, T]."""
+    log_s = masked_mean(logp - old_logp, mask, dim=1)  # [B]
+    s = torch.exp(log_s).unsqueeze(1).expand_as(logp)  # [B, T]
+    unclipped, clipped = s * adv, torch.clamp(s, lo, hi) * adv  # [B, T]
+    return Surrogate(-torch.minimum(unclipped, clipped), s, clipped < unclipped)
+
+
+def cispo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate:
+    """REINFORCE with a clipped, stop-gradient importance weight: -sg(clip(r)) A log pi. [B, T]."""
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    weight = torch.clamp(ratio, lo, hi).detach()  # [B, T]
+    return Surrogate(-weight * adv * logp, ratio, weight != ratio.detach())
+
+
+SURROGATES = {"grpo": grpo_surrogate, "gspo": gspo_surrogate, "cispo": cispo_surrogate}
+
+
 def sample_losses(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -121,30 +168,31 @@ def sample_losses(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     kl_coef: float = 0.0,
+    loss: LossName = "grpo",
+    weights: torch.Tensor | None = None,
 ) -> SampleLosses:
-    """GRPO-Clip per sample: -min(r A, clip(r, 1-eps_low, 1+eps_high) A) + kl_coef * k3(pi, pi_ref),
+    """Per sample: the `loss` variant's surrogate (times `weights` when given) + kl_coef * k3(pi, pi_ref),
     each sample's tokens divided by the batch's `norm`.
 
-    logp, old_logp, ref_logp, mask: [B, T]; advantages: [B]. With ref_logp the KL is measured
-    whatever kl_coef is (0 only leaves it out of the loss).
+    logp, old_logp, ref_logp, mask, weights: [B, T]; advantages: [B]. With ref_logp the KL is
+    measured whatever kl_coef is (0 only leaves it out of the loss).
     """
     mask = mask.to(logp.dtype)
-    ratios = torch.exp(logp - old_logp)  # [B, T]
     adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
-    unclipped = ratios * adv  # [B, T]
-    clipped = torch.clamp(ratios, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv  # [B, T]
-    policy = norm.shares(-torch.minimum(unclipped, clipped), mask)  # [B]
-    loss, kl = policy, None
+    sur = SURROGATES[loss](logp, old_logp, adv, mask, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_token = sur.per_token if weights is None else sur.per_token * weights.to(logp.dtype).detach()  # [B, T]
+    policy = norm.shares(per_token, mask)  # [B]
+    total, kl = policy, None
     if ref_logp is not None:
         kl = norm.shares(k3_kl(logp, ref_logp), mask)  # [B]
         if kl_coef:
-            loss = policy + kl_coef * kl
+            total = policy + kl_coef * kl
     with torch.no_grad():
-        real = mask.bool()
+        real, ratios = mask.bool(), sur.ratio.detach()
         stats = TokenStats(tokens=float(mask.sum()), ratio_sum=float((ratios * mask).sum()),
                            ratio_max=float(torch.where(real, ratios, torch.zeros_like(ratios)).max()) if real.any() else 0.0,
-                           clipped=float(((clipped < unclipped) & real).sum()))
-    return SampleLosses(loss, policy.detach(), None if kl is None else kl.detach(), stats)
+                           clipped=float((sur.clipped & real).sum()))
+    return SampleLosses(total, policy.detach(), None if kl is None else kl.detach(), stats)
 
 
 def policy_loss(
@@ -158,11 +206,14 @@ def policy_loss(
     clip_eps_high: float = 0.2,
     kl_coef: float = 0.0,
     agg: Agg = "token_mean",
+    loss: LossName = "grpo",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of a whole batch (the sum of its `sample_losses`) and its statistics: loss/policy,
     kl (only with a reference), ratio mean/max, clip fraction."""
     parts = sample_losses(logp, old_logp, advantages, mask, Normaliser.of(mask, agg), ref_logp=ref_logp,
-                          clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef)
+                          clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
+                          loss=loss, weights=weights)
     stats = {"loss/policy": float(parts.policy.sum()), **parts.tokens.metrics()}
     if parts.kl is not None:
         stats["kl"] = float(parts.kl.sum())

@@ -174,3 +174,68 @@ def test_micro_batch_accumulation_equals_the_whole_batch(agg, kl_coef):
 def test_unknown_aggregation_is_named():
     with pytest.raises(ValueError, match="nope"):
         Normaliser.of(torch.ones(1, 1), "nope")
+
+
+def test_gspo_uses_the_length_normalised_sequence_ratio():
+    old = torch.zeros(2, 3)
+    logp = _t([[0.3, -0.1, 0.0], [0.05, 0.05, 9.0]])
+    mask = _t([[1, 1, 1], [1, 1, 0]])
+    adv = _t([1.0, -1.0])
+    # sequence 0: s = exp((0.3 - 0.1 + 0) / 3) = exp(0.0667) = 1.069 (inside [0.8, 1.2]): -1.069 on 3 tokens
+    # sequence 1: s = exp(0.05) = 1.051, A < 0: -min(-1.051, -1.051) = 1.051 on 2 tokens (the padded 9.0 is ignored)
+    s0, s1 = math.exp(0.2 / 3), math.exp(0.05)
+    loss, st = policy_loss(logp, old, adv, mask, loss="gspo", agg="seq_mean")
+    assert loss.item() == pytest.approx((-s0 + s1) / 2, rel=1e-6)
+    loss, st = policy_loss(logp, old, adv, mask, loss="gspo", agg="token_mean")
+    assert loss.item() == pytest.approx((-3 * s0 + 2 * s1) / 5, rel=1e-6)
+    assert st["ratio/mean"] == pytest.approx((3 * s0 + 2 * s1) / 5, rel=1e-6)
+    assert st["clip_ratio/region_mean"] == 0.0
+
+
+def test_gspo_clips_the_whole_sequence_and_its_gradient_is_the_mean_token_gradient():
+    old = torch.zeros(1, 2)
+    logp = _t([[0.5, 0.3]]).requires_grad_()  # s = exp(0.4) = 1.49 > 1.2 with A > 0: clipped, no gradient
+    loss, st = policy_loss(logp, old, _t([1.0]), torch.ones(1, 2), loss="gspo")
+    assert loss.item() == pytest.approx(-1.2)
+    assert st["clip_ratio/region_mean"] == 1.0
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 2))
+    logp = _t([[0.1, -0.1]]).requires_grad_()  # s = 1: d(-s A)/d logp_t = -A s / |y| = -0.5 per token
+    policy_loss(logp, old, _t([1.0]), torch.ones(1, 2), loss="gspo", agg="seq_mean")[0].backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.5, -0.5])
+
+
+def test_cispo_weights_are_clipped_and_carry_no_gradient():
+    old = torch.zeros(1, 3)
+    logp = _t([[0.5, -0.5, 0.1]]).requires_grad_()  # ratios 1.65, 0.61, 1.105
+    adv = _t([2.0])
+    loss, st = policy_loss(logp, old, adv, torch.ones(1, 3), loss="cispo")
+    w = [1.2, 0.8, math.exp(0.1)]  # clip(r, 0.8, 1.2)
+    # -sg(w) A logp, token mean
+    assert loss.item() == pytest.approx(-sum(wi * 2.0 * li for wi, li in zip(w, [0.5, -0.5, 0.1])) / 3, rel=1e-6)
+    assert st["clip_ratio/region_mean"] == pytest.approx(2 / 3)
+    loss.backward()
+    # clipped tokens still train: d/dlogp_t = -w_t A / 3 for every token
+    assert logp.grad[0].tolist() == pytest.approx([-wi * 2.0 / 3 for wi in w], rel=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "dr_grpo"])
+def test_every_variant_splits_into_samples_that_add_up(variant, agg):
+    torch.manual_seed(0)
+    logp = torch.randn(5, 4) * 0.1 - 1.0
+    old = logp + torch.randn(5, 4) * 0.05
+    mask = (torch.rand(5, 4) > 0.3).float()
+    mask[:, 0] = 1
+    adv, w = torch.randn(5), torch.rand(5, 4) + 0.5
+    loss, _ = policy_loss(logp, old, adv, mask, agg=agg, loss=variant, weights=w)
+    norm = Normaliser.of(mask, agg)
+    parts = [sample_losses(logp[r], old[r], adv[r], mask[r], norm, loss=variant, weights=w[r]).loss.sum()
+             for r in ([0, 3], [1, 2, 4])]
+    assert float(sum(parts)) == pytest.approx(float(loss), rel=1e-6)
+
+
+def test_weights_multiply_each_tokens_surrogate():
+    logp = torch.zeros(1, 2)
+    loss, _ = policy_loss(logp, logp, _t([1.0]), torch.ones(1, 2), weights=_t([[0.5, 2.0]]))
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)

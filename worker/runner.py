@@ -15,7 +15,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from functools import partial
+from functools import partial, wraps
 from typing import Literal
 
 from service.core import queue
@@ -44,7 +44,18 @@ def loop_for(kind: str):
     """The training loop of a job kind (imported lazily: each pulls in torch and transformers)."""
     if kind not in LOOPS:
         raise ValueError(f"unknown job kind {kind!r}")
-    return importlib.import_module(LOOPS[kind]).run
+    run = importlib.import_module(LOOPS[kind]).run
+
+    @wraps(run)
+    def run_then_stop_engines(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        finally:  # a job's vLLM server ends with its loop, whether it succeeded or failed
+            from worker.vllm_engine import stop_servers
+
+            stop_servers()
+
+    return run_then_stop_engines
 
 
 def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_reporter: Callable[[], Reporter],

@@ -50,6 +50,8 @@ class RolloutBatch:
     completion_mask: torch.Tensor  # [N, T] 1 for tokens up to and including EOS / the stop string
     truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS or stop string
     completions: list[str]  # decoded completions, cut after the stop string
+    sampler_logp: torch.Tensor | None = None  # [N, T] the inference engine's log-probs of its samples (vllm)
+    version: torch.Tensor | None = None  # [N] the weight version (sync count) that sampled each row (vllm)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -58,7 +60,9 @@ class RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         return RolloutBatch(prompt_ids=self.prompt_ids[idx], prompt_mask=self.prompt_mask[idx],
                             completion_ids=self.completion_ids[idx], completion_mask=self.completion_mask[idx],
-                            truncated=self.truncated[idx], completions=[self.completions[i] for i in idx.tolist()])
+                            truncated=self.truncated[idx], completions=[self.completions[i] for i in idx.tolist()],
+                            sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
+                            version=None if self.version is None else self.version[idx])
 
     def trimmed(self) -> "RolloutBatch":
         """The same rows without the columns that are padding in every row (prompts' left, completions' right)."""
@@ -67,13 +71,17 @@ class RolloutBatch:
         P = self.prompt_ids.shape[1]
         return RolloutBatch(prompt_ids=self.prompt_ids[:, P - p:], prompt_mask=self.prompt_mask[:, P - p:],
                             completion_ids=self.completion_ids[:, :t], completion_mask=self.completion_mask[:, :t],
-                            truncated=self.truncated, completions=self.completions)
+                            truncated=self.truncated, completions=self.completions,
+                            sampler_logp=None if self.sampler_logp is None else self.sampler_logp[:, :t],
+                            version=self.version)
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         return RolloutBatch(prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
                             completion_ids=self.completion_ids.to(device),
                             completion_mask=self.completion_mask.to(device), truncated=self.truncated.to(device),
-                            completions=self.completions)
+                            completions=self.completions,
+                            sampler_logp=None if self.sampler_logp is None else self.sampler_logp.to(device),
+                            version=None if self.version is None else self.version.to(device))
 
     @staticmethod
     def cat(batches: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
@@ -93,6 +101,9 @@ class RolloutBatch:
             completion_mask=torch.cat([rpad(b.completion_mask, T, 0) for b in batches]),
             truncated=torch.cat([b.truncated for b in batches]),
             completions=[c for b in batches for c in b.completions],
+            sampler_logp=None if any(b.sampler_logp is None for b in batches) else
+            torch.cat([rpad(b.sampler_logp, T, 0.0) for b in batches]),
+            version=None if any(b.version is None for b in batches) else torch.cat([b.version for b in batches]),
         )
 
 

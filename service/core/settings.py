@@ -190,6 +190,21 @@ class Settings(BaseSettings):
         "when the job ends.",
     )
 
+    vllm_python: Path | None = Field(
+        default=None, validation_alias="GRPO_VLLM_PYTHON",
+        description="The Python of the environment vLLM is installed in (`make vllm` builds `.venv-vllm`): jobs "
+        "with `rollout.engine: vllm` start their server with it. Unset: such jobs fail with a readable event.",
+    )
+    vllm_args: str = Field(
+        default="", validation_alias="GRPO_VLLM_ARGS",
+        description="Extra command-line arguments for every job's vLLM server, e.g. '--gpu-memory-utilization 0.4'. "
+        "On a CPU worker '--enforce-eager' is added (no compile at start-up) unless given.",
+    )
+    vllm_start_timeout_s: float = Field(
+        default=600.0, validation_alias="GRPO_VLLM_START_TIMEOUT_S",
+        description="How long a job waits for its vLLM server to be ready before it fails.",
+    )
+
     @property
     def store_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'grpo-jobs.db'}"

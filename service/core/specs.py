@@ -270,6 +270,10 @@ class GRPOSpec(TrainSpec):
         False, description="Report `kl` even when kl_coef is 0: one more no-grad forward per micro-batch (and a "
         "frozen copy of the model with full fine-tuning). With kl_coef > 0 it is always reported."
     )
+    loss: Literal["grpo", "gspo", "cispo"] = Field(
+        "grpo", description="grpo: the token-level clipped surrogate; gspo: the sequence's length-normalised ratio, "
+        "clipped (GSPO; it wants far smaller clip_eps, e.g. 3e-4 / 4e-4); cispo: REINFORCE with a clipped, "
+        "stop-gradient importance weight (CISPO; clipped tokens still train).")
     loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field(
         "token_mean", description="token_mean: over all tokens; seq_mean: mean of per-sequence means; dr_grpo: "
         "sum / (B * T)."
@@ -330,6 +334,36 @@ class DevicesSpec(_Section):
         if v is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", v):
             raise ValueError(f"unknown device {v!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
         return v
+
+
+class RolloutSpec(_Section):
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="What samples the rollouts: 'hf', Hugging Face generate on a frozen copy of the policy in "
+        "the training process; 'vllm', a vLLM server started for the job (a worker with GRPO_VLLM_PYTHON), weights "
+        "synced every step, token ids in and out.")
+    correction: Literal["none", "truncated", "masked"] | None = Field(
+        None, description="Importance-sampling correction of the engine's samples by pi_trainer / q_engine: "
+        "'truncated' caps the weight at correction_cap, 'masked' drops tokens (or sequences) whose ratio leaves "
+        "[1/cap, cap], 'none' only measures. Default: 'truncated' with vllm; only for vllm.")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="The ratio per token, or per sequence (the product over its tokens, one weight for "
+        "all of them).")
+    correction_cap: float = Field(2.0, gt=1.0, le=1e6, description="C: the truncation cap, and the masking band "
+                                  "[1/C, C].")
+
+    @property
+    def correction_mode(self) -> Literal["none", "truncated", "masked"]:
+        """The correction in effect: the one set, or 'truncated' for vllm and 'none' for hf."""
+        if self.correction is not None:
+            return self.correction
+        return "truncated" if self.engine == "vllm" else "none"
+
+    @model_validator(mode="after")
+    def _hf_has_no_mismatch(self) -> "RolloutSpec":
+        if self.engine == "hf":
+            reject_unused(self, "rollout", ("correction", "correction_level", "correction_cap"),
+                          unless="with rollout.engine 'vllm' (the hf engine's log-probs are the trainer's own)")
+        return self
 
 
 class ResourcesSpec(_Section):
@@ -454,6 +488,7 @@ class _JobBase(_Section):
         None, min_length=1, description="Reward functions, summed with weights; default depends on the dataset."
     )
     devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     sparsity: SparsitySpec | None = Field(None, description="Parameter-update sparsity reports; omit to skip.")
 
@@ -500,6 +535,16 @@ class _JobBase(_Section):
                 raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
                                  "each where there are enough, else the CPU): leave devices.policy 'cpu' or "
                                  "'cuda' and devices.rollout unset")
+        if self.rollout.engine == "vllm":
+            if self.resources.sharding == "fsdp":
+                raise ValueError("rollout.engine 'vllm' is not supported with resources.sharding 'fsdp': the "
+                                 "server loads whole weights; use sharding 'none'")
+            if self.model.dtype == "float64":
+                raise ValueError("rollout.engine 'vllm' serves float32, bfloat16 or float16: set model.dtype to one "
+                                 "of them")
+            if self.devices.rollout is not None:
+                raise ValueError("devices.rollout places the hf engine's copy; with rollout.engine 'vllm' the "
+                                 "server takes its own device: remove devices.rollout")
         return self
 
 

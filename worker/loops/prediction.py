@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from worker.algos.influence import GhostHooks
-from worker.algos.losses import sample_losses
 from worker.loops import update
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
@@ -36,10 +35,11 @@ def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
     with eval_mode(s.model):
         logp = batch_logprobs(s.model, ro.batch, g.temperature, update.micro(s, ro.batch, list(range(len(ro)))),
                               s.device)
-    parts = sample_losses(logp, logp if old_logp is None else old_logp, ro.advantages.to(s.device),
-                          ro.loss_mask.to(s.device), update.batch_normaliser(s, ro.loss_mask),
-                          ref_logp=None if ref_logp is None else ref_logp.to(s.device),
-                          clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
+    old = logp if old_logp is None else old_logp
+    mask = ro.loss_mask.to(s.device)
+    parts = update.losses(s, logp, old, ro.advantages.to(s.device), mask, update.batch_normaliser(s, ro.loss_mask),
+                          None if ref_logp is None else ref_logp.to(s.device),
+                          update.correction(s, ro.batch.to(s.device), old, mask))
     return s.ranks.sum({"loss": float(parts.loss.sum())})["loss"], logp
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import shlex
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,6 +27,7 @@ from worker.models import load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.sampling import RolloutEngine, SamplingParams
+from worker.vllm_engine import EngineFailed, VLLMEngine
 from worker.training import make_optimizer, make_scheduler, trainable
 
 AnySpec = GRPOJob | TracInJob | JointJob | SFTJob
@@ -37,7 +40,7 @@ class Setup:
     spec: AnySpec
     model: torch.nn.Module  # the trained policy (a peft model with LoRA)
     tokenizer: PreTrainedTokenizerBase
-    engine: RolloutEngine  # the frozen rollout copy: samples, and old_logp from the second epoch on
+    engine: RolloutEngine | VLLMEngine  # samples; old_logp from the second epoch on
     ref_model: torch.nn.Module | None  # a frozen copy for full fine-tuning with KL; LoRA disables the adapter instead
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -97,7 +100,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
         shard(model, ranks)
         if ref is not None:
             shard(ref, ranks)
-    engine = RolloutEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
+    engine = rollout_engine(spec, settings, reporter, model, tok, dev, params, ranks=ranks, sharded=sharded)
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_step,
                            total=g.steps * g.epochs_per_step)
@@ -111,6 +114,27 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                  task=task, scorer=scorer, device=device, extra=dict(extra or {}),
                  extra_optimizers=dict(extra_optimizers or {}), extra_schedulers=dict(extra_schedulers or {}),
                  ranks=ranks, sharded=sharded)
+
+
+def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok, dev: str,
+                   params: SamplingParams, *, ranks: Ranks, sharded: bool) -> RolloutEngine | VLLMEngine:
+    """The job's `rollout.engine`: a frozen copy sampled with generate, or a vLLM server of its own."""
+    if spec.rollout.engine == "hf":
+        return RolloutEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
+    if settings.vllm_python is None:
+        raise EngineFailed("rollout.engine 'vllm' needs a worker whose GRPO_VLLM_PYTHON names the Python of a vLLM "
+                           "environment (`make vllm` builds one); this worker has none")
+    args = tuple(shlex.split(settings.vllm_args))
+    if torch.device(dev).type == "cpu" and "--enforce-eager" not in args:
+        args += ("--enforce-eager",)  # compiling the model takes minutes on a CPU and gains little there
+    base = model.get_base_model() if is_lora(model) else model
+    # the longest sequence the server takes (its KV cache must hold one): the model's own, within reason
+    max_model_len = min(int(getattr(base.config, "max_position_embeddings", 4096)), 16384)
+    workdir = settings.data_dir / "engines" / f"{reporter.job_id or 'local'}-{os.getpid()}"
+    return VLLMEngine(model, tok, dev, params, python=settings.vllm_python, workdir=workdir,
+                      max_model_len=max_model_len, extra_args=args,
+                      start_timeout_s=settings.vllm_start_timeout_s, ranks=ranks,
+                      on_event=lambda kind, message, data: reporter.event(kind, message, data=data))
 
 
 def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:

@@ -92,6 +92,7 @@ class StepTimer:
     t0: float = field(default_factory=time.perf_counter)
     rollout_s: float = 0.0
     train_s: float = 0.0
+    sync_s: float = 0.0  # loading the policy's weights into the rollout engine
 
     def rollouts_done(self) -> None:
         self.rollout_s = time.perf_counter() - self.t0
@@ -108,6 +109,7 @@ def begin_step(run: Run, step: int) -> StepTimer:
     timer = StepTimer()
     seed_everything(step_seed(run.s.spec.train.seed, step))
     run.s.engine.sync(run.s.model)
+    timer.sync_s = timer.elapsed()
     return timer
 
 
@@ -144,8 +146,10 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
         metrics.update(run.tracker.pop_metrics())
     metrics.update(evaluate_if_due(run, step))
     dt = timer.elapsed()
-    metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/step_s": dt,
-                    "throughput/tokens_per_s": tokens / dt, **memory.measure(run.s.device).metrics()})
+    metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/sync_s": timer.sync_s,
+                    "time/step_s": dt, "throughput/tokens_per_s": tokens / dt,
+                    "throughput/rollout_tokens_per_s": tokens / max(timer.rollout_s - timer.sync_s, 1e-9),
+                    **memory.measure(run.s.device).metrics()})
     run.reporter.metrics(step, metrics)
     if samples:
         run.reporter.samples(step, list(samples))

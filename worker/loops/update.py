@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from worker.algos.losses import Normaliser, TokenStats, sample_losses
+from worker.algos.correction import Correction, MismatchStats, correct
+from worker.algos.losses import Normaliser, SampleLosses, TokenStats, sample_losses
 from worker.distributed import Ranks
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
@@ -57,6 +58,26 @@ def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
     return s.engine.logprobs(ro.batch, g.micro_batch_size, g.micro_batch_tokens)
 
 
+def correction(s: Setup, batch: RolloutBatch, old: torch.Tensor, mask: torch.Tensor) -> Correction | None:
+    """The engine mismatch of `batch`'s rows [n, T] (sampled by the engine; trained with old log-probs
+    `old`) and its importance weights per rollout.correction; None when the engine's log-probs are
+    the trainer's own (hf)."""
+    if batch.sampler_logp is None:
+        return None
+    r = s.spec.rollout
+    return correct(old.detach(), batch.sampler_logp.to(old.device), mask, mode=r.correction_mode,
+                   level=r.correction_level, cap=r.correction_cap)
+
+
+def losses(s: Setup, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+           norm: Normaliser, ref_logp: torch.Tensor | None, fix: Correction | None) -> SampleLosses:
+    """Each sample's share of the job's loss (grpo.loss, its clip and KL, the correction's weights). [n] each."""
+    g = s.spec.grpo
+    return sample_losses(logp, old, advantages, mask, norm, ref_logp=ref_logp, clip_eps_low=g.clip_eps_low,
+                         clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef, loss=g.loss,
+                         weights=None if fix is None else fix.weights)
+
+
 def clip_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler, *, max_norm: float | None, ranks: Ranks) -> float:
     """The one optimizer step of every trained module (the policy, the retriever): every rank's
@@ -94,6 +115,7 @@ class PassTotals:
     kl: float | None = None  # None: no reference, not measured
     tokens: TokenStats = field(default_factory=TokenStats)
     entropy_sum: float = 0.0  # over real tokens
+    mismatch: MismatchStats | None = None  # engine vs trainer log-probs (vllm); one pass's, never summed over epochs
 
     def __iadd__(self, other: "PassTotals") -> "PassTotals":
         self.loss += other.loss
@@ -102,6 +124,7 @@ class PassTotals:
             self.kl = (self.kl or 0.0) + other.kl
         self.tokens += other.tokens
         self.entropy_sum += other.entropy_sum
+        self.mismatch = self.mismatch or other.mismatch  # the first epoch's: the later ones see the same tokens
         return self
 
     def reduced(self, ranks: Ranks) -> "PassTotals":
@@ -109,15 +132,26 @@ class PassTotals:
         t = ranks.sum({"loss": self.loss, "policy": self.policy, "kl": self.kl or 0.0, "tokens": self.tokens.tokens,
                        "ratio_sum": self.tokens.ratio_sum, "clipped": self.tokens.clipped, "entropy": self.entropy_sum})
         ratio_max = ranks.max({"ratio_max": self.tokens.ratio_max})["ratio_max"]
+        mismatch = None
+        if self.mismatch is not None:
+            m = self.mismatch
+            mt = ranks.sum({"tokens": m.tokens, "abs_sum": m.abs_sum, "changed": m.changed})
+            mismatch = MismatchStats(tokens=mt["tokens"], abs_sum=mt["abs_sum"], changed=mt["changed"],
+                                     abs_max=ranks.max({"m": m.abs_max})["m"],
+                                     log_ratios=[ranks.cat(torch.cat(m.log_ratios or [torch.zeros(0)]))])
         return PassTotals(loss=t["loss"], policy=t["policy"], kl=None if self.kl is None else t["kl"],
                           tokens=TokenStats(t["tokens"], t["ratio_sum"], ratio_max, t["clipped"]),
-                          entropy_sum=t["entropy"])
+                          entropy_sum=t["entropy"], mismatch=mismatch)
 
     def metrics(self) -> dict[str, float]:
+        """The pass's metrics; reduce it first with several processes (the mismatch's quantiles need
+        every rank's ratios)."""
         out = {"loss/total": self.loss, "loss/policy": self.policy, **self.tokens.metrics(),
                "entropy": self.entropy_sum / max(self.tokens.tokens, 1.0)}
         if self.kl is not None:
             out["kl"] = self.kl
+        if self.mismatch is not None:
+            out.update(self.mismatch.metrics(torch.cat(self.mismatch.log_ratios or [torch.zeros(0)])))
         return out
 
 
@@ -130,6 +164,8 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
     hooks). old_logp None: one epoch, so the rollout weights are the policy's and old = logp.detach()."""
     g = s.spec.grpo
     out = PassTotals(kl=None if ref_logp is None else 0.0)
+    if ro.batch.sampler_logp is not None:
+        out.mismatch = MismatchStats()
     for idx in micro:
         mb = ro.batch.select(idx).to(s.device)
         mask = ro.loss_mask[idx].to(s.device)
@@ -137,9 +173,11 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
             before(idx)
         logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy)
         old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
-        parts = sample_losses(logp, old, ro.advantages[idx].to(s.device), mask, norm,
-                              ref_logp=None if ref_logp is None else ref_logp[idx].to(s.device),
-                              clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef)
+        fix = correction(s, mb, old, mask)
+        parts = losses(s, logp, old, ro.advantages[idx].to(s.device), mask, norm,
+                       None if ref_logp is None else ref_logp[idx].to(s.device), fix)
+        if fix is not None:
+            out.mismatch.add(fix, mask)
         loss = parts.loss.sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower grpo.learning_rate or check "

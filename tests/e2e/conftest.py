@@ -27,6 +27,13 @@ SFT_JOB = {"kind": "sft", "name": "e2e-sft", "model": {"name": "tiny-random-llam
            "sft": {"steps": 3, "batch_size": 4, "micro_batch_size": 2, "max_new_tokens": 8, "eval_prompts": 4,
                    "learning_rate": 1e-2, "checkpoint_every": 2}, "sparsity": {"measure_interval": 3}}
 
+# rollouts from a vLLM server of the job's own (GRPO_VLLM_PYTHON): the bundled model, whose head size
+# vLLM's CPU attention supports (the tiny models' 16 it does not)
+VLLM_JOB = {"kind": "grpo", "name": "e2e-vllm", "model": {"name": "smollm2-135m-instruct", "lora": {"r": 8}},
+            "dataset": {"name": "arith", "difficulty": 0}, "rollout": {"engine": "vllm"},
+            "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
+                     "temperature": 0.8}}
+
 
 def free_port() -> int:
     with socket.socket() as s:

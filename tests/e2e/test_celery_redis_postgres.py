@@ -1,5 +1,8 @@
 """A real Celery worker process on the real Redis, the store on the real PostgreSQL."""
 
+import os
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -9,6 +12,7 @@ from service.store.migrate import upgrade
 from tests.e2e.conftest import (
     SFT_JOB,
     TINY_JOB,
+    VLLM_JOB,
     check_finished_job,
     check_finished_sft_job,
     free_port,
@@ -42,3 +46,50 @@ def test_job_over_http_on_redis_and_postgres(procs, pg_url, redis_url):
         r = c.post("/v1/jobs", json=SFT_JOB)  # a second job on the same worker, of another kind, as 2 processes
         assert r.status_code == 201, r.text
         check_finished_sft_job(c, wait_job(c, r.json()["id"], procs))
+
+
+def _engine_processes(data_dir) -> list[int]:
+    """Processes whose command line names a vLLM server folder under `data_dir`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"{data_dir}/engines/" in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+@pytest.mark.vllm
+def test_a_vllm_job_then_another_on_one_worker(procs, pg_url, redis_url, vllm_python):
+    """serve + a separate worker on PostgreSQL and Redis: a job sampled by its own vLLM server, whose
+    mismatch the API serves, and after it another job on the same worker, with no server left."""
+    import uuid
+
+    procs.env.update(DATABASE_URL=pg_url, BROKER_URL=redis_url, GRPO_VLLM_PYTHON=str(vllm_python))
+    upgrade(pg_url)
+    with session_scope(pg_url) as s:
+        key = keys_q.create_key(s, owner=f"e2e-{uuid.uuid4().hex[:6]}")
+    port = free_port()
+    procs.start("api", "serve", "--port", str(port))
+    procs.start("worker", "worker", "--loglevel", "INFO")
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/readyz", procs)
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        r = c.post("/v1/jobs", json=VLLM_JOB)
+        assert r.status_code == 201, r.text
+        job = wait_job(c, r.json()["id"], procs, timeout=400)
+        assert job["status"] == "succeeded", (job, procs.logs())
+        series = c.get(f"/v1/jobs/{job['id']}/metrics",
+                       params={"keys": "mismatch/logp_abs_max,time/sync_s"}).json()["series"]
+        assert {s["key"]: len(s["points"]) for s in series} == {"mismatch/logp_abs_max": 2, "time/sync_s": 2}
+        assert all(p["value"] < 1e-3 for s in series if s["key"] == "mismatch/logp_abs_max" for p in s["points"])
+        types = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
+        assert "engine_started" in types and types[-1] == "succeeded"
+        assert _engine_processes(procs.env["GRPO_DATA_DIR"]) == []  # the server ended with its job
+        r = c.post("/v1/jobs", json=TINY_JOB)  # the same worker goes on with the next job
+        assert r.status_code == 201, r.text
+        check_finished_job(c, wait_job(c, r.json()["id"], procs))

@@ -20,8 +20,15 @@ export const SECTIONS = [
     { title: "Gradient norm", keys: ["grad_norm"] },
     { title: "Learning rate", keys: ["lr"] },
     { title: "Evaluation (greedy, validation split)", match: prefix("eval/") },
-    { title: "Step time (s): rollout vs training", keys: ["time/rollout_s", "time/train_s", "time/step_s"] },
-    { title: "Throughput (tokens/s)", keys: ["throughput/tokens_per_s"] },
+    { title: "Step time (s): rollout vs training", keys: ["time/rollout_s", "time/train_s", "time/step_s", "time/sync_s"] },
+    { title: "Throughput (tokens/s)", keys: ["throughput/tokens_per_s", "throughput/rollout_tokens_per_s"] },
+  ] },
+  { title: "Rollout engine", panels: [
+    { title: "Engine vs trainer log-probs |Δ|", keys: ["mismatch/logp_abs_mean", "mismatch/logp_abs_max"],
+      note: "per token, same tokens, same weights: the engine's kernels against the trainer's" },
+    { title: "Importance ratio π_trainer / q_engine", keys: ["mismatch/ratio_p05", "mismatch/ratio_p50", "mismatch/ratio_p95"],
+      note: "quantiles over the step's tokens; the correction weights by it" },
+    { title: "Tokens the correction truncated or masked", keys: ["correction/changed_fraction"] },
   ] },
   { title: "TracIn selection", panels: [
     { title: "Selection ratio", keys: ["tracin/selection_ratio"] },

@@ -13,8 +13,9 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize(("seed", "refill"), [(1, False), (0, True), (3, True)])
-def test_learns_a_learnable_reward(tmp_path, settings_factory, digit_reward, seed, refill):
+@pytest.mark.parametrize(("seed", "refill", "loss"), [(1, False, "grpo"), (0, True, "grpo"), (3, True, "grpo"),
+                                                      (1, False, "gspo"), (1, False, "cispo")])
+def test_learns_a_learnable_reward(tmp_path, settings_factory, digit_reward, seed, refill, loss):
     """The guard on learning itself: a configuration known to learn (0.1 -> 0.9 on every seed tried)
     must keep raising its training reward, with and without the demo's refill of tied groups, so a
     change to sampling, advantages, the loss or the update that slows learning fails here the day
@@ -24,7 +25,7 @@ def test_learns_a_learnable_reward(tmp_path, settings_factory, digit_reward, see
         "rewards": [{"name": "digit_share"}],
         "grpo": {"steps": 30, "prompts_per_step": 4, "num_generations": 8, "max_new_tokens": 8,
                  "learning_rate": 3e-3, "micro_batch_size": 32, "eval_prompts": 4, "seed": seed,
-                 "samples_per_step": 0, **({"drop_zero_std_groups": True, "max_refill_rounds": 1} if refill else {})},
+                 "samples_per_step": 0, "loss": loss, **({"drop_zero_std_groups": True, "max_refill_rounds": 1} if refill else {})},
     })
     grpo.run(spec, FileReporter(tmp_path), settings=settings_factory())
     rewards = [m["metrics"]["reward/mean"] for m in _metrics(tmp_path) if "reward/mean" in m["metrics"]]

@@ -331,7 +331,8 @@ class VLLMEngine:
         cmask = torch.zeros(len(out), T, dtype=torch.long)
         truncated, texts = [], []
         for i, (o, lp) in enumerate(zip(out, lq)):
-            (n,), (ended,) = _completion_lengths(tok, torch.tensor([o]), self.eos_ids, self.params.stop) if o else ((0,), (False,))
+            (n,), (ended,) = (_completion_lengths(tok, torch.tensor([o]), self.eos_ids, self.params.stop) if o
+                              else ((0,), (False,)))
             completion[i, :n] = torch.tensor(o[:n], dtype=torch.long)
             sampler_logp[i, :n] = torch.tensor([x if x is not None else 0.0 for x in lp[:n]])
             cmask[i, :n] = 1
@@ -343,7 +344,8 @@ class VLLMEngine:
                             version=torch.full((len(out),), self.version, dtype=torch.long)).to(self.device)
 
     @torch.no_grad()
-    def logprobs(self, batch: RolloutBatch, micro_batch_size: int, micro_batch_tokens: int | None = None) -> torch.Tensor:
+    def logprobs(self, batch: RolloutBatch, micro_batch_size: int,
+                 micro_batch_tokens: int | None = None) -> torch.Tensor:
         """old_logp [N, T]: the trainer's log-probs under the rollout weights, which are the policy's
         until its first update of the step."""
         micro = micro_batches(batch, list(range(len(batch))), max_rows=micro_batch_size, max_tokens=micro_batch_tokens)

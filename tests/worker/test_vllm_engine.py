@@ -97,9 +97,11 @@ def test_every_model_folder_the_service_writes_serves_the_trainers_logprobs(vllm
                 if "embed" in name or "self_attn" in name:
                     p.add_(torch.randn_like(p) * 0.01)
         write_model_folder(model, tok, tmp_path / "synced")
-        server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "synced")}})
+        server.post("/collective_rpc", {"method": "reload_weights",
+                                        "kwargs": {"weights_path": str(tmp_path / "synced")}})
         server.post("/reset_prefix_cache", {})
-        assert (_served_logprobs(server, prompt, completion) - _trainer_logprobs(model, prompt, completion)).abs().max() < TOLERANCE
+        expected = _trainer_logprobs(model, prompt, completion)
+        assert (_served_logprobs(server, prompt, completion) - expected).abs().max() < TOLERANCE
     finally:
         server.stop()
     assert all(_group_gone(g) for g in groups)
@@ -136,7 +138,8 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
         assert _wait(lambda: not engine.server.alive())
         again = engine.generate([PROMPT], 4, seeds=[3])  # started again, with the synced adapter
         assert events == ["engine_started", "engine_restarted"]
-        assert (again.sampler_logp - _policy_logprobs(policy, again))[again.completion_mask.bool()].abs().max() < TOLERANCE
+        mismatch = (again.sampler_logp - _policy_logprobs(policy, again))[again.completion_mask.bool()]
+        assert mismatch.abs().max() < TOLERANCE
         assert engine.server.proc.pid != pgid
         pgid2 = engine.server.proc.pid
     finally:

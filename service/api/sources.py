@@ -98,6 +98,10 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
         errors.append({"loc": ("resources", "processes"), "type": "unavailable",
                        "msg": f"resources.processes: {spec.resources.processes} is more than this deployment "
                        f"allows a job ({settings.max_processes}, GRPO_MAX_PROCESSES)"})
+    if spec.rollout.engine == "vllm" and settings.vllm_python is None:
+        errors.append({"loc": ("rollout", "engine"), "type": "unavailable",
+                       "msg": "rollout.engine: 'vllm' is not available in this deployment (its workers have no "
+                       "GRPO_VLLM_PYTHON); use 'hf'"})
     d: DatasetSpec = spec.dataset
     errors += _file_errors(d, session, owner)
     for field in ("path", "corpus_path"):

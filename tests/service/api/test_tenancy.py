@@ -146,3 +146,11 @@ def test_train_on_from_your_own_checkpoint_only(roots, digit_reward):
     b = load_file(api.settings.artifacts_dir / uid[second] / "checkpoints" / "step-1" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # and they are trained weights, not zeros
+
+
+def test_the_vllm_engine_only_where_the_deployment_has_one(settings_factory, tmp_path):
+    spec = {**TINY, "rollout": {"engine": "vllm"}}
+    api = Api(settings_factory(GRPO_VLLM_PYTHON=None))
+    assert "GRPO_VLLM_PYTHON" in _refused(api, spec, "rollout.engine", api.bob)
+    api = Api(settings_factory(GRPO_VLLM_PYTHON=str(tmp_path / "python")))
+    assert api.post("/v1/jobs", json=spec).status_code == 201

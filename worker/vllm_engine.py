@@ -103,7 +103,11 @@ class VLLMServer:
         self.port = self.port or _free_port()
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("LD_PRELOAD", None)  # the trainer's malloc choice is not the engine's
+        # The trainer's thread counts are not the engine's: vLLM sizes and pins its own CPU threads, and with
+        # OMP_NUM_THREADS=2 inherited on 2 cores its worker spun in the kernel (16 rows of 64 tokens: over
+        # 400 s against 14 s without it).
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "MALLOC_CONF"):  # nor is its malloc
+            env.pop(var, None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on CPU machines
         self.cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.cfg.log_path.open("ab")

@@ -60,7 +60,7 @@ test: install browser vllm
 	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial
 
-bench: install
+bench: install vllm
 	$(PY) bench/step.py
 	$(PY) bench/store.py
 	$(PY) bench/api_load.py
@@ -72,6 +72,7 @@ bench: install
 	$(PY) bench/memory.py
 	$(PY) bench/selection.py
 	$(PY) bench/rl_vs_sft.py
+	GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) bench/rollout.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info test-artifacts .pytest_cache

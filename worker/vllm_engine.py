@@ -65,6 +65,7 @@ class ServerConfig:
     log_path: Path
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
+    scratch: tuple[Path, ...] = ()  # folders written for this server alone, removed when it closes
 
 
 def _free_port() -> int:
@@ -147,6 +148,12 @@ class VLLMServer:
         if self in _OPEN:
             _OPEN.remove(self)
 
+    def close(self) -> None:
+        """Stop for good: the server, then the folders written for it (the log stays, for the events)."""
+        self.stop()
+        for folder in self.cfg.scratch:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def log_tail(self, lines: int = 15) -> str:
         try:
             text = self.cfg.log_path.read_text(errors="replace").splitlines()
@@ -164,7 +171,7 @@ class VLLMServer:
 def stop_servers() -> None:
     """Stop every server this process started (the job's loop has ended, or failed)."""
     for server in list(_OPEN):
-        server.stop()
+        server.close()
 
 
 def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
@@ -221,7 +228,7 @@ class VLLMEngine:
             self.server = VLLMServer(ServerConfig(
                 python=python, model_dir=workdir / "model", dtype=VLLM_DTYPES[dtype], max_model_len=max_model_len,
                 lora_rank=lora_rank, log_path=workdir / "vllm.log", extra_args=extra_args,
-                start_timeout_s=start_timeout_s))
+                start_timeout_s=start_timeout_s, scratch=(workdir / "model", workdir / "adapters")))
             t = time.monotonic()
             self.server.start()
             on_event("engine_started", f"vLLM server ready in {time.monotonic() - t:.1f} s",
@@ -358,4 +365,4 @@ class VLLMEngine:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.stop()
+            self.server.close()

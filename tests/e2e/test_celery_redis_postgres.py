@@ -90,6 +90,8 @@ def test_a_vllm_job_then_another_on_one_worker(procs, pg_url, redis_url, vllm_py
         types = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
         assert "engine_started" in types and types[-1] == "succeeded"
         assert _engine_processes(procs.env["GRPO_DATA_DIR"]) == []  # the server ended with its job
+        engines = Path(procs.env["GRPO_DATA_DIR"]) / "engines"
+        assert [p.name for p in engines.glob("*/*")] == ["vllm.log"]  # and its copy of the weights
         r = c.post("/v1/jobs", json=TINY_JOB)  # the same worker goes on with the next job
         assert r.status_code == 201, r.text
         check_finished_job(c, wait_job(c, r.json()["id"], procs))

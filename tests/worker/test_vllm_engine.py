@@ -145,6 +145,7 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
     finally:
         engine.close()
     assert _group_gone(pgid) and _group_gone(pgid2)
+    assert sorted(p.name for p in (tmp_path / "engine").iterdir()) == ["vllm.log"]  # the weights went with it
 
 
 def _policy_logprobs(policy, batch: RolloutBatch) -> torch.Tensor:

@@ -77,6 +77,10 @@ class MismatchStats:
         self.changed += float(c.changed.sum())
         self.log_ratios = (self.log_ratios or []) + [c.log_ratio[real].float().cpu()]
 
+    def ratios(self) -> torch.Tensor:
+        """The log-ratios kept, as one tensor [M]."""
+        return torch.cat(self.log_ratios or [torch.zeros(0)])
+
     def metrics(self, all_log_ratios: torch.Tensor) -> dict[str, float]:
         """The step's metrics, given every rank's log-ratios [M] (this rank's alone with one process)."""
         n = max(self.tokens, 1.0)

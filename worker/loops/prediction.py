@@ -39,7 +39,7 @@ def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
     mask = ro.loss_mask.to(s.device)
     parts = update.losses(s, logp, old, ro.advantages.to(s.device), mask, update.batch_normaliser(s, ro.loss_mask),
                           None if ref_logp is None else ref_logp.to(s.device),
-                          update.correction(s, ro.batch.to(s.device), old, mask))
+                          update.correction(s, ro.batch, old, mask))
     return s.ranks.sum({"loss": float(parts.loss.sum())})["loss"], logp
 
 

@@ -138,7 +138,7 @@ class PassTotals:
             mt = ranks.sum({"tokens": m.tokens, "abs_sum": m.abs_sum, "changed": m.changed})
             mismatch = MismatchStats(tokens=mt["tokens"], abs_sum=mt["abs_sum"], changed=mt["changed"],
                                      abs_max=ranks.max({"m": m.abs_max})["m"],
-                                     log_ratios=[ranks.cat(torch.cat(m.log_ratios or [torch.zeros(0)]))])
+                                     log_ratios=[ranks.cat(m.ratios())])
         return PassTotals(loss=t["loss"], policy=t["policy"], kl=None if self.kl is None else t["kl"],
                           tokens=TokenStats(t["tokens"], t["ratio_sum"], ratio_max, t["clipped"]),
                           entropy_sum=t["entropy"], mismatch=mismatch)
@@ -151,7 +151,7 @@ class PassTotals:
         if self.kl is not None:
             out["kl"] = self.kl
         if self.mismatch is not None:
-            out.update(self.mismatch.metrics(torch.cat(self.mismatch.log_ratios or [torch.zeros(0)])))
+            out.update(self.mismatch.metrics(self.mismatch.ratios()))
         return out
 
 

@@ -47,7 +47,7 @@ def test_none_measures_without_weighting():
     assert c.weights is None
     stats = MismatchStats()
     stats.add(c, MASK)
-    m = stats.metrics(torch.cat(stats.log_ratios))
+    m = stats.metrics(stats.ratios())
     assert m["mismatch/logp_abs_mean"] == pytest.approx((0 + 0.5 + 0.3 + 0 + 0.6 + 0.1) / 6)
     assert m["mismatch/logp_abs_max"] == pytest.approx(0.6)
     assert m["mismatch/ratio_p50"] == pytest.approx((1 + 1) / 2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -348,6 +349,12 @@ class RolloutEngine:
         batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
                              truncated=truncated, completions=texts)
         return batch
+
+    def submit(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+               greedy: bool = False) -> Callable[[], RolloutBatch]:
+        """`generate`, run now: sampling in the training process cannot run ahead of training."""
+        batch = self.generate(prompts, num_generations, seeds=seeds, greedy=greedy)
+        return lambda: batch
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, micro_batch_size: int, micro_batch_tokens: int | None = None) -> torch.Tensor:

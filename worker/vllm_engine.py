@@ -22,9 +22,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +170,15 @@ class VLLMServer:
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
 
 
+WeightsState = tuple[tuple[int, int], ...]
+
+
+def weights_state(policy: torch.nn.Module) -> WeightsState:
+    """What identifies the trained weights' current values: each trained tensor's storage and torch's
+    count of in-place changes to it (an optimizer step, a checkpoint load), without reading them."""
+    return tuple((p.data_ptr(), p._version) for p in policy.parameters() if p.requires_grad)
+
+
 def stop_servers() -> None:
     """Stop every server this process started (the job's loop has ended, or failed)."""
     for server in list(_OPEN):
@@ -217,6 +228,11 @@ class VLLMEngine:
         self.version = 0  # weights synced so far; the served adapter is named v<version>
         self.restarts = 0
         self.last_sync_s = 0.0
+        self._pushed: WeightsState | None = None  # the policy's weights when last pushed
+        self._loaded: set[int] = set()  # adapter versions the server holds
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-requests")
+        self._idle = threading.Condition()  # guards _in_flight; notified as requests finish
+        self._in_flight: Counter[str] = Counter()  # served model name -> requests not yet answered
         self.server: VLLMServer | None = None
         url = None
         if ranks.main:
@@ -239,16 +255,21 @@ class VLLMEngine:
 
     @property
     def model_name(self) -> str:
+        """What the server serves the current weights as: the adapter v<version>, or the base."""
         return f"v{self.version}" if self.lora and self.version else "base"
 
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
-        """Load the policy's current weights into the server (rank 0 does it; every rank then uses them)."""
+        """Serve the policy's current weights (rank 0 pushes them; every rank then uses them). Weights
+        served already are not pushed again: the evaluation's sync and the next step's share one."""
         t = time.monotonic()
-        if self.ranks.main:
-            self._push(policy, self.version + 1)
-        self.version = self.ranks.broadcast(self.version + 1)
+        version = self.version
+        if self.ranks.main and (state := weights_state(policy)) != self._pushed:
+            version += 1
+            self._push(policy, version)
+            self._pushed = state
+        self.version = self.ranks.broadcast(version)
         self.last_sync_s = time.monotonic() - t
 
     def _push(self, policy: torch.nn.Module, version: int) -> None:
@@ -257,14 +278,30 @@ class VLLMEngine:
             folder = self.workdir / "adapters" / f"v{version}"
             policy.save_pretrained(folder, save_embedding_layers=False)  # no hub lookup of the base
             self.server.post("/v1/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(folder)})
-            if self.version and version != self.version:
-                self.server.post("/v1/unload_lora_adapter", {"lora_name": f"v{self.version}"})
-                shutil.rmtree(self.workdir / "adapters" / f"v{self.version}", ignore_errors=True)
+            self._loaded.add(version)
+            self._unload_idle(keep=version)
         else:
+            self._wait_idle()  # the weights change in place under any request in flight
             write_model_folder(policy, self.tokenizer, self.workdir / "model")
             self.server.post("/collective_rpc", {"method": "reload_weights",
                                                  "kwargs": {"weights_path": str(self.workdir / "model")}})
             self.server.post("/reset_prefix_cache", {})  # cached prompt states belong to the old weights
+
+    def _unload_idle(self, *, keep: int) -> None:
+        """Unload the adapters older than `keep` that no request uses; one still sampling (a batch
+        submitted ahead, max_staleness 1) stays until a later sync finds it idle."""
+        assert self.server is not None
+        for old in sorted(self._loaded - {keep}):
+            with self._idle:
+                busy = self._in_flight[f"v{old}"] > 0
+            if not busy:
+                self.server.post("/v1/unload_lora_adapter", {"lora_name": f"v{old}"})
+                shutil.rmtree(self.workdir / "adapters" / f"v{old}", ignore_errors=True)
+                self._loaded.discard(old)
+
+    def _wait_idle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: not any(self._in_flight.values()))
 
     def _restart(self, error: Exception) -> None:
         """Start the server again once, with the policy's current weights; a second death fails the job."""
@@ -278,6 +315,7 @@ class VLLMEngine:
         self.on_event("engine_restarted", f"the vLLM server died ({type(error).__name__}); starting it again",
                       {"log_tail": tail})
         self.server.start()
+        self._loaded.clear()
         if self.version:
             self._push(self.policy, self.version)
 
@@ -290,9 +328,9 @@ class VLLMEngine:
         return f"; the server's log: {errors[0]}" if errors else ""  # the first: the root cause
 
     # -- sampling ----------------------------------------------------------------------------------
-    def _request(self, ids: list[int], seed: int | None, greedy: bool) -> dict:
+    def _request(self, model: str, ids: list[int], seed: int | None, greedy: bool) -> dict:
         sp = self.params
-        body = {"model": self.model_name, "prompt": ids, "max_tokens": sp.max_new_tokens, "logprobs": 0,
+        body = {"model": model, "prompt": ids, "max_tokens": sp.max_new_tokens, "logprobs": 0,
                 "return_token_ids": True, "stop_token_ids": sorted(self.eos_ids), "skip_special_tokens": False,
                 "temperature": 0.0 if greedy else sp.temperature}
         if not greedy:
@@ -306,20 +344,34 @@ class VLLMEngine:
             raise EngineFailed(f"vLLM /v1/completions answered {r.status_code}: {r.text[:300]}{self._server_error()}")
         return r.json()["choices"][0]
 
-    def _sample(self, rows: list[list[int]], seeds: list[int | None], greedy: bool) -> list[dict]:
-        with ThreadPoolExecutor(max_workers=min(64, max(len(rows), 1))) as pool:
-            return list(pool.map(lambda a: self._request(*a, greedy), zip(rows, seeds)))
+    def _send(self, rows: list[list[int]], seeds: list[int | None], greedy: bool) -> list[Future]:
+        """One request per row, in flight on the engine's threads; counted per served model until done."""
+        model = self.model_name
+        with self._idle:
+            self._in_flight[model] += len(rows)
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
-                 greedy: bool = False) -> RolloutBatch:
-        """num_generations completions per prompt, prompt-major [P*G], with `sampler_logp`."""
+        def done(_: Future) -> None:
+            with self._idle:
+                self._in_flight[model] -= 1
+                self._idle.notify_all()
+
+        futures = [self._pool.submit(self._request, model, ids, seed, greedy) for ids, seed in zip(rows, seeds)]
+        for f in futures:
+            f.add_done_callback(done)
+        return futures
+
+    def submit(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+               greedy: bool = False) -> Callable[[], RolloutBatch]:
+        """Start sampling num_generations completions per prompt with the weights served now; the
+        returned call waits for them and gives the batch (prompt-major [P*G], with `sampler_logp` and
+        the weight `version` that sampled it). Tokenizing and decoding stay on the caller's thread."""
         tok, G = self.tokenizer, num_generations
         if not prompts:
             empty = torch.zeros(0, 0, dtype=torch.long)
-            return RolloutBatch(prompt_ids=empty, prompt_mask=empty, completion_ids=empty, completion_mask=empty,
-                                truncated=torch.zeros(0, dtype=torch.bool), completions=[],
-                                sampler_logp=torch.zeros(0, 0))
+            batch = RolloutBatch(prompt_ids=empty, prompt_mask=empty, completion_ids=empty, completion_mask=empty,
+                                 truncated=torch.zeros(0, dtype=torch.bool), completions=[],
+                                 sampler_logp=torch.zeros(0, 0), version=torch.zeros(0, dtype=torch.long))
+            return lambda: batch
         if not greedy and (seeds is None or len(seeds) != len(prompts)):
             raise ValueError("sampling needs one seed per prompt")
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -327,13 +379,29 @@ class VLLMEngine:
         mask = enc["attention_mask"].repeat_interleave(G, dim=0)
         rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         row_seeds = [None] * len(rows) if greedy else [row_seed(s, g) for s in seeds for g in range(G)]
-        try:
-            choices = self._sample(rows, row_seeds, greedy)
-        except (httpx.TransportError, EngineFailed) as e:
-            if self.server is None or self.server.alive():
-                raise
-            self._restart(e)
-            choices = self._sample(rows, row_seeds, greedy)
+        version, futures = self.version, self._send(rows, row_seeds, greedy)
+
+        def result() -> RolloutBatch:
+            nonlocal version
+            try:
+                choices = [f.result() for f in futures]
+            except (httpx.TransportError, EngineFailed) as e:
+                if self.server is None or self.server.alive():
+                    raise
+                self._restart(e)  # then sampled again, by the current weights
+                version, choices = self.version, [f.result() for f in self._send(rows, row_seeds, greedy)]
+            return self._batch(ids, mask, choices, version)
+
+        return result
+
+    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+                 greedy: bool = False) -> RolloutBatch:
+        """num_generations completions per prompt, prompt-major [P*G], with `sampler_logp`."""
+        return self.submit(prompts, num_generations, seeds=seeds, greedy=greedy)()
+
+    def _batch(self, ids: torch.Tensor, mask: torch.Tensor, choices: list[dict], version: int) -> RolloutBatch:
+        """The server's answers as a RolloutBatch: completions cut at the first stop, padded."""
+        tok = self.tokenizer
         out = [c["token_ids"] for c in choices]
         lq = [c["logprobs"]["token_logprobs"] if c.get("logprobs") else [0.0] * len(c["token_ids"]) for c in choices]
         T = max((len(o) for o in out), default=0)
@@ -352,7 +420,7 @@ class VLLMEngine:
         return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
                             truncated=torch.tensor(truncated, dtype=torch.bool), completions=texts,
                             sampler_logp=sampler_logp,
-                            version=torch.full((len(out),), self.version, dtype=torch.long)).to(self.device)
+                            version=torch.full((len(out),), version, dtype=torch.long)).to(self.device)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, micro_batch_size: int,
@@ -364,5 +432,6 @@ class VLLMEngine:
             return batch_logprobs(self.policy, batch, self.params.temperature, micro, self.device)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()

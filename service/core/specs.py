@@ -350,6 +350,11 @@ class RolloutSpec(_Section):
         "all of them).")
     correction_cap: float = Field(2.0, gt=1.0, le=1e6, description="C: the truncation cap, and the masking band "
                                   "[1/C, C].")
+    max_staleness: Literal[0, 1] = Field(
+        0, description="Policy updates a training sample may lag behind: 0, sampled by the weights it trains; 1, "
+        "step k+1's first rollouts are sampled by the engine while step k trains (refills stay on-policy). With "
+        "vllm, kinds grpo and tracin; the correction weighs each token by the trainer's over the sampler's "
+        "log-prob.")
 
     @property
     def correction_mode(self) -> Literal["none", "truncated", "masked"]:
@@ -363,6 +368,9 @@ class RolloutSpec(_Section):
         if self.engine == "hf":
             reject_unused(self, "rollout", ("correction", "correction_level", "correction_cap"),
                           unless="with rollout.engine 'vllm' (the hf engine's log-probs are the trainer's own)")
+            if self.max_staleness:
+                raise ValueError("rollout.max_staleness 1 needs rollout.engine 'vllm': the hf engine samples in the "
+                                 "training process, between its updates")
         return self
 
 
@@ -545,6 +553,9 @@ class _JobBase(_Section):
             if self.devices.rollout is not None:
                 raise ValueError("devices.rollout places the hf engine's copy; with rollout.engine 'vllm' the "
                                  "server takes its own device: remove devices.rollout")
+        if self.rollout.max_staleness and self.kind not in ("grpo", "tracin"):
+            raise ValueError(f"rollout.max_staleness 1 is supported for kinds 'grpo' and 'tracin', not {self.kind!r}: "
+                             "set it to 0")
         return self
 
 

@@ -118,10 +118,7 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
     try:
         engine.sync(policy)
         before = engine.generate([PROMPT], 4, seeds=[3])
-        with torch.no_grad():  # one "update": what a training step does to the adapter
-            for name, p in policy.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02)
+        _perturb(policy)  # one "update": what a training step does to the adapter
         engine.sync(policy)
         after = engine.generate([PROMPT], 4, seeds=[3])
         assert after.version.tolist() == [2] * 4 and before.version.tolist() == [1] * 4
@@ -133,6 +130,22 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
         assert (after.sampler_logp - old)[real].abs().max() > 100 * TOLERANCE
         # the same seeds draw the same rows again
         assert engine.generate([PROMPT], 4, seeds=[3]).completions == after.completions
+
+        # a batch in flight through the next sync (max_staleness 1) is sampled by the adapter it was sent to,
+        # which is unloaded once a later sync finds it idle; weights unchanged since the last push are not pushed
+        engine.sync(policy)
+        assert engine.version == 2
+        expected = engine.generate([PROMPT] * 4, 4, seeds=[5, 6, 7, 8])  # by v2
+        ahead = engine.submit([PROMPT] * 4, 4, seeds=[5, 6, 7, 8])  # by v2, still sampling during the next sync
+        _perturb(policy)
+        engine.sync(policy)  # v3
+        stale = ahead()
+        assert stale.version.tolist() == [2] * 16 and engine.version == 3
+        assert stale.completions == expected.completions
+        assert torch.allclose(stale.sampler_logp, expected.sampler_logp, atol=TOLERANCE)
+        _perturb(policy)
+        engine.sync(policy)
+        assert _served_models(engine.server) == {"base", "v4"}
 
         os.kill(_server_child(pgid), signal.SIGKILL)  # the API server itself, not the watchdog
         assert _wait(lambda: not engine.server.alive())
@@ -146,6 +159,17 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
         engine.close()
     assert _group_gone(pgid) and _group_gone(pgid2)
     assert sorted(p.name for p in (tmp_path / "engine").iterdir()) == ["vllm.log"]  # the weights went with it
+
+
+def _perturb(policy) -> None:
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+
+
+def _served_models(server: VLLMServer) -> set[str]:
+    return {m["id"] for m in server.http.get(f"{server.url}/v1/models").json()["data"]}
 
 
 def _policy_logprobs(policy, batch: RolloutBatch) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Per step:
   1. sync the frozen rollout copy from the policy (the adapter only, with LoRA);
   2. sample P prompts and G completions each from the rollout copy (optionally dropping groups
-     whose rewards tie and refilling with fresh prompts);
+     whose rewards tie and refilling with fresh prompts); with rollout.max_staleness 1 the engine
+     sampled them during the previous step, from the weights before its update;
   3. score with the weighted reward functions; group-normalised advantages (r - mean) / (std + eps);
   4. old_logp from the rollout copy with the sampler's temperature, so the first epoch's ratio is 1;
      ref_logp from the frozen reference when kl_coef > 0 (or grpo.measure_kl);
@@ -22,7 +23,7 @@ from service.core.settings import Settings
 from service.core.specs import GRPOJob
 from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, skeleton, update
-from worker.loops.rollouts import collect_train_rollouts
+from worker.loops.rollouts import TrainRollouts
 from worker.loops.setup import build
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything
@@ -33,13 +34,14 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings, ranks: Ranks =
     seed_everything(g.seed)
     s = build(spec, settings, reporter, ranks=ranks)
     run = skeleton.start(s, reporter, partial(evaluation.evaluate, s))
+    rollouts = TrainRollouts(s)  # with rollout.max_staleness 1, a step ahead
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
         timer = skeleton.begin_step(run, step)  # 1. seed, sync the rollout copy from the policy
 
         # 2-3. sample, score, advantages
-        ro = collect_train_rollouts(s, step, reporter)
+        ro = rollouts.collect(step, reporter)
         timer.rollouts_done()
         if ro is None:
             skeleton.skip_step(run, step, "every group's rewards tied", {"frac_reward_zero_std": 1.0}, timer=timer)

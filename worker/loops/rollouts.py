@@ -44,6 +44,8 @@ class Drawn(Generic[U]):
 
 
 Draw = Callable[[int, int], Drawn[U]]  # (round, n_units on every rank) -> this rank's share, sampled
+Sampling = Callable[[], Drawn[U]]  # a draw whose completions the engine is still sampling: waits, gives it
+Submit = Callable[[int, int], Sampling[U]]  # a Draw that returns as soon as the sampling has started
 
 
 def unit_draws(rng: random.Random, pool: list, n: int, ranks: Ranks) -> tuple[list, list[int]]:
@@ -73,6 +75,7 @@ class Rollouts(Generic[U]):
     refill_rounds: int  # generate calls beyond the first
     reward_s: float  # wall time spent scoring, every round
     keys: list[tuple[int, int, int, int]]  # [N] (round, unit, group in unit, g): a row's place in the whole step
+    staleness: torch.Tensor | None = None  # [N] weight versions between each row's sampler and now (vllm)
     ranks: Ranks = SINGLE
 
     def __len__(self) -> int:
@@ -111,6 +114,8 @@ class Rollouts(Generic[U]):
         for name, vals in self.per_fn.items():
             finite = [v for v in vals if not math.isnan(v)]
             sums[f"fn/{name}"], sums[f"fn_n/{name}"] = sum(finite), len(finite)
+        if self.staleness is not None:
+            sums["stale"] = float(self.staleness.sum())
         t = self.ranks.sum(sums)
         n = max(t["n"], 1.0)
         mean = t["r"] / n
@@ -122,6 +127,8 @@ class Rollouts(Generic[U]):
         for name in self.per_fn:
             if t[f"fn_n/{name}"]:
                 m[f"reward/{name}/mean"] = t[f"fn/{name}"] / t[f"fn_n/{name}"]
+        if "stale" in t:
+            m["rollout/staleness"] = t["stale"] / n
         return m
 
     def sample_rows(self, n: int, *, influence: list[float] | None = None, selected: list[bool] | None = None,
@@ -187,26 +194,34 @@ def score_groups(s: Setup, completions: list[str], examples: list[Example], G: i
     return GroupRewards(rewards=r, excluded=excluded, scored=scored)
 
 
-def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
+def submit_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Submit[Example]:
     """Units are prompts drawn (with replacement, seeded by `seed_tag`) from `pool`; one group each,
     sampled with seeds from (seed_tag, round, unit)."""
     rng = random.Random(seed_tag)
 
-    def draw(round: int, n: int) -> Drawn[Example]:
+    def submit(round: int, n: int) -> Sampling[Example]:
         examples, idx = unit_draws(rng, pool, n, s.ranks)
         prompts = [prompt_for(s, ex) for ex in examples]
-        batch = s.engine.generate(prompts, G, seeds=[row_seed(seed_tag, round, i) for i in idx])
-        return Drawn(batch=batch, examples=examples, prompts=prompts, units=examples, keys=[(round, i) for i in idx])
+        sampled = s.engine.submit(prompts, G, seeds=[row_seed(seed_tag, round, i) for i in idx])
+        return lambda: Drawn(batch=sampled(), examples=examples, prompts=prompts, units=examples,
+                             keys=[(round, i) for i in idx])
 
-    return draw
+    return submit
+
+
+def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
+    """submit_prompts, waiting for each draw's completions."""
+    submit = submit_prompts(s, pool, G, seed_tag=seed_tag)
+    return lambda round, n: submit(round, n)()
 
 
 def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, units: int, group_size: int,
-                     drop_zero_std: bool | None = None) -> Rollouts[U] | None:
+                     drop_zero_std: bool | None = None, first: Sampling[U] | None = None) -> Rollouts[U] | None:
     """`units` units' groups, scored, with group-normalised advantages; None when every unit tied.
 
     With dropping (default: grpo.drop_zero_std_groups), tied units are replaced by fresh ones for
     up to grpo.max_refill_rounds more rounds, and tied groups of kept units are left out of training.
+    `first`: round 0's draw of all `units`, submitted earlier (max_staleness 1).
     """
     g, G = s.spec.grpo, group_size
     drop = g.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
@@ -214,7 +229,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     frac_zero: float | None = None
     need, rounds, reward_s = units, 0, 0.0
     while need > 0:  # `need` is the same on every rank: each round draws and keeps over all of them
-        d = draw(rounds, need)
+        d = first() if rounds == 0 and first is not None else draw(rounds, need)
         if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
             raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                                f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
@@ -253,16 +268,61 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
         "rewards": r.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
     first = kept[0].drawn
     keys = [(*key, j, g) for k in kept for key in k.drawn.keys for j in range(k.drawn.groups_per_unit) for g in range(G)]
+    stale = None if batch.version is None else (s.engine.version - batch.version).float().cpu()
     return Rollouts(batch=batch, examples=[ex for k in kept for ex in k.drawn.examples],
                     prompts=[p for k in kept for p in k.drawn.prompts], units=[u for k in kept for u in k.drawn.units],
                     groups_per_unit=first.groups_per_unit, group_size=G, rewards=r, advantages=adv, loss_mask=loss_mask,
                     per_fn={name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn},
                     train_rows=train_rows, frac_zero_std=frac_zero or 0.0, refill_rounds=rounds - 1, reward_s=reward_s,
-                    keys=keys, ranks=s.ranks)
+                    keys=keys, staleness=stale, ranks=s.ranks)
 
 
-def collect_train_rollouts(s: Setup, step: int, reporter: Reporter) -> Rollouts[Example] | None:
-    """The step's grpo.prompts_per_step training prompts, grpo.num_generations completions each."""
+def submit_train_prompts(s: Setup, step: int) -> Submit[Example]:
+    """The draws of step `step`'s training prompts."""
     g = s.spec.grpo
-    draw = draw_prompts(s, s.task.train, g.num_generations, seed_tag=f"prompts-train-{g.seed}-{step}")
-    return collect_rollouts(s, step, reporter, draw, units=g.prompts_per_step, group_size=g.num_generations)
+    return submit_prompts(s, s.task.train, g.num_generations, seed_tag=f"prompts-train-{g.seed}-{step}")
+
+
+def collect_train_rollouts(s: Setup, step: int, reporter: Reporter, *, submit: Submit[Example] | None = None,
+                           first: Sampling[Example] | None = None) -> Rollouts[Example] | None:
+    """The step's grpo.prompts_per_step training prompts, grpo.num_generations completions each;
+    round 0 from `first` where it was submitted ahead (by `submit`, which draws the refills)."""
+    g = s.spec.grpo
+    submit = submit or submit_train_prompts(s, step)
+    return collect_rollouts(s, step, reporter, lambda round, n: submit(round, n)(), first=first,
+                            units=g.prompts_per_step, group_size=g.num_generations)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A step's training draws, submitted a step early."""
+
+    step: int
+    submit: Submit[Example]  # its draws: round 0 is in flight, refills come from here
+    first: Sampling[Example]  # round 0
+
+
+@dataclass
+class TrainRollouts:
+    """A job's training rollouts, step after step (collect_train_rollouts).
+
+    With rollout.max_staleness 1, once step k's rollouts are collected (sampled, scored) step k+1's
+    first round is submitted to the engine, so it samples them with step k's weights while step k
+    trains: one update behind when step k+1 trains on them. Refill rounds are sampled when needed,
+    with the weights of their step. A resumed attempt's first step samples with its own weights.
+    """
+
+    s: Setup
+    ahead: Ahead | None = None
+
+    def collect(self, step: int, reporter: Reporter) -> Rollouts[Example] | None:
+        s, g, ahead = self.s, self.s.spec.grpo, self.ahead
+        self.ahead = None
+        if ahead is not None and ahead.step == step:
+            ro = collect_train_rollouts(s, step, reporter, submit=ahead.submit, first=ahead.first)
+        else:
+            ro = collect_train_rollouts(s, step, reporter)
+        if s.spec.rollout.max_staleness and step < g.steps:
+            submit = submit_train_prompts(s, step + 1)
+            self.ahead = Ahead(step + 1, submit, submit(0, g.prompts_per_step))
+        return ro

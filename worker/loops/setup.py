@@ -27,8 +27,8 @@ from worker.models import load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.sampling import RolloutEngine, SamplingParams
-from worker.vllm_engine import EngineFailed, VLLMEngine
 from worker.training import make_optimizer, make_scheduler, trainable
+from worker.vllm_engine import EngineFailed, VLLMEngine
 
 AnySpec = GRPOJob | TracInJob | JointJob | SFTJob
 

@@ -41,8 +41,8 @@ from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
+    TrainRollouts,
     collect_rollouts,
-    collect_train_rollouts,
     draw_prompts,
 )
 from worker.loops.setup import Setup, build
@@ -231,11 +231,12 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
     run = skeleton.start(s, reporter, partial(evaluation.evaluate, s))
     by_influence = t.selection not in BASELINES
     val = Validation()
+    rollouts = TrainRollouts(s)  # with rollout.max_staleness 1, a step ahead
     for step in run.steps():
         if stopped := skeleton.stop_requested(run, step):
             return stopped
         timer = skeleton.begin_step(run, step)  # seed, sync the rollout copy from the policy
-        ro = collect_train_rollouts(s, step, reporter)
+        ro = rollouts.collect(step, reporter)
         val_stats = validation_batch(s, val, step, reporter) if by_influence else {}
         timer.rollouts_done()
         if ro is None:

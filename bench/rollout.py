@@ -13,6 +13,9 @@ the same machine. Per engine, over the steps after the first (the first warms ca
     python bench/rollout.py --seeds 3 --steps 10       # learning over seeds too (acc mean ± se)
     python bench/rollout.py --engines vllm --full      # full fine-tuning (weights reloaded in place)
 
+An engine is `hf`, `vllm`, or `vllm:1`: vllm with rollout.max_staleness 1 (step k+1 sampled while step
+k trains; its |dlogp| then includes the update, and `stale` is the mean lag in weight versions).
+
 The vLLM side needs GRPO_VLLM_PYTHON (default: .venv-vllm/bin/python, from `make vllm`). On a CPU the
 server runs eager (no compile) and shares the cores with the trainer: no speed-up is expected there;
 the gain is on a GPU. Ends with one line per engine:
@@ -34,7 +37,7 @@ from learning import ROOT, mean_se, run_seed  # bench/ is on the path when a ben
 SPEC = ROOT / "bench" / "specs" / "rollout-arith.yaml"
 KEYS = ("throughput/rollout_tokens_per_s", "time/rollout_s", "time/sync_s", "time/train_s", "time/step_s",
         "mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/ratio_p05", "mismatch/ratio_p95",
-        "correction/changed_fraction")
+        "correction/changed_fraction", "rollout/staleness")
 
 
 def after_first(key: str, out: Path) -> float:
@@ -48,7 +51,7 @@ def after_first(key: str, out: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", type=Path, default=SPEC)
-    ap.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm")
+    ap.add_argument("--engines", default="hf,vllm,vllm:1", help="comma-separated: hf, vllm, vllm:1")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--steps", type=int, default=0, help="override grpo.steps (0: the spec's)")
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of the spec's LoRA")
@@ -66,10 +69,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for engine in args.engines.split(","):
-            d = {**spec, "rollout": {"engine": engine}}
-            runs = [run_seed(d, seed, code=ROOT, threads=threads, work=work, tag=f"{engine}-")
+            name, _, staleness = engine.partition(":")
+            rollout = {"engine": name, **({"max_staleness": int(staleness)} if staleness else {})}
+            tag = engine.replace(":", "-stale")
+            runs = [run_seed({**spec, "rollout": rollout}, seed, code=ROOT, threads=threads, work=work, tag=f"{tag}-")
                     for seed in range(args.seeds)]
-            outs = [work / f"{engine}-seed-{r.seed}" for r in runs]
+            outs = [work / f"{tag}-seed-{r.seed}" for r in runs]
             stats = {k: statistics.fmean(after_first(k, o) for o in outs) for k in KEYS}
             last = max(s for s in runs[0].accuracy)
             acc = mean_se([r.accuracy[last] for r in runs])
@@ -78,13 +83,14 @@ def main() -> None:
     print(f"\n{args.spec.name} ({'full' if args.full else 'LoRA'}, {steps} steps, {args.seeds} seed(s), "
           f"{os.cpu_count()} cores)")
     print("engine  rollout_tok/s  rollout_s  sync_s  train_s  step_s  |dlogp|mean  |dlogp|max  ratio_p05  "
-          "ratio_p95  changed  acc        wall_s")
+          "ratio_p95  changed  stale  acc        wall_s")
     for engine, st, (acc_m, acc_se), wall in rows:
         print(f"{engine:<7} {st['throughput/rollout_tokens_per_s']:13.1f}  {st['time/rollout_s']:9.2f}  "
               f"{st['time/sync_s']:6.3f}  {st['time/train_s']:7.2f}  {st['time/step_s']:6.2f}  "
               f"{st['mismatch/logp_abs_mean']:11.2e}  {st['mismatch/logp_abs_max']:10.2e}  "
               f"{st['mismatch/ratio_p05']:9.5f}  "
-              f"{st['mismatch/ratio_p95']:9.5f}  {st['correction/changed_fraction']:7.4f}  {acc_m:.3f}±{acc_se:.3f}  "
+              f"{st['mismatch/ratio_p95']:9.5f}  {st['correction/changed_fraction']:7.4f}  "
+              f"{st['rollout/staleness']:5.2f}  {acc_m:.3f}±{acc_se:.3f}  "
               f"{wall:6.0f}")
     for engine, st, (acc_m, _), _ in rows:
         print(f"RESULT engine={engine} rollout_tok_s={st['throughput/rollout_tokens_per_s']:.1f} "

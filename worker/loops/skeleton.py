@@ -147,9 +147,9 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
     metrics.update(evaluate_if_due(run, step))
     dt = timer.elapsed()
     metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/sync_s": timer.sync_s,
-                    "time/step_s": dt, "throughput/tokens_per_s": tokens / dt,
-                    "throughput/rollout_tokens_per_s": tokens / max(timer.rollout_s - timer.sync_s, 1e-9),
-                    **memory.measure(run.s.device).metrics()})
+                    "time/step_s": dt, "throughput/tokens_per_s": tokens / dt, **memory.measure(run.s.device).metrics()})
+    if not metrics.get("rollout/staleness"):  # rows sampled during the last step: the clock saw only the wait
+        metrics["throughput/rollout_tokens_per_s"] = tokens / max(timer.rollout_s - timer.sync_s, 1e-9)
     run.reporter.metrics(step, metrics)
     if samples:
         run.reporter.samples(step, list(samples))

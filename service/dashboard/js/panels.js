@@ -25,10 +25,12 @@ export const SECTIONS = [
   ] },
   { title: "Rollout engine", panels: [
     { title: "Engine vs trainer log-probs |Δ|", keys: ["mismatch/logp_abs_mean", "mismatch/logp_abs_max"],
-      note: "per token, same tokens, same weights: the engine's kernels against the trainer's" },
+      note: "per token, same tokens: the engine's kernels against the trainer's (and the update, a step ahead)" },
     { title: "Importance ratio π_trainer / q_engine", keys: ["mismatch/ratio_p05", "mismatch/ratio_p50", "mismatch/ratio_p95"],
       note: "quantiles over the step's tokens; the correction weights by it" },
     { title: "Tokens the correction truncated or masked", keys: ["correction/changed_fraction"] },
+    { title: "Staleness (weight versions)", keys: ["rollout/staleness"],
+      note: "how far the sampler's weights lag the trainer's, mean over rows: 1 when sampled a step ahead" },
   ] },
   { title: "TracIn selection", panels: [
     { title: "Selection ratio", keys: ["tracin/selection_ratio"] },

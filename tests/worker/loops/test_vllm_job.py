@@ -25,7 +25,7 @@ def _spec(engine: str) -> GRPOJob:
         "model": {"name": "smollm2-135m-instruct", "lora": {"r": 8}},
         "dataset": {"name": "arith", "difficulty": 0},
         "rollout": {"engine": engine},
-        "grpo": {"steps": 3, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 12, "temperature": 0.8,
+        "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 12, "temperature": 0.8,
                  "learning_rate": 3e-4, "eval_prompts": 8, "epochs_per_rollout_batch": 2, "loss": "cispo",
                  "clip_eps_high": 2.0},
     })
@@ -42,8 +42,8 @@ def test_a_vllm_job_matches_the_hf_job(tmp_path, settings_factory, vllm_python):
     hf, vllm = metrics["hf"], metrics["vllm"]
     # greedy evaluation of the same weights: the same answers from either engine
     assert vllm[0]["eval/accuracy"] == hf[0]["eval/accuracy"]
-    assert abs(vllm[3]["eval/accuracy"] - hf[3]["eval/accuracy"]) <= 0.25
-    for step in (1, 2, 3):
+    assert abs(vllm[2]["eval/accuracy"] - hf[2]["eval/accuracy"]) <= 0.25
+    for step in (1, 2):
         m = vllm[step]
         assert m["mismatch/logp_abs_max"] < MISMATCH_BOUND, m
         assert 0.99 < m["mismatch/ratio_p05"] <= m["mismatch/ratio_p50"] <= m["mismatch/ratio_p95"] < 1.01

@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--spec", type=Path, default=SPEC)
     ap.add_argument("--engines", default="hf,vllm,vllm:1", help="comma-separated: hf, vllm, vllm:1")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--steps", type=int, default=0, help="override grpo.steps (0: the spec's)")
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of the spec's LoRA")
     args = ap.parse_args()
@@ -73,18 +74,18 @@ def main() -> None:
             rollout = {"engine": name, **({"max_staleness": int(staleness)} if staleness else {})}
             tag = engine.replace(":", "-stale")
             runs = [run_seed({**spec, "rollout": rollout}, seed, code=ROOT, threads=threads, work=work, tag=f"{tag}-")
-                    for seed in range(args.seeds)]
+                    for seed in range(args.first_seed, args.first_seed + args.seeds)]
             outs = [work / f"{tag}-seed-{r.seed}" for r in runs]
             stats = {k: statistics.fmean(after_first(k, o) for o in outs) for k in KEYS}
             last = max(s for s in runs[0].accuracy)
             acc = mean_se([r.accuracy[last] for r in runs])
-            rows.append((engine, stats, acc, statistics.fmean(r.wall_s for r in runs)))
+            rows.append((engine, stats, acc, statistics.fmean(r.wall_s for r in runs), runs))
     steps = spec["grpo"]["steps"]
     print(f"\n{args.spec.name} ({'full' if args.full else 'LoRA'}, {steps} steps, {args.seeds} seed(s), "
           f"{os.cpu_count()} cores)")
     print("engine  rollout_tok/s  rollout_s  sync_s  train_s  step_s  |dlogp|mean  |dlogp|max  ratio_p05  "
           "ratio_p95  changed  stale  acc        wall_s")
-    for engine, st, (acc_m, acc_se), wall in rows:
+    for engine, st, (acc_m, acc_se), wall, _ in rows:
         print(f"{engine:<7} {st['throughput/rollout_tokens_per_s']:13.1f}  {st['time/rollout_s']:9.2f}  "
               f"{st['time/sync_s']:6.3f}  {st['time/train_s']:7.2f}  {st['time/step_s']:6.2f}  "
               f"{st['mismatch/logp_abs_mean']:11.2e}  {st['mismatch/logp_abs_max']:10.2e}  "
@@ -92,7 +93,10 @@ def main() -> None:
               f"{st['mismatch/ratio_p95']:9.5f}  {st['correction/changed_fraction']:7.4f}  "
               f"{st['rollout/staleness']:5.2f}  {acc_m:.3f}±{acc_se:.3f}  "
               f"{wall:6.0f}")
-    for engine, st, (acc_m, _), _ in rows:
+    for engine, _, _, _, runs in rows:  # what the mean hides: each seed's accuracy
+        print(f"{engine}: " + ", ".join(f"seed {r.seed} acc@{max(r.accuracy)}={r.accuracy[max(r.accuracy)]:.3f}"
+                                        for r in runs))
+    for engine, st, (acc_m, _), _, _ in rows:
         print(f"RESULT engine={engine} rollout_tok_s={st['throughput/rollout_tokens_per_s']:.1f} "
               f"rollout_s={st['time/rollout_s']:.2f} sync_s={st['time/sync_s']:.3f} step_s={st['time/step_s']:.2f} "
               f"logp_abs_max={st['mismatch/logp_abs_max']:.2e} acc_mean={acc_m:.3f}", flush=True)

@@ -379,16 +379,19 @@ class VLLMEngine:
         mask = enc["attention_mask"].repeat_interleave(G, dim=0)
         rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         row_seeds = [None] * len(rows) if greedy else [row_seed(s, g) for s in seeds for g in range(G)]
-        version, futures = self.version, self._send(rows, row_seeds, greedy)
+        version, restarts, futures = self.version, self.restarts, self._send(rows, row_seeds, greedy)
 
         def result() -> RolloutBatch:
             nonlocal version
             try:
                 choices = [f.result() for f in futures]
             except (httpx.TransportError, EngineFailed) as e:
-                if self.server is None or self.server.alive():
+                # sent to a server that died: start it again (unless another batch's wait already did)
+                if self.server is None or (self.restarts == restarts and self.server.alive()):
                     raise
-                self._restart(e)  # then sampled again, by the current weights
+                if self.restarts == restarts:
+                    self._restart(e)
+                # sampled again, by the weights the server holds now
                 version, choices = self.version, [f.result() for f in self._send(rows, row_seeds, greedy)]
             return self._batch(ids, mask, choices, version)
 

@@ -149,7 +149,9 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
 
         os.kill(_server_child(pgid), signal.SIGKILL)  # the API server itself, not the watchdog
         assert _wait(lambda: not engine.server.alive())
-        again = engine.generate([PROMPT], 4, seeds=[3])  # started again, with the synced adapter
+        first, second = (engine.submit([PROMPT], 4, seeds=[3]) for _ in range(2))  # both sent to the dead server
+        again = first()  # started again, with the synced adapter
+        assert second().completions == again.completions  # sent again to the new server, not failed
         assert events == ["engine_started", "engine_restarted"]
         mismatch = (again.sampler_logp - _policy_logprobs(policy, again))[again.completion_mask.bool()]
         assert mismatch.abs().max() < TOLERANCE

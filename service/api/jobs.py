@@ -13,7 +13,7 @@ from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_re
 from service.api.sources import check_sources
 from service.core import queue
 from service.core.artifacts import open_store
-from service.core.specs import KINDS, STATUSES, TERMINAL, JobSpec, Status
+from service.core.specs import KINDS, STATUSES, TERMINAL, Status, SubmittedSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import leases
@@ -24,7 +24,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(4
 
 @router.post("", status_code=201, response_model=JobOut, responses=error_responses(413))
 def submit_job(
-    spec: Annotated[JobSpec, Body(description="A job spec, discriminated on `kind`.")],
+    spec: Annotated[SubmittedSpec, Body(description="A job spec, discriminated on `kind`.")],
     owner: OwnerDep, session: SessionDep, settings: SettingsDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200,
                                description="Retrying with the same key returns the same job.")] = None,

@@ -112,7 +112,8 @@ FILE_FIELDS = {"train_file": "train", "val_file": "eval", "corpus_file": "corpus
 
 def files_named(spec: JobSpec | None) -> set[str]:
     """The uploaded file ids a spec names (none for a stored spec this version cannot read)."""
-    return set() if spec is None else {v for f in FILE_FIELDS if (v := getattr(spec.dataset, f))}
+    dataset = getattr(spec, "dataset", None)  # session runs name no data
+    return set() if dataset is None else {v for f in FILE_FIELDS if (v := getattr(dataset, f))}
 
 
 def unavailable_upload(field: str, file_id: str) -> str:

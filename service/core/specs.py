@@ -635,22 +635,52 @@ class SFTJob(_JobBase):
         return self
 
 
-JOB_MODELS = (GRPOJob, TracInJob, JointJob, SFTJob)
-JobSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]
-KINDS: tuple[str, ...] = tuple(m.model_fields["kind"].annotation.__args__[0] for m in JOB_MODELS)  # the `kind` tags
+class SessionSpec(_Section):
+    """What the tinker client asked for when it created the training run (`create_model`)."""
+
+    tinker_session: str = Field(max_length=40, description="The tinker SDK session that created this run.")
+    model_seq_id: int = Field(0, ge=0, le=2**31 - 1, description="The client's number for this run in its session.")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Seed of the LoRA initialisation (random when null).")
+    idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A worker holding the run gives it back after "
+                                  "this long with no operation; the next operation brings it back from its last state.")
+
+
+class SessionJob(_Section):
+    """A training run driven operation by operation from the tinker SDK (`forward_backward`,
+    `optim_step`, ...): created by `/api/v1/create_model`, never submitted as a spec."""
+
+    kind: Literal["session"] = "session"
+    name: str | None = Field(None, max_length=200, description="Free-text label shown in lists and the dashboard.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    session: SessionSpec
+
+
+JOB_MODELS = (GRPOJob, TracInJob, JointJob, SFTJob)  # the kinds a client submits as a spec
+SubmittedSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]
+JobSpec = Annotated[Union[(*JOB_MODELS, SessionJob)], Field(discriminator="kind")]  # every stored kind
+KINDS: tuple[str, ...] = tuple(m.model_fields["kind"].annotation.__args__[0] for m in (*JOB_MODELS, SessionJob))
+_SUBMITTED_SPEC: TypeAdapter = TypeAdapter(SubmittedSpec)
 _JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)
 
 
 def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob | SFTJob:
-    """A job spec from its JSON form (a request body, a stored row, a YAML file); ValidationError if wrong."""
+    """A submitted job spec from its JSON form (a request body, a YAML file); ValidationError if wrong."""
+    return _SUBMITTED_SPEC.validate_python(data)
+
+
+def parse_stored_spec(data: object) -> GRPOJob | TracInJob | JointJob | SFTJob | SessionJob:
+    """A stored job's spec, session runs included; ValidationError if this version cannot read it."""
     return _JOB_SPEC.validate_python(data)
 
 
 class Status(StrEnum):
-    """A job's status: queued -> running -> succeeded | failed | cancelled (service/store/leases.py)."""
+    """A job's status: queued -> running -> succeeded | failed | cancelled (service/store/leases.py); a session
+    run also goes running -> idle -> queued."""
 
     queued = "queued"
     running = "running"
+    idle = "idle"  # a session run no worker holds until its next operation arrives
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"

@@ -16,6 +16,7 @@ from service.store.models import (
     Metric,
     Sample,
     Selection,
+    SessionOp,
     SparsityReport,
     utcnow,
 )
@@ -87,10 +88,11 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
         session.flush()
         session.refresh(job)
         return job
-    if job.status == Status.queued:
+    if job.status in (Status.queued, Status.idle):
+        message = "cancelled before it started" if job.status == Status.queued else "cancelled while no worker held it"
         job.status = Status.cancelled
         job.finished_at = utcnow()
-        session.add(JobEvent(job_id=job.id, type="cancelled", message="cancelled before it started"))
+        session.add(JobEvent(job_id=job.id, type="cancelled", message=message))
     elif job.status == Status.running and not job.cancel_requested:
         job.cancel_requested = True
         session.add(JobEvent(job_id=job.id, type="cancel_requested",
@@ -106,7 +108,7 @@ def active_jobs(session: Session, *, owner: str) -> list[Job]:
 
 def delete_job(session: Session, *, job: Job) -> None:
     """Delete a job and every row it owns."""
-    for table in (JobEvent, Metric, Sample, Selection, SparsityReport, Checkpoint):
+    for table in (JobEvent, Metric, Sample, Selection, SparsityReport, Checkpoint, SessionOp):
         session.execute(delete(table).where(table.job_id == job.id))
     session.delete(job)
 

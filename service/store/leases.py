@@ -11,7 +11,8 @@ from datetime import datetime, timedelta, timezone
 from pydantic import ValidationError
 from sqlalchemy import func, or_, select, update
 
-from service.core.specs import TERMINAL, JobSpec, Status, parse_spec
+from service.core.specs import TERMINAL, JobSpec, Status, SubmittedSpec, parse_stored_spec
+from service.store import session_ops
 from service.store.db import session_scope
 from service.store.jobs import create_job
 from service.store.models import Job, JobEvent, utcnow
@@ -23,7 +24,7 @@ class Submitted:
     created: bool  # False: the owner's idempotency key named this job already
 
 
-def submit_job(url: str, *, owner: str, spec: JobSpec, idempotency_key: str | None = None) -> Submitted:
+def submit_job(url: str, *, owner: str, spec: SubmittedSpec, idempotency_key: str | None = None) -> Submitted:
     """The first state, queued, committed before the job is enqueued: a worker must find the row
     its message names, and a broker that is down must be able to fail a job that exists."""
     with session_scope(url) as session:
@@ -70,7 +71,7 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
         return None
     fields = dict(row._mapping)
     try:
-        fields.update(spec=parse_spec(fields["spec"]), spec_error=None)
+        fields.update(spec=parse_stored_spec(fields["spec"]), spec_error=None)
     except ValidationError as exc:
         fields.update(spec=None, spec_error=f"stored spec is no longer valid: {exc.error_count()} errors, first: "
                       f"{exc.errors()[0]['msg']}")
@@ -187,4 +188,6 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
                                   .execution_options(synchronize_session=False)).first()
         if row is not None:
             requeue.append(Requeued(job_id, row.uid))
+    # an operation that reached an idle session run as its worker gave the run back
+    requeue += [Requeued(job_id, uid) for job_id, uid in session_ops.wake_stranded(url, older_than_s=5.0)]
     return Swept(requeue=requeue, cancelled=cancelled)

@@ -15,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     PrimaryKeyConstraint,
     String,
     Text,
@@ -24,7 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from service.core.specs import JobSpec, Status, parse_spec
+from service.core.specs import JobSpec, Status, parse_stored_spec
 
 
 def utcnow() -> datetime:
@@ -82,7 +83,7 @@ class Job(Base):
         """The stored spec as the typed spec it was submitted as; None for one this version no
         longer accepts (the worker fails such a job with the reason)."""
         try:
-            return parse_spec(self.spec)
+            return parse_stored_spec(self.spec)
         except ValidationError:
             return None
 
@@ -235,3 +236,47 @@ class DataFile(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     key: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+def new_session_id() -> str:
+    return "sess-" + uuid.uuid4().hex[:24]
+
+
+class TinkerSession(Base):
+    """A tinker SDK client's session: it holds training runs (session jobs) and lives while the
+    client heartbeats."""
+
+    __tablename__ = "tinker_sessions"
+    __table_args__ = (Index("ix_tinker_sessions_owner_created", "owner", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=new_session_id)
+    owner: Mapped[str] = mapped_column(String(200))
+    tags: Mapped[list]
+    user_metadata: Mapped[dict]
+    sdk_version: Mapped[str] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class SessionOp(Base):
+    """One operation a tinker client sent to a session job, and its result once the worker ran
+    it: the future the client polls. The worker runs a job's pending operations in `seq` order."""
+
+    __tablename__ = "session_ops"
+    __table_args__ = (UniqueConstraint("request_id", name="uq_session_ops_request_id"),
+                      Index("ix_session_ops_job_status_seq", "job_id", "status", "seq"))
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(40))
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(30))
+    body: Mapped[bytes] = mapped_column(LargeBinary)  # the request as sent (forward_backward: protobuf)
+    status: Mapped[str] = mapped_column(String(10), default="pending")  # pending | done | failed
+    result: Mapped[bytes | None] = mapped_column(LargeBinary)
+    result_format: Mapped[str | None] = mapped_column(String(10))  # proto | json
+    error: Mapped[str | None] = mapped_column(Text)
+    category: Mapped[str | None] = mapped_column(String(10))  # the SDK's RequestErrorCategory: user | server
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]

@@ -1,0 +1,152 @@
+"""The tinker-compatible API's rows: client sessions, session runs (jobs of kind `session`) and the
+operations a client sends them, which are the futures it polls.
+
+An operation is `pending` until the worker holding its run writes its result (`done`) or its error
+(`failed`). A run no worker holds is `idle`; the first operation sent to it queues it again (`wake`),
+and a run's worker gives it back (`release_idle`) only while it has nothing pending, so an operation
+is never left without a worker: the sweep wakes an idle run that still has one (a race of the two).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.orm import Session
+
+from service.core.specs import SessionJob, Status
+from service.store.db import session_scope
+from service.store.models import Job, JobEvent, SessionOp, TinkerSession, utcnow
+
+
+def create_session(session: Session, *, owner: str, tags: list[str], user_metadata: dict,
+                   sdk_version: str) -> TinkerSession:
+    row = TinkerSession(owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version[:40])
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_session(session: Session, *, session_id: str, owner: str) -> TinkerSession | None:
+    row = session.get(TinkerSession, session_id)
+    return row if row is not None and row.owner == owner else None  # another owner's reads as missing
+
+
+def list_sessions(session: Session, *, owner: str, limit: int, offset: int) -> list[TinkerSession]:
+    return list(session.scalars(select(TinkerSession).where(TinkerSession.owner == owner)
+                                .order_by(TinkerSession.created_at.desc(), TinkerSession.id)
+                                .limit(limit).offset(offset)))
+
+
+def session_runs(session: Session, *, session_id: str, owner: str) -> list[Job]:
+    return list(session.scalars(select(Job).where(Job.owner == owner, Job.kind == "session",
+                                                  Job.spec["session"]["tinker_session"].as_string() == session_id)
+                                .order_by(Job.id)))
+
+
+def create_run(session: Session, *, owner: str, spec: SessionJob) -> Job:
+    """A session run, queued, with its `create_model` operation pending: its future completes once a
+    worker has loaded the model."""
+    job = Job(owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"), name=spec.name, total_steps=0)
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, type="created", message=f"session run of {spec.model.name} created by "
+                         f"tinker session {spec.session.tinker_session}"))
+    return job
+
+
+def run_for_model(session: Session, *, model_id: str, owner: str) -> Job | None:
+    """The session run a tinker `model_id` (the job's uid) names, if this owner's."""
+    return session.scalars(select(Job).where(Job.uid == model_id, Job.owner == owner, Job.kind == "session")).first()
+
+
+def add_op(session: Session, *, job: Job, kind: str, body: bytes, seq: int | None = None) -> SessionOp:
+    """An operation for `job`, run after those before it: in the client's `seq` order when it sends one,
+    else after everything sent so far."""
+    if seq is None:
+        seq = (session.scalar(select(func.max(SessionOp.seq)).where(SessionOp.job_id == job.id)) or 0) + 1
+    op = SessionOp(request_id="req-" + uuid.uuid4().hex, job_id=job.id, seq=seq, kind=kind, body=body)
+    session.add(op)
+    session.flush()
+    return op
+
+
+def op_for(session: Session, *, request_id: str, owner: str) -> SessionOp | None:
+    """An operation by its request id, if its run is this owner's."""
+    return session.scalars(select(SessionOp).join(Job, Job.id == SessionOp.job_id)
+                           .where(SessionOp.request_id == request_id, Job.owner == owner)).first()
+
+
+def wake(url: str, *, job_id: int) -> str | None:
+    """idle -> queued, for the worker to take the run back. Returns the uid to enqueue, or None when the
+    run was not idle (a worker holds it, or it is queued already)."""
+    with session_scope(url) as session:
+        row = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.idle)
+                              .values(status=Status.queued, updated_at=utcnow()).returning(Job.uid)
+                              .execution_options(synchronize_session=False)).first()
+    return None if row is None else row.uid
+
+
+def wake_stranded(url: str, *, older_than_s: float) -> list[tuple[int, str]]:
+    """Idle runs that have a pending operation older than `older_than_s` (the sweep's safety net)."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    pending = exists().where(SessionOp.job_id == Job.id, SessionOp.status == "pending", SessionOp.created_at < cutoff)
+    with session_scope(url) as session:
+        ids = session.scalars(select(Job.id).where(Job.status == Status.idle, pending)).all()
+    return [(job_id, uid) for job_id in ids if (uid := wake(url, job_id=job_id)) is not None]
+
+
+@dataclass(frozen=True)
+class PendingOp:
+    """An operation for the worker to run."""
+
+    id: int
+    request_id: str
+    kind: str
+    body: bytes
+    created_at: datetime
+
+
+def next_op(url: str, *, job_id: int) -> PendingOp | None:
+    with session_scope(url, read_only=True) as session:
+        op = session.scalars(select(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+                             .order_by(SessionOp.seq, SessionOp.id).limit(1)).first()
+        return None if op is None else PendingOp(op.id, op.request_id, op.kind, op.body, op.created_at)
+
+
+def complete_op(url: str, *, op_id: int, result: bytes, result_format: str) -> None:
+    with session_scope(url) as session:
+        session.execute(update(SessionOp).where(SessionOp.id == op_id, SessionOp.status == "pending")
+                        .values(status="done", result=result, result_format=result_format, finished_at=utcnow()))
+
+
+def fail_op(url: str, *, op_id: int, error: str, category: str) -> None:
+    with session_scope(url) as session:
+        session.execute(update(SessionOp).where(SessionOp.id == op_id, SessionOp.status == "pending")
+                        .values(status="failed", error=error, category=category, finished_at=utcnow()))
+
+
+def fail_pending(url: str, *, job_id: int, error: str, category: str) -> int:
+    """Every pending operation of a run that ended: its futures fail instead of waiting forever."""
+    with session_scope(url) as session:
+        return session.execute(update(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+                               .values(status="failed", error=error, category=category, finished_at=utcnow())
+                               ).rowcount
+
+
+def release_idle(url: str, *, job_id: int, holder: str, message: str) -> bool:
+    """running -> idle, giving the lease back, only while nothing is pending. The attempt it took is
+    given back too: an idle release is not a failed attempt."""
+    nothing_pending = ~exists().where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+    with session_scope(url) as session:
+        released = session.execute(
+            update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running,
+                              nothing_pending)
+            .values(status=Status.idle, lease_owner=None, heartbeat_at=None, attempt=Job.attempt - 1,
+                    updated_at=utcnow())
+            .execution_options(synchronize_session=False)).rowcount == 1
+        if released:
+            session.add(JobEvent(job_id=job_id, type="idle", message=message))
+    return released

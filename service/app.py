@@ -21,6 +21,7 @@ from service.api import (
     series,
     specs,
     stream,
+    tinker,
 )
 from service.api.body_limit import BodySizeLimit
 from service.api.errors import store_unavailable
@@ -31,7 +32,7 @@ from service.core.settings import Settings, get_settings
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 ROUTERS = (health.router, jobs.router, stream.router, series.router, reports.router, rewards.router,
-           specs.router, files.router)
+           specs.router, files.router, tinker.router)
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool = False) -> FastAPI:
@@ -63,7 +64,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
     app.state.stream_hub = stream.StreamHub(settings.store_url)
 
     async def ready_and_headed(request: Request, call_next):
-        if not schema.ready.is_set() and request.url.path.startswith("/v1/"):
+        if not schema.ready.is_set() and request.url.path.startswith(("/v1/", "/api/v1/")):
             response = store_unavailable("not migrated yet")
         else:
             response = await call_next(request)
@@ -74,7 +75,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
     app.add_middleware(StrictRouting, routes=[route for r in ROUTERS for route in r.routes])
     # an upload may carry a file of max_file_bytes, plus its multipart framing
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       streamed={"/v1/files": settings.max_file_bytes + 64 * 1024})
+                       streamed={"/v1/files": settings.max_file_bytes + 64 * 1024,
+                                "/api/v1/forward_backward": tinker.FORWARD_BACKWARD_MAX_BYTES})
     errors.install(app)
     for r in ROUTERS:
         app.include_router(r)

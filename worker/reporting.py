@@ -20,7 +20,7 @@ from service.core.records import SampleRow, SelectionRecord, SparsityRecord
 class LoopResult:
     """What a loop returns to the runner: how it ended, at which step, and its last evaluation."""
 
-    status: Literal["succeeded", "cancelled"]
+    status: Literal["succeeded", "cancelled", "idle"]  # idle: a session run with nothing to do
     step: int  # the last step whose update was made
     eval: dict[str, float] = field(default_factory=dict)
 

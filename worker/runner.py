@@ -23,7 +23,7 @@ from service.core.settings import Settings
 from service.core.sources import for_owner
 from service.core.specs import KINDS, TERMINAL, JobSpec
 from service.store import jobs as jobs_q
-from service.store import leases
+from service.store import leases, session_ops
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
 from worker.distributed import Ranks
@@ -34,9 +34,9 @@ from worker.sql_reporter import LeaseLost, SqlReporter
 log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
 # requeued: a process of a multi-process job was killed; the job is queued again and resumes
-Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued"]
+Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued", "idle"]
 LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint",
-         "sft": "worker.loops.sft"}
+         "sft": "worker.loops.sft", "session": "worker.loops.session"}
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
 
 
@@ -62,7 +62,7 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
              run_id: str | None = None) -> LoopResult:
     """Run a spec's loop to its end: in this process, or as `resources.processes` ranks that each
     record through `rank_reporter()` while this process waits (`grpo-jobs run` and the worker)."""
-    if spec.resources.processes == 1:
+    if spec.kind == "session" or spec.resources.processes == 1:
         return loop_for(spec.kind)(spec, reporter, settings=settings)
     return launch(loop_on_ranks, (spec, settings, rank_reporter), processes=spec.resources.processes,
                   run_id=run_id)[0]
@@ -169,6 +169,22 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         message = without_server_paths(f"{type(exc).__name__}: {exc}", settings)
         reporter.finish("failed", message, error=message, data={"error_type": type(exc).__name__})
         return "failed"
+    if result.status == "idle":
+        return _release_idle(lease, reporter, settings, result.step)
     reporter.finish(result.status, f"job {result.status} at step {result.step}",
                     data={"step": result.step, **result.eval})
     return result.status
+
+
+def _release_idle(lease: leases.Lease, reporter: SqlReporter, settings: Settings, step: int) -> Outcome:
+    """A session run with nothing to do gives its worker back; an operation that arrived meanwhile
+    queues it again at once."""
+    message = f"no operation for a while: state saved at step {step}; the next operation brings the run back"
+    if session_ops.release_idle(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message):
+        return "idle"
+    uid = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder,
+                         message="an operation arrived as the run was given back; queued again")
+    if uid is None:
+        raise LeaseLost(f"job {lease.job_id}: lease lost")
+    queue.enqueue(lease.job_id, uid, broker_url=settings.broker)
+    return "requeued"

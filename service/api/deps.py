@@ -42,9 +42,10 @@ def unauthorized(message: str) -> HTTPException:
 
 
 def get_owner(request: Request, session: SessionDep) -> str:
-    """The owner of the presented API key: `Authorization: Bearer KEY`, never in a URL (a URL
-    ends up in logs; a browser's EventSource uses a stream token instead, see stream.py)."""
-    key = bearer_key(request)
+    """The owner of the presented API key: `Authorization: Bearer KEY` (or `X-API-Key: KEY`, as the
+    tinker SDK sends it), never in a URL (a URL ends up in logs; a browser's EventSource uses a
+    stream token instead, see stream.py)."""
+    key = bearer_key(request) or request.headers.get("x-api-key", "").strip() or None
     if not key:
         raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     owner = keys_q.owner_for_key(session, key=key)

@@ -82,6 +82,15 @@ def _file_errors(d: DatasetSpec, session: Session, owner: str) -> list[dict]:
     return errors
 
 
+def model_unavailable(name: str, settings: Settings, *, owner: str, what: str = "model",
+                      presets: tuple[str, ...] = MODEL_PRESETS) -> str | None:
+    """Why this owner may not train model `name` here, or None: a preset, or a folder under the admin's
+    model roots (or the local Hugging Face cache)."""
+    if name in presets or model_path(name, for_owner(settings, owner).model_roots) is not None:
+        return None
+    return unavailable_model(what, name, presets)
+
+
 def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> list[dict]:
     """Errors (pydantic's shape: loc, msg, type) for everything `spec` names that this owner may
     not use under the admin's settings. Empty when all is well."""
@@ -91,8 +100,8 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
     if getattr(spec, "retriever", None) is not None:
         named.append((("retriever", "name"), spec.retriever.name, "retriever", RETRIEVER_PRESETS))
     for loc, name, what, presets in named:
-        if name not in presets and model_path(name, settings.model_roots) is None:
-            errors.append({"loc": loc, "msg": unavailable_model(what, name, presets), "type": "unavailable"})
+        if (why := model_unavailable(name, settings, owner=owner, what=what, presets=presets)) is not None:
+            errors.append({"loc": loc, "msg": why, "type": "unavailable"})
     errors += _reward_errors(spec, settings)
     if spec.resources.processes > settings.max_processes:
         errors.append({"loc": ("resources", "processes"), "type": "unavailable",

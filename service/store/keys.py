@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from service.store.models import ApiKey, utcnow
 
-PREFIX = "gj_"
+PREFIX = "tml-"  # the tinker SDK takes only keys that start so; earlier keys (gj_...) still work
 STREAM_TOKEN_PREFIX = "gjs_"
 LAST_USED_EVERY = timedelta(minutes=1)
 

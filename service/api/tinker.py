@@ -1,0 +1,282 @@
+"""The tinker-compatible API (`/api/v1`): the routes the unmodified tinker SDK calls, at its paths and
+in its formats (SDK versions tested: service.core.tinker_wire.SDK_VERSIONS_TESTED).
+
+A tinker session is a row of `tinker_sessions`; each training run it creates (`create_model`) is a job of
+kind `session` owned by the key's owner, whose id for the SDK (`model_id`) is the job's uid. Every
+training operation is stored as a `session_ops` row and answered at once with a future (its
+`request_id`); the worker holding the run runs the operations in order, and `retrieve_future` hands
+back each result once written. Keys: the owner's API keys, sent by the SDK as `X-API-Key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.api.deps import OwnerDep, SessionDep, SettingsDep
+from service.api.errors import format_errors
+from service.api.schemas import error_responses
+from service.api.sources import model_unavailable
+from service.core import queue
+from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec, SessionJob, SessionSpec
+from service.core.tinker_wire import WireError, decode_forward_backward
+from service.store import session_ops as ops_q
+from service.store.db import session_scope
+from service.store.models import utcnow
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=error_responses(401, 503))
+PROTOBUF = "application/x-protobuf"
+FORWARD_BACKWARD_MAX_BYTES = 8 * 2**20  # decompressed; the SDK's chunks are kept under half of it (client config)
+RETRIEVE_WAIT_S = 10.0  # retrieve_future holds a pending future this long before answering try_again
+
+
+class _Wire(BaseModel):
+    """A request body as the SDK sends it. Fields a newer SDK adds are ignored, not refused: the SDK,
+    not a person, writes these bodies, and it must keep working against this server."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class ClientConfigIn(_Wire):
+    sdk_version: str = Field("", max_length=40)
+
+
+class CreateSessionIn(_Wire):
+    tags: list[Annotated[str, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str = Field("", max_length=40)
+
+
+class SessionIdIn(_Wire):
+    session_id: str = Field(max_length=40)
+
+
+class LoraConfigIn(_Wire):
+    rank: int = Field(ge=1, le=1024)
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelIn(_Wire):
+    session_id: str = Field(max_length=40)
+    model_seq_id: int = Field(0, ge=0, le=2**31 - 1)
+    base_model: str = Field(max_length=200)
+    lora_config: LoraConfigIn | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class ModelIdIn(_Wire):
+    model_id: str = Field(max_length=40)
+
+
+class AdamParamsIn(_Wire):
+    learning_rate: float = Field(1e-4, ge=0, le=10)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    grad_clip_norm: float = Field(0.0, ge=0)
+
+
+class OptimStepIn(_Wire):
+    model_id: str = Field(max_length=40)
+    seq_id: int | None = Field(None, ge=0, le=2**62)
+    adam_params: AdamParamsIn
+
+
+class RetrieveFutureIn(_Wire):
+    request_id: str = Field(max_length=40)
+    allow_metadata_only: bool = False
+
+
+class UntypedFuture(BaseModel):
+    request_id: str
+    model_id: str | None = None
+
+
+def _refused(field: str, message: str, status: int = 400) -> JSONResponse:
+    """A request the SDK sent that cannot run: 400 (the SDK retries a bare 400 a few times, then
+    raises with this body), naming the field."""
+    return JSONResponse(format_errors([{"loc": ("body", *field.split(".")), "msg": message, "type": "invalid"}]),
+                        status_code=status)
+
+
+def _lora_spec(cfg: LoraConfigIn) -> LoraSpec:
+    modules = ((["q_proj", "k_proj", "v_proj", "o_proj"] if cfg.train_attn else [])
+               + (["gate_proj", "up_proj", "down_proj"] if cfg.train_mlp else [])
+               + (["lm_head"] if cfg.train_unembed else []))
+    return LoraSpec(r=cfg.rank, alpha=cfg.rank, target_modules=modules)  # alpha = r: the adapter's scale is 1
+
+
+def _owned_run(session, *, model_id: str, owner: str):
+    job = ops_q.run_for_model(session, model_id=model_id, owner=owner)
+    if job is None:  # another owner's run reads as missing
+        raise HTTPException(404, f"model {model_id} not found")
+    return job
+
+
+def _submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | None) -> UntypedFuture:
+    op = ops_q.add_op(session, job=job, kind=kind, body=body, seq=seq)
+    session.commit()  # the operation exists before the run is woken to run it
+    if (uid := ops_q.wake(settings.store_url, job_id=job.id)) is not None:
+        queue.enqueue(job.id, uid, broker_url=settings.broker)
+    return UntypedFuture(request_id=op.request_id, model_id=job.uid)
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+def client_config(_: ClientConfigIn, owner: OwnerDep) -> dict:
+    """The SDK's feature flags for this server: API keys (no JWT exchange), plain httpx, forward_backward
+    chunks sent in order and small enough for the body limit, custom losses run client-side."""
+    return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
+            "proto_compress_fwdbwd": True, "fwdbwd_max_chunk_bytes_count": FORWARD_BACKWARD_MAX_BYTES // 2,
+            "custom_loss_server_side": False, "sample_use_retrieve_futures": False,
+            "sample_join_sampling_session": False}
+
+
+@router.post("/client/dynamic_config")
+def client_dynamic_config(_: ClientConfigIn, owner: OwnerDep) -> dict:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.get("/get_server_capabilities")
+def server_capabilities(owner: OwnerDep) -> dict:
+    """The bundled models (a folder under the admin's model roots also works, by its name)."""
+    return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": False} for m in MODEL_PRESETS]}
+
+
+@router.post("/telemetry")
+def telemetry(owner: OwnerDep) -> dict:
+    return {"status": "accepted"}  # the SDK's own diagnostics: not kept here
+
+
+@router.post("/create_session", responses=error_responses(422))
+def create_session(body: CreateSessionIn, owner: OwnerDep, session: SessionDep) -> dict:
+    row = ops_q.create_session(session, owner=owner, tags=body.tags, user_metadata=body.user_metadata or {},
+                               sdk_version=body.sdk_version)
+    return {"type": "create_session", "session_id": row.id}
+
+
+@router.post("/session_heartbeat", responses=error_responses(404, 422) | {410: {"description": "The session finished."}})
+def session_heartbeat(body: SessionIdIn, owner: OwnerDep, session: SessionDep) -> dict:
+    row = ops_q.get_session(session, session_id=body.session_id, owner=owner)
+    if row is None:
+        raise HTTPException(404, f"session {body.session_id} not found")
+    if row.finished_at is not None:
+        raise HTTPException(410, f"session {body.session_id} has finished")
+    row.heartbeat_at = utcnow()
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish", status_code=204, responses=error_responses(404, 422))
+def finish_session(session_id: Annotated[str, Path(max_length=40)], owner: OwnerDep, session: SessionDep) -> Response:
+    row = ops_q.get_session(session, session_id=session_id, owner=owner)
+    if row is None:
+        raise HTTPException(404, f"session {session_id} not found")
+    row.finished_at = row.finished_at or utcnow()
+    return Response(status_code=204)
+
+
+@router.post("/create_model", responses=error_responses(404, 422) | {400: {"description": "The model is not available."}})
+def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
+    if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
+        raise HTTPException(404, f"session {body.session_id} not found")
+    name = {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}.get(body.base_model, body.base_model)
+    lora = None if body.lora_config is None else _lora_spec(body.lora_config)
+    spec = SessionJob(name=f"tinker {name}", model=ModelSpec(name=name, lora=lora, dtype="float32"),
+                      session=SessionSpec(tinker_session=body.session_id, model_seq_id=body.model_seq_id,
+                                          seed=None if body.lora_config is None else body.lora_config.seed))
+    if (why := model_unavailable(name, settings, owner=owner)) is not None:
+        return _refused("base_model", why)
+    job = ops_q.create_run(session, owner=owner, spec=spec)
+    future = _submit_op(settings, session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
+    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+    return future
+
+
+@router.post("/get_info", responses=error_responses(404, 422))
+def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
+    job = _owned_run(session, model_id=body.model_id, owner=owner)
+    spec = job.job_spec()
+    lora = spec.model.lora
+    return {"type": "get_info", "model_id": job.uid, "model_name": spec.model.name, "is_lora": lora is not None,
+            "lora_rank": None if lora is None else lora.r,
+            "model_data": {"model_name": spec.model.name, "arch": None, "tokenizer_id": None}}
+
+
+@router.post("/forward_backward", responses=error_responses(404, 413) | {400: {"description": "The request names a "
+             "field wrongly (the body says which); nothing was stored."}},
+             openapi_extra={"requestBody": {"required": True, "content": {PROTOBUF: {"schema": {
+                 "type": "string", "format": "binary"}}}}})
+async def forward_backward(request: Request, owner: OwnerDep, settings: SettingsDep):
+    body = await request.body()
+    if request.headers.get("content-encoding", "") == "zstd":
+        body = await run_in_threadpool(_unzstd, body)
+        if body is None:
+            return _refused("body", f"not zstd, or over {FORWARD_BACKWARD_MAX_BYTES} bytes once decompressed", 413)
+    try:
+        decoded = await run_in_threadpool(decode_forward_backward, body)
+    except WireError as exc:
+        return _refused(exc.field, exc.message)
+    return await run_in_threadpool(_queue_op, settings, owner, decoded.model_id, "forward_backward", body,
+                                   decoded.seq_id)
+
+
+def _unzstd(body: bytes) -> bytes | None:
+    import zstandard
+
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=FORWARD_BACKWARD_MAX_BYTES)
+    except zstandard.ZstdError:
+        return None
+
+
+def _queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: int | None) -> UntypedFuture:
+    with session_scope(settings.store_url) as session:
+        job = _owned_run(session, model_id=model_id, owner=owner)
+        return _submit_op(settings, session, job=job, kind=kind, body=body, seq=seq)
+
+
+@router.post("/optim_step", responses=error_responses(404, 422))
+def optim_step(body: OptimStepIn, owner: OwnerDep, settings: SettingsDep) -> UntypedFuture:
+    return _queue_op(settings, owner, body.model_id, "optim_step", body.model_dump_json().encode(), body.seq_id)
+
+
+@router.post("/retrieve_future", responses=error_responses(404, 422))
+async def retrieve_future(body: RetrieveFutureIn, owner: OwnerDep, settings: SettingsDep) -> Response:
+    """The operation's result once its worker wrote it: protobuf for forward_backward, JSON otherwise;
+    `{error, category}` when it failed; `try_again` while it is pending after a wait of up to
+    RETRIEVE_WAIT_S, polled without holding a thread or a connection."""
+    deadline, pause = time.monotonic() + RETRIEVE_WAIT_S, 0.01
+    while True:
+        op = await run_in_threadpool(_op_state, settings, body.request_id, owner)
+        if op is None:
+            raise HTTPException(404, f"request {body.request_id} not found")
+        status, result, fmt, error, category = op
+        if status == "done":
+            return Response(result, media_type=PROTOBUF if fmt == "proto" else "application/json")
+        if status == "failed":
+            return JSONResponse({"error": error, "category": category})
+        if time.monotonic() >= deadline:
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+        await asyncio.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+
+
+def _op_state(settings, request_id: str, owner: str):
+    with session_scope(settings.store_url, read_only=True) as session:
+        op = ops_q.op_for(session, request_id=request_id, owner=owner)
+        return None if op is None else (op.status, op.result, op.result_format, op.error, op.category)
+

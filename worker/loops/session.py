@@ -1,0 +1,190 @@
+"""A session run: the client's own loop, driven one operation at a time through the tinker SDK.
+
+Variant: no loop of ours. The worker holding the run loads the model once (a LoRA adapter of the
+rank `create_model` asked for, or the whole model) and an AdamW optimizer, then runs the run's
+pending operations in the order the client sent them (`seq`), writing each result for the future
+the client polls:
+
+  create_model      -> {"model_id"}: the model is loaded (or restored from the run's last state)
+  forward_backward  -> per-datum `logprobs` and `loss:sum`; gradients add up until optim_step
+  forward           -> the same without gradients
+  optim_step        -> one AdamW step with the hyper-parameters sent, then gradients are cleared
+
+Every optim_step is a step of the run: it records `loss/total` (the sum of its forward_backwards'
+losses), `tokens`, `lr`, `grad_norm` and `time/step_s`. With no operation for
+`session.idle_timeout_s` the run's state (weights and optimizer) is saved and the worker gives the run
+back (status idle); the next operation queues it again and a worker restores that state. Gradients
+accumulated by a forward_backward whose optim_step has not come yet are not part of the saved state.
+
+Run it from the SDK: README, "Use grpo-jobs from the tinker SDK".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from service.core.settings import Settings
+from service.core.specs import SessionJob
+from service.core.tinker_wire import WireError, decode_forward_backward, encode_forward_backward_output
+from service.store import session_ops as ops_q
+from worker.algos import tinker_losses
+from worker.checkpoints import Trainables, load_checkpoint, save_checkpoint
+from worker.models import load_policy
+from worker.reporting import LoopResult, Reporter
+from worker.sql_reporter import LeaseLost
+from worker.training import grad_norm, trainable
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05  # between looks for the next operation: well under a step's compute
+
+
+@dataclass
+class Session:
+    """What a run holds between operations."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.AdamW
+    params: list[torch.nn.Parameter]
+    vocab_size: int
+    step: int = 0  # optim_steps taken: the run's step
+    saved_step: int | None = None  # the step of the last saved state
+    pending: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "tokens": 0.0})
+    step_started: float = field(default_factory=time.monotonic)
+
+    def trainables(self) -> Trainables:
+        return Trainables(model=self.model, tokenizer=self.tokenizer, optimizers={"policy": self.optimizer},
+                          schedulers={})
+
+
+def datum_loss(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+    """The built-in loss `name` of one datum; `logp` [N] the policy's log-probs of its target tokens."""
+    if name == "cross_entropy":
+        return tinker_losses.cross_entropy(logp, weights=inputs.get("weights", torch.ones_like(logp)))
+    q, adv = inputs["logprobs"], inputs["advantages"]
+    if name == "importance_sampling":
+        return tinker_losses.importance_sampling(logp, q=q, adv=adv)
+    if name == "dro":
+        return tinker_losses.dro(logp, q=q, adv=adv, beta=config["beta"])
+    clip = {"clip_low": config["clip_low_threshold"], "clip_high": config["clip_high_threshold"]}
+    if name == "gspo":
+        return tinker_losses.gspo(logp, q=q, adv=adv, sequence_mask=inputs.get("sequence_ratio_mask"), **clip)
+    return {"ppo": tinker_losses.ppo, "cispo": tinker_losses.cispo}[name](logp, q=q, adv=adv, **clip)
+
+
+def forward_backward(s: Session, body: bytes) -> bytes:
+    request = decode_forward_backward(body, vocab_size=s.vocab_size)
+    device = next(s.model.parameters()).device
+    outputs, total = [], 0.0
+    for datum in request.data:  # one sequence at a time: no padding to get wrong, memory of the longest only
+        tokens = torch.from_numpy(datum.tokens).to(device)
+        inputs = {k: torch.from_numpy(np.asarray(v, dtype=np.float32 if v.dtype.kind == "f" else np.int64)).to(device)
+                  for k, v in datum.inputs.items()}
+        with torch.set_grad_enabled(not request.forward_only):
+            logits = s.model(input_ids=tokens[None]).logits[0].float()  # [N, V]
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, inputs["target_tokens"][:, None])[:, 0]  # [N]
+            loss = datum_loss(request.loss_fn, logp, inputs, request.config)
+            if not request.forward_only:
+                loss.backward()
+        outputs.append({"logprobs": logp.detach().cpu().numpy()})
+        total += loss.item()
+    if not request.forward_only:
+        s.pending["loss"] += total
+        s.pending["tokens"] += request.tokens
+    return encode_forward_backward_output(outputs, {"loss:sum": total})
+
+
+def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
+    sent = json.loads(body)
+    adam = sent.get("adam_params") or sent.get("optim_params") or {}
+    lr = float(adam.get("learning_rate", 1e-4))
+    for group in s.optimizer.param_groups:
+        group.update(lr=lr, betas=(float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
+                     eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0)))
+    norm = grad_norm(s.params)
+    if (clip := float(adam.get("grad_clip_norm", 0.0))) > 0:
+        torch.nn.utils.clip_grad_norm_(s.params, clip)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.step += 1
+    metrics = {"loss/total": s.pending["loss"], "tokens": s.pending["tokens"], "lr": lr, "grad_norm": norm,
+               "time/step_s": time.monotonic() - s.step_started}
+    reporter.metrics(s.step, metrics)
+    reporter.progress(s.step)
+    s.pending = {"loss": 0.0, "tokens": 0.0}
+    s.step_started = time.monotonic()
+    return json.dumps({"type": "optim_step", "metrics": {"grad_norm:mean": norm, "learning_rate:mean": lr}}).encode()
+
+
+def save_state(s: Session, reporter: Reporter, why: str) -> None:
+    """The run's weights and optimizer as checkpoint step-N, unless step N is saved already."""
+    if s.saved_step == s.step:
+        return
+    path = reporter.checkpoint_dir(s.step)
+    saved = save_checkpoint(path, s.trainables(), step=s.step, opt_steps=s.step)
+    reporter.checkpoint(s.step, path, saved.format, saved.size_bytes)
+    reporter.event("checkpoint", f"state saved at step {s.step} ({why})", data={"step": s.step, "format": saved.format})
+    s.saved_step = s.step
+
+
+def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
+    seed = spec.session.seed if spec.session.seed is not None else int(torch.seed() % 2**32)
+    model, tokenizer = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=seed,
+                                   model_roots=settings.model_roots)
+    params = trainable(model)
+    s = Session(model=model, tokenizer=tokenizer, optimizer=torch.optim.AdamW(params, lr=1e-4), params=params,
+                vocab_size=model.get_input_embeddings().num_embeddings)
+    if (path := reporter.resume_from()) is not None:
+        s.step = s.saved_step = load_checkpoint(path, s.trainables()).step
+        reporter.event("resumed", f"state restored from step {s.step}", data={"step": s.step})
+    model.train()
+    return s
+
+
+def run(spec: SessionJob, reporter: Reporter, *, settings: Settings, ranks=None) -> LoopResult:
+    try:
+        return serve(spec, reporter, settings)
+    except LeaseLost:  # another worker takes the run over and runs what is pending
+        raise
+    except Exception as exc:  # the run fails: so do the futures waiting on it, with the reason
+        ops_q.fail_pending(settings.store_url, job_id=reporter.job_id, category="server",
+                           error=f"the session run failed: {type(exc).__name__}: {exc}")
+        raise
+
+
+def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResult:
+    url, job_id = settings.store_url, reporter.job_id
+    s = load(spec, settings, reporter)
+    handlers = {"forward_backward": lambda body: (forward_backward(s, body), "proto"),
+                "optim_step": lambda body: (optim_step(s, body, reporter), "json"),
+                "create_model": lambda body: (json.dumps({"type": "create_model", "model_id": body.decode()}).encode(),
+                                              "json")}
+    last_op = time.monotonic()
+    while True:
+        if reporter.should_stop():
+            save_state(s, reporter, "cancelled")
+            ops_q.fail_pending(url, job_id=job_id, error="the run was cancelled", category="user")
+            return LoopResult(status="cancelled", step=s.step)
+        op = ops_q.next_op(url, job_id=job_id)
+        if op is None:
+            if time.monotonic() - last_op > spec.session.idle_timeout_s:
+                save_state(s, reporter, f"no operation for {spec.session.idle_timeout_s:g} s")
+                return LoopResult(status="idle", step=s.step)
+            time.sleep(POLL_S)
+            continue
+        try:
+            result, fmt = handlers[op.kind](op.body)
+        except WireError as exc:
+            ops_q.fail_op(url, op_id=op.id, error=str(exc), category="user")
+        except Exception as exc:  # the run goes on; the client sees why this operation failed
+            log.exception("session run %s: %s failed", job_id, op.kind)
+            ops_q.fail_op(url, op_id=op.id, error=f"{op.kind} failed: {type(exc).__name__}: {exc}", category="server")
+        else:
+            ops_q.complete_op(url, op_id=op.id, result=result, result_format=fmt)
+        last_op = time.monotonic()

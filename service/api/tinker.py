@@ -197,7 +197,8 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
     lora = None if body.lora_config is None else _lora_spec(body.lora_config)
     spec = SessionJob(name=f"tinker {name}", model=ModelSpec(name=name, lora=lora, dtype="float32"),
                       session=SessionSpec(tinker_session=body.session_id, model_seq_id=body.model_seq_id,
-                                          seed=None if body.lora_config is None else body.lora_config.seed))
+                                          seed=None if body.lora_config is None else body.lora_config.seed,
+                                          idle_timeout_s=settings.session_idle_s))
     if (why := model_unavailable(name, settings, owner=owner)) is not None:
         return _refused("base_model", why)
     job = ops_q.create_run(session, owner=owner, spec=spec)

@@ -163,6 +163,11 @@ class Settings(BaseSettings):
         description="How often each worker looks for jobs whose lease expired (their worker died, "
         "lost the store or the broker) and queues them again.",
     )
+    session_idle_s: float = Field(
+        default=120.0, gt=0, le=86400, validation_alias="GRPO_SESSION_IDLE_S",
+        description="A tinker session run with no operation for this long saves its state and gives its worker "
+        "back; its next operation queues it again.",
+    )
     requeue_queued_after_s: float = Field(
         default=600.0, validation_alias="GRPO_REQUEUE_QUEUED_AFTER_S",
         description="A job queued this long with no worker taking it is enqueued again, in case its "

@@ -1,0 +1,207 @@
+"""The unmodified tinker SDK against `grpo-jobs dev` (embedded store and broker): every built-in loss's
+value, log-probs and gradient norm against a hand computation in torch on the same weights, a session
+run that gives its worker back and comes back from its saved state, tenancy, and refused input."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests.e2e.conftest import BIN, free_port, wait_http
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+
+MODEL, RANK, SEED = "tiny-random-llama", 4, 3
+LOSS_CONFIGS = {  # clip bounds tight enough that some of the ratios below are clipped
+    "cross_entropy": None, "importance_sampling": None,
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "dro": {"beta": 0.3},
+    "gspo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+}
+
+
+@pytest.fixture
+def dev(procs):
+    port = free_port()
+    procs.start("dev", "dev", "--port", str(port), env={"GRPO_SESSION_IDLE_S": "4", "TINKER_TELEMETRY": "0"})
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/healthz", procs)
+    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
+    for _ in range(100):
+        if key_file.exists() and key_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    return base, key_file.read_text().strip()
+
+
+def reference_model():
+    """The run's weights, built as the worker builds them: the tiny model of this seed with a fresh
+    LoRA adapter (B = 0, so the policy is the base model), rank RANK on every linear layer and the head."""
+    from service.core.specs import LoraSpec, ModelSpec
+    from worker.models import load_policy
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    spec = ModelSpec(name=MODEL, dtype="float32", lora=LoraSpec(r=RANK, alpha=RANK, target_modules=modules))
+    model, _ = load_policy(spec, models_root=Path("/nonexistent"), device="cpu", seed=SEED)
+    return model
+
+
+def hand_loss(name: str, logp: torch.Tensor, d: dict, cfg: dict | None) -> torch.Tensor:
+    """The SDK's documented definitions, written out again here: token sums."""
+    if name == "cross_entropy":
+        return -(d["weights"] * logp).sum()
+    q, a = d["logprobs"], d["advantages"]
+    r = torch.exp(logp - q)
+    if name == "importance_sampling":
+        return -(r * a).sum()
+    if name == "dro":
+        return -(logp * a - 0.5 * cfg["beta"] * (logp - q) ** 2).sum()
+    lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+    if name == "ppo":
+        return -torch.minimum(r * a, r.clamp(lo, hi) * a).sum()
+    if name == "cispo":
+        return -(r.clamp(lo, hi).detach() * logp * a).sum()
+    s = torch.exp((logp.detach() - q).mean())  # gspo: the sequence ratio over every token
+    ratio = s * torch.exp(logp - logp.detach())
+    return -torch.minimum(ratio * a, ratio.clamp(lo, hi) * a).sum()
+
+
+def make_data(model, rng: np.random.Generator) -> list[dict]:
+    """Two sequences whose sampler log-probs sit near the policy's, so ratios fall inside and outside
+    the clip band."""
+    vocab = model.get_input_embeddings().num_embeddings
+    data = []
+    for n in (7, 5):
+        tokens = rng.integers(1, vocab, size=n + 1)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(tokens[:-1])[None]).logits[0]
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+        data.append({"tokens": tokens[:-1], "target_tokens": tokens[1:],
+                     "weights": (np.arange(n) >= 2).astype(np.float32),
+                     "logprobs": (logp.numpy() + rng.normal(0, 0.15, n)).astype(np.float32),
+                     "advantages": rng.choice([-1.0, 0.5, 1.0], size=n).astype(np.float32)})
+    return data
+
+
+def datum(d: dict, loss: str) -> types.Datum:
+    names = ("target_tokens", "weights") if loss == "cross_entropy" else ("target_tokens", "logprobs", "advantages")
+    return types.Datum(model_input=types.ModelInput.from_ints(d["tokens"].tolist()),
+                       loss_fn_inputs={k: d[k] for k in names})
+
+
+def test_every_builtin_loss_matches_a_hand_computation(dev):
+    base, key = dev
+    service = tinker.ServiceClient(base_url=base, api_key=key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
+    model = reference_model()
+    data = make_data(model, np.random.default_rng(0))
+    for loss, cfg in LOSS_CONFIGS.items():
+        out = client.forward_backward([datum(d, loss) for d in data], loss, loss_fn_config=cfg).result()
+        # learning rate 0: the weights stay, the step's gradient norm is reported
+        stepped = client.optim_step(types.AdamParams(learning_rate=0.0)).result()
+        model.zero_grad()
+        total = 0.0
+        for d, got in zip(data, out.loss_fn_outputs):
+            logits = model(input_ids=torch.tensor(d["tokens"])[None]).logits[0]
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(d["target_tokens"])[:, None])[:, 0]
+            inputs = {k: torch.tensor(v) for k, v in d.items() if k in ("weights", "logprobs", "advantages")}
+            value = hand_loss(loss, logp, inputs, cfg)
+            value.backward()
+            total += value.item()
+            np.testing.assert_allclose(got["logprobs"].to_numpy(), logp.detach().numpy(), rtol=1e-5, atol=1e-5)
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                     if p.grad is not None])).item()
+        # float32 on both sides, summed in different orders: 1e-4 relative
+        assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-4, abs=1e-5), loss
+        assert stepped.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4, abs=1e-6), loss
+
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        assert job["uid"] == client.model_id and job["step"] == len(LOSS_CONFIGS)
+        series = c.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total,grad_norm"}).json()["series"]
+        assert {s["key"]: s["total_points"] for s in series} == {"loss/total": len(LOSS_CONFIGS),
+                                                                 "grad_norm": len(LOSS_CONFIGS)}
+
+
+def test_a_session_run_gives_its_worker_back_and_resumes_from_its_state(dev):
+    base, key = dev
+    service = tinker.ServiceClient(base_url=base, api_key=key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 60, size=12).tolist()
+    ce = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                      loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
+    losses = []
+    for _ in range(3):
+        losses.append(client.forward_backward(ce, "cross_entropy").result().metrics["loss:sum"])
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    before = client.forward(ce, "cross_entropy").result().metrics["loss:sum"]
+    assert before < losses[0]
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        job_id = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]["id"]
+        deadline = time.time() + 60
+        while c.get(f"/v1/jobs/{job_id}").json()["status"] != "idle":
+            assert time.time() < deadline, "the run never went idle"
+            time.sleep(0.3)
+        # the next operation brings the run back, from the state saved at step 3: the same weights
+        after = client.forward(ce, "cross_entropy").result().metrics["loss:sum"]
+        client.forward_backward(ce, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        job = c.get(f"/v1/jobs/{job_id}").json()
+        events = [e["type"] for e in c.get(f"/v1/jobs/{job_id}/events").json()]
+    assert job["status"] == "running" and job["step"] == 4 and job["attempt"] == 1
+    assert events.count("idle") == 1 and "resumed" in events
+    assert after == pytest.approx(before, rel=1e-6)  # the trained weights came back, not the base model's
+
+
+def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, procs):
+    base, key = dev
+    other = subprocess.run([str(BIN), "keys", "create", "--owner", "mallory"], env=procs.env, capture_output=True,
+                           text=True, check=True).stdout.strip().split()[-1]
+    assert other.startswith("tml-")
+    service = tinker.ServiceClient(base_url=base, api_key=key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
+    d = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                    loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
+
+    def body(loss: str, model_id: str, data=(d,)) -> bytes:
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=list(data), loss_fn=loss), model_id=model_id, seq_id=99)
+        return forward_backward_request_to_proto(req).SerializeToString()
+
+    proto = {"Content-Type": "application/x-protobuf"}
+    with httpx.Client(base_url=base, timeout=30) as c:
+        theirs = {"X-API-Key": other}
+        assert c.post("/api/v1/get_info", json={"model_id": client.model_id}, headers=theirs).status_code == 404
+        r = c.post("/api/v1/forward_backward", content=body("cross_entropy", client.model_id),
+                   headers={**theirs, **proto})
+        assert r.status_code == 404  # cannot drive it
+        mine = {"X-API-Key": key}
+        request_id = c.post("/api/v1/forward_backward", content=body("cross_entropy", client.model_id),
+                            headers={**mine, **proto}).json()["request_id"]
+        assert c.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=theirs).status_code == 404
+        assert c.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=mine).status_code == 200
+        r = c.post("/api/v1/forward_backward", content=body("nope", client.model_id), headers={**mine, **proto})
+        assert r.status_code == 400 and r.json()["detail"][0]["field"] == "loss_fn"
+        short = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                            loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+        r = c.post("/api/v1/forward_backward", content=body("cross_entropy", client.model_id, (short,)),
+                   headers={**mine, **proto})
+        assert r.status_code == 400 and r.json()["detail"][0]["field"] == "data.0.loss_fn_inputs.target_tokens"
+        assert c.post("/api/v1/forward_backward", content=b"\xff" * 40, headers={**mine, **proto}).status_code == 400
+    # a token beyond the vocabulary: the worker knows the vocabulary, the future fails naming the field
+    huge = types.Datum(model_input=types.ModelInput.from_ints([1, 10**6]),
+                       loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    with pytest.raises(tinker.RequestFailedError, match="data.0.model_input: token id 1000000"):
+        client.forward_backward([huge], "cross_entropy").result()
+    # the run goes on after a refused operation
+    assert client.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0

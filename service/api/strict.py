@@ -1,4 +1,4 @@
-"""Strict routing for /v1: a wrong method gets 405 with every method the path supports in
+"""Strict routing for /v1 and /api/v1: a wrong method gets 405 with every method the path supports in
 `Allow`, and an unknown query parameter (a typo like `?limt=5`) is a 422 naming it, as an
 unknown field in a spec is. FastAPI's own routing would answer 405 with only the first
 matching route's methods, or let the dashboard's catch-all mount answer, and ignores unknown
@@ -17,7 +17,7 @@ from service.api.errors import format_errors
 
 
 class StrictRouting:
-    def __init__(self, app: ASGIApp, routes: list, prefix: str = "/v1/") -> None:
+    def __init__(self, app: ASGIApp, routes: list, prefix: tuple[str, ...] = ("/v1/", "/api/v1/")) -> None:
         self.app, self.routes, self.prefix = app, routes, prefix
         self._query: dict[int, frozenset[str]] = {}
 

@@ -11,6 +11,7 @@ back each result once written. Keys: the owner's API keys, sent by the SDK as `X
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from typing import Annotated, Any
 
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
-from service.api.schemas import error_responses
+from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec, SessionJob, SessionSpec
@@ -30,7 +31,7 @@ from service.store import session_ops as ops_q
 from service.store.db import session_scope
 from service.store.models import utcnow
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=error_responses(401, 503))
+router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=error_responses(401, 422, 503))
 PROTOBUF = "application/x-protobuf"
 FORWARD_BACKWARD_MAX_BYTES = 8 * 2**20  # decompressed; the SDK's chunks are kept under half of it (client config)
 RETRIEVE_WAIT_S = 10.0  # retrieve_future holds a pending future this long before answering try_again
@@ -98,8 +99,69 @@ class RetrieveFutureIn(_Wire):
 
 
 class UntypedFuture(BaseModel):
+    """An operation accepted: poll `/api/v1/retrieve_future` with its `request_id`."""
+
     request_id: str
     model_id: str | None = None
+
+
+class ClientConfigOut(BaseModel):
+    pjwt_auth_enabled: bool
+    use_pyqwest_transport: bool
+    parallel_fwdbwd_chunks: bool
+    proto_compress_fwdbwd: bool
+    fwdbwd_max_chunk_bytes_count: int
+    custom_loss_server_side: bool
+    sample_use_retrieve_futures: bool
+    sample_join_sampling_session: bool
+
+
+class DynamicConfigOut(BaseModel):
+    refresh_interval_sec: int
+    sample_cancel_enabled: bool
+
+
+class SupportedModelOut(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+    model_name: str
+    trainable: bool
+    sampleable: bool
+
+
+class CapabilitiesOut(BaseModel):
+    supported_models: list[SupportedModelOut]
+
+
+class StatusOut(BaseModel):
+    status: str
+
+
+class TypedOut(BaseModel):
+    type: str
+
+
+class SessionOut(TypedOut):
+    session_id: str
+
+
+class ModelDataOut(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+    model_name: str
+    arch: str | None = None
+    tokenizer_id: str | None = None
+
+
+class InfoOut(TypedOut):
+    model_config = ConfigDict(protected_namespaces=())
+    model_id: str
+    model_name: str
+    is_lora: bool
+    lora_rank: int | None
+    model_data: ModelDataOut
+
+
+REFUSED = {400: {"model": ValidationErrorOut, "description": "The request names a field wrongly (the body says "
+                 "which); nothing was stored. The SDK retries a bare 400 a few times, then raises with it."}}
 
 
 def _refused(field: str, message: str, status: int = 400) -> JSONResponse:
@@ -131,12 +193,12 @@ def _submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | Non
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=StatusOut)
 def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.post("/client/config")
+@router.post("/client/config", response_model=ClientConfigOut)
 def client_config(_: ClientConfigIn, owner: OwnerDep) -> dict:
     """The SDK's feature flags for this server: API keys (no JWT exchange), plain httpx, forward_backward
     chunks sent in order and small enough for the body limit, custom losses run client-side."""
@@ -146,30 +208,31 @@ def client_config(_: ClientConfigIn, owner: OwnerDep) -> dict:
             "sample_join_sampling_session": False}
 
 
-@router.post("/client/dynamic_config")
+@router.post("/client/dynamic_config", response_model=DynamicConfigOut)
 def client_dynamic_config(_: ClientConfigIn, owner: OwnerDep) -> dict:
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
-@router.get("/get_server_capabilities")
+@router.get("/get_server_capabilities", response_model=CapabilitiesOut)
 def server_capabilities(owner: OwnerDep) -> dict:
     """The bundled models (a folder under the admin's model roots also works, by its name)."""
     return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": False} for m in MODEL_PRESETS]}
 
 
-@router.post("/telemetry")
+@router.post("/telemetry", response_model=StatusOut)
 def telemetry(owner: OwnerDep) -> dict:
     return {"status": "accepted"}  # the SDK's own diagnostics: not kept here
 
 
-@router.post("/create_session", responses=error_responses(422))
+@router.post("/create_session", response_model=SessionOut)
 def create_session(body: CreateSessionIn, owner: OwnerDep, session: SessionDep) -> dict:
     row = ops_q.create_session(session, owner=owner, tags=body.tags, user_metadata=body.user_metadata or {},
                                sdk_version=body.sdk_version)
     return {"type": "create_session", "session_id": row.id}
 
 
-@router.post("/session_heartbeat", responses=error_responses(404, 422) | {410: {"description": "The session finished."}})
+@router.post("/session_heartbeat", response_model=TypedOut,
+             responses=error_responses(404) | {410: {"model": ErrorOut, "description": "The session finished."}})
 def session_heartbeat(body: SessionIdIn, owner: OwnerDep, session: SessionDep) -> dict:
     row = ops_q.get_session(session, session_id=body.session_id, owner=owner)
     if row is None:
@@ -180,7 +243,7 @@ def session_heartbeat(body: SessionIdIn, owner: OwnerDep, session: SessionDep) -
     return {"type": "session_heartbeat"}
 
 
-@router.post("/sessions/{session_id}/finish", status_code=204, responses=error_responses(404, 422))
+@router.post("/sessions/{session_id}/finish", status_code=204, responses=error_responses(404))
 def finish_session(session_id: Annotated[str, Path(max_length=40)], owner: OwnerDep, session: SessionDep) -> Response:
     row = ops_q.get_session(session, session_id=session_id, owner=owner)
     if row is None:
@@ -189,7 +252,7 @@ def finish_session(session_id: Annotated[str, Path(max_length=40)], owner: Owner
     return Response(status_code=204)
 
 
-@router.post("/create_model", responses=error_responses(404, 422) | {400: {"description": "The model is not available."}})
+@router.post("/create_model", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
         raise HTTPException(404, f"session {body.session_id} not found")
@@ -207,7 +270,7 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
     return future
 
 
-@router.post("/get_info", responses=error_responses(404, 422))
+@router.post("/get_info", response_model=InfoOut, responses=error_responses(404))
 def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
     job = _owned_run(session, model_id=body.model_id, owner=owner)
     spec = job.job_spec()
@@ -217,8 +280,7 @@ def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
             "model_data": {"model_name": spec.model.name, "arch": None, "tokenizer_id": None}}
 
 
-@router.post("/forward_backward", responses=error_responses(404, 413) | {400: {"description": "The request names a "
-             "field wrongly (the body says which); nothing was stored."}},
+@router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 413) | REFUSED,
              openapi_extra={"requestBody": {"required": True, "content": {PROTOBUF: {"schema": {
                  "type": "string", "format": "binary"}}}}})
 async def forward_backward(request: Request, owner: OwnerDep, settings: SettingsDep):
@@ -226,7 +288,10 @@ async def forward_backward(request: Request, owner: OwnerDep, settings: Settings
     if request.headers.get("content-encoding", "") == "zstd":
         body = await run_in_threadpool(_unzstd, body)
         if body is None:
-            return _refused("body", f"not zstd, or over {FORWARD_BACKWARD_MAX_BYTES} bytes once decompressed", 413)
+            return _refused("body", "Content-Encoding says zstd; the body is not zstd-compressed")
+        if len(body) > FORWARD_BACKWARD_MAX_BYTES:
+            return JSONResponse({"detail": f"the body is over {FORWARD_BACKWARD_MAX_BYTES} bytes once "
+                                 "decompressed"}, status_code=413)
     try:
         decoded = await run_in_threadpool(decode_forward_backward, body)
     except WireError as exc:
@@ -236,10 +301,13 @@ async def forward_backward(request: Request, owner: OwnerDep, settings: Settings
 
 
 def _unzstd(body: bytes) -> bytes | None:
+    """The decompressed body, read to one byte past the limit at most (a small body may expand to any
+    size); None when it is not zstd."""
     import zstandard
 
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=FORWARD_BACKWARD_MAX_BYTES)
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+            return reader.read(FORWARD_BACKWARD_MAX_BYTES + 1)
     except zstandard.ZstdError:
         return None
 
@@ -250,12 +318,16 @@ def _queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: 
         return _submit_op(settings, session, job=job, kind=kind, body=body, seq=seq)
 
 
-@router.post("/optim_step", responses=error_responses(404, 422))
+@router.post("/optim_step", responses=error_responses(404))
 def optim_step(body: OptimStepIn, owner: OwnerDep, settings: SettingsDep) -> UntypedFuture:
     return _queue_op(settings, owner, body.model_id, "optim_step", body.model_dump_json().encode(), body.seq_id)
 
 
-@router.post("/retrieve_future", responses=error_responses(404, 422))
+@router.post("/retrieve_future", response_class=Response, responses=error_responses(404) | {200: {
+    "description": "The result: protobuf for forward_backward, JSON for the others; `{error, category}` when the "
+    "operation failed; `{type: try_again}` while it is still pending.",
+    "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}, "application/json": {"schema": {
+        "type": "object"}}}}})
 async def retrieve_future(body: RetrieveFutureIn, owner: OwnerDep, settings: SettingsDep) -> Response:
     """The operation's result once its worker wrote it: protobuf for forward_backward, JSON otherwise;
     `{error, category}` when it failed; `try_again` while it is pending after a wait of up to

@@ -9,11 +9,11 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
-from service.core.records import SampleRow, SelectionRecord, SparsityRecord
+from service.core.records import PendingOp, SampleRow, SelectionRecord, SparsityRecord
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,18 @@ class LoopResult:
     status: Literal["succeeded", "cancelled", "idle"]  # idle: a session run with nothing to do
     step: int  # the last step whose update was made
     eval: dict[str, float] = field(default_factory=dict)
+
+
+class Operations(Protocol):
+    """A session run's queue of operations (the futures its tinker client polls)."""
+
+    def next(self) -> PendingOp | None: ...
+
+    def complete(self, op: PendingOp, result: bytes, result_format: str) -> None: ...
+
+    def fail(self, op: PendingOp, error: str, category: str) -> None: ...
+
+    def fail_pending(self, error: str, category: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,10 @@ class Reporter:
 
     def should_stop(self) -> bool:
         return False
+
+    def operations(self) -> Operations:
+        """The operations of the session run this reporter records (kind `session`)."""
+        raise ValueError("a session run is driven through the service's tinker API (/api/v1), not run from a spec")
 
 
 class FileReporter(Reporter):

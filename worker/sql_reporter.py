@@ -33,14 +33,15 @@ from service.core.artifacts import (
     open_store,
     sha256_of,
 )
+from service.core.records import PendingOp
 from service.core.settings import Settings
 from service.core.sources import unavailable_checkpoint
 from service.store import events as events_q
 from service.store import files as files_q
-from service.store import leases, records
+from service.store import leases, records, session_ops
 from service.store import metrics as metrics_q
 from service.store.db import is_unreachable, session_scope
-from worker.reporting import InitWeights, Reporter, _clean
+from worker.reporting import InitWeights, Operations, Reporter, _clean
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -231,6 +232,9 @@ class SqlReporter(Reporter):
                 raise ValueError(f"file {file_id}: the artifact store returned other bytes than were uploaded")
         return local
 
+    def operations(self) -> Operations:
+        return StoreOperations(self.url, self.job_id)
+
     def finish(self, status: str, message: str, *, error: str | None = None, data: dict | None = None) -> None:
         """The job's outcome and its final event, in one transaction, while the lease is ours
         (LeaseLost if it is not: another worker took the job over, and it records the outcome)."""
@@ -238,3 +242,22 @@ class SqlReporter(Reporter):
                                                         message=message, error=error, data=_clean(data))):
             self._lost.set()
             raise LeaseLost(f"job {self.job_id}: lease lost before its outcome was recorded")
+
+
+class StoreOperations:
+    """A session run's operations in the store (service.store.session_ops)."""
+
+    def __init__(self, url: str, job_id: int) -> None:
+        self.url, self.job_id = url, job_id
+
+    def next(self) -> PendingOp | None:
+        return session_ops.next_op(self.url, job_id=self.job_id)
+
+    def complete(self, op: PendingOp, result: bytes, result_format: str) -> None:
+        session_ops.complete_op(self.url, op_id=op.id, result=result, result_format=result_format)
+
+    def fail(self, op: PendingOp, error: str, category: str) -> None:
+        session_ops.fail_op(self.url, op_id=op.id, error=error, category=category)
+
+    def fail_pending(self, error: str, category: str) -> None:
+        session_ops.fail_pending(self.url, job_id=self.job_id, error=error, category=category)

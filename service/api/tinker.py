@@ -26,10 +26,10 @@ from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_wire import WireError, decode_forward_backward
+from service.core.tinker_wire import WireError, decode_forward_backward, parse_sampler_id
 from service.store import session_ops as ops_q
 from service.store.db import session_scope
-from service.store.models import utcnow
+from service.store.models import new_uid, utcnow
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=error_responses(401, 422, 503))
 PROTOBUF = "application/x-protobuf"
@@ -93,6 +93,61 @@ class OptimStepIn(_Wire):
     adam_params: AdamParamsIn
 
 
+class SaveForSamplerIn(_Wire):
+    model_id: str = Field(max_length=40)
+    path: str | None = Field(None, max_length=200)
+    sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1)
+    kind: str = Field("snapshot", max_length=20)
+    seq_id: int | None = Field(None, ge=0, le=2**62)
+
+
+class CreateSamplingSessionIn(_Wire):
+    session_id: str = Field(max_length=40)
+    sampling_session_seq_id: int = Field(0, ge=0, le=2**31 - 1)
+    base_model: str | None = Field(None, max_length=200)
+    model_path: str | None = Field(None, max_length=300)
+
+
+class TextChunkIn(_Wire):
+    type: str = Field("encoded_text", max_length=30)
+    tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(default_factory=list, max_length=131072)
+
+
+class PromptIn(_Wire):
+    chunks: list[TextChunkIn] = Field(min_length=1, max_length=1024)
+
+
+class SamplingParamsIn(_Wire):
+    max_tokens: int | None = Field(None, ge=1, le=8192)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[Annotated[str, Field(max_length=200)]] | list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None \
+        = Field(None, max_length=64)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class SampleIn(_Wire):
+    sampling_session_id: str = Field(max_length=100)
+    seq_id: int | None = Field(None, ge=0, le=2**62)
+    num_samples: int = Field(1, ge=1, le=256)
+    prompt: PromptIn
+    sampling_params: SamplingParamsIn
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = Field(0, ge=0, le=0, description="Not supported here yet: 0.")
+    topk_sample_logprobs: int = Field(0, ge=0, le=0, description="Not supported here yet: 0.")
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=0, description="Not supported here yet: 0.")
+    target_prompt_logprobs: None = Field(None, description="Not supported here yet.")
+    prompt_logprobs_last_n: int | None = Field(None, ge=1)
+
+
+class SamplerOut(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
 class RetrieveFutureIn(_Wire):
     request_id: str = Field(max_length=40)
     allow_metadata_only: bool = False
@@ -103,6 +158,7 @@ class UntypedFuture(BaseModel):
 
     request_id: str
     model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None  # sampling only: one per requested sample, in order
 
 
 class ClientConfigOut(BaseModel):
@@ -259,7 +315,8 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
     name = {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}.get(body.base_model, body.base_model)
     lora = None if body.lora_config is None else _lora_spec(body.lora_config)
     spec = SessionJob(name=f"tinker {name}", model=ModelSpec(name=name, lora=lora, dtype="float32"),
-                      session=SessionSpec(tinker_session=body.session_id, model_seq_id=body.model_seq_id,
+                      session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
+                                          model_seq_id=body.model_seq_id,
                                           seed=None if body.lora_config is None else body.lora_config.seed,
                                           idle_timeout_s=settings.session_idle_s))
     if (why := model_unavailable(name, settings, owner=owner)) is not None:
@@ -321,6 +378,55 @@ def _queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: 
 @router.post("/optim_step", responses=error_responses(404))
 def optim_step(body: OptimStepIn, owner: OwnerDep, settings: SettingsDep) -> UntypedFuture:
     return _queue_op(settings, owner, body.model_id, "optim_step", body.model_dump_json().encode(), body.seq_id)
+
+
+@router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+def save_weights_for_sampler(body: SaveForSamplerIn, owner: OwnerDep, settings: SettingsDep):
+    """A snapshot of the run's weights to sample from (`save_weights_and_get_sampling_client`)."""
+    if body.path is not None:
+        return _refused("path", "named sampler checkpoints are not kept here yet: use "
+                        "save_weights_and_get_sampling_client(), which samples from a snapshot")
+    return _queue_op(settings, owner, body.model_id, "save_weights_for_sampler", body.model_dump_json().encode(),
+                     body.seq_id)
+
+
+@router.post("/create_sampling_session", responses=error_responses(404) | REFUSED)
+def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep):
+    field = "model_path" if body.model_path is not None else "base_model"
+    return _refused(field, "sampling from a saved path or a base model is not supported here yet: sample from a "
+                    "training run with save_weights_and_get_sampling_client()")
+
+
+def _sampler_run(session, *, sampling_session_id: str, owner: str):
+    parsed = parse_sampler_id(sampling_session_id)
+    if parsed is None:
+        raise HTTPException(404, f"sampling session {sampling_session_id} not found")
+    job = ops_q.run_for_model(session, model_id=parsed[0], owner=owner)
+    if job is None:
+        raise HTTPException(404, f"sampling session {sampling_session_id} not found")
+    return job
+
+
+@router.get("/samplers/{sampling_session_id}", response_model=SamplerOut, responses=error_responses(404))
+def get_sampler(sampling_session_id: Annotated[str, Path(max_length=100)], owner: OwnerDep, session: SessionDep):
+    job = _sampler_run(session, sampling_session_id=sampling_session_id, owner=owner)
+    return {"sampler_id": sampling_session_id, "base_model": job.job_spec().model.name, "model_path": None}
+
+
+@router.post("/asample", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+def asample(body: SampleIn, owner: OwnerDep, settings: SettingsDep):
+    """Completions of one prompt from a snapshot of a run's weights, run by the run's worker."""
+    if any(c.type != "encoded_text" for c in body.prompt.chunks):
+        return _refused("prompt.chunks", "only text chunks (token ids) are supported here, not images or audio")
+    if sum(len(c.tokens) for c in body.prompt.chunks) == 0:
+        return _refused("prompt", "no tokens")
+    if body.prompt_logprobs_last_n is not None:
+        return _refused("prompt_logprobs_last_n", "not supported here yet: every prompt token is scored")
+    with session_scope(settings.store_url) as session:
+        job = _sampler_run(session, sampling_session_id=body.sampling_session_id, owner=owner)
+        future = _submit_op(settings, session, job=job, kind="sample", body=body.model_dump_json().encode(), seq=None)
+    return future.model_copy(update={"sample_sequence_ids": [f"{future.request_id}.{i}"
+                                                             for i in range(body.num_samples)]})
 
 
 @router.post("/retrieve_future", response_class=Response, responses=error_responses(404) | {200: {

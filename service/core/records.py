@@ -48,3 +48,13 @@ class SampleRow:
     influence: float | None = None  # TracIn only
     selected: bool | None = None  # TracIn only
     extra: dict[str, Any] | None = None  # joint: the document it answered from
+
+
+@dataclass(frozen=True)
+class PendingOp:
+    """An operation a tinker client sent to a session run, for its worker to run (service.store.session_ops)."""
+
+    id: int
+    request_id: str
+    kind: str  # forward_backward | optim_step | sample | ...
+    body: bytes  # the request as sent

@@ -639,6 +639,7 @@ class SessionSpec(_Section):
     """What the tinker client asked for when it created the training run (`create_model`)."""
 
     tinker_session: str = Field(max_length=40, description="The tinker SDK session that created this run.")
+    model_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="The run's id for the SDK: its job's uid.")
     model_seq_id: int = Field(0, ge=0, le=2**31 - 1, description="The client's number for this run in its session.")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Seed of the LoRA initialisation (random when null).")
     idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A worker holding the run gives it back after "

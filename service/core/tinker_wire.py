@@ -126,20 +126,8 @@ def _tokens(chunks, where: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def decode_forward_backward(body: bytes, *, vocab_size: int | None = None) -> ForwardBackward:
-    """The request a body holds, checked: the loss exists and gets what it reads, every input has one
-    value per input token, token ids are in the vocabulary (when `vocab_size` is known)."""
-    p = pb()
-    msg = p.ForwardBackwardRequest()
-    try:
-        msg.ParseFromString(body)
-    except Exception as exc:  # protobuf's DecodeError, or worse for arbitrary bytes
-        raise WireError("body", f"not a ForwardBackwardRequest protobuf message ({type(exc).__name__})") from None
-    if msg.loss_fn in UNSUPPORTED_LOSSES:
-        raise WireError("loss_fn", f"{msg.loss_fn!r} is not supported here: {UNSUPPORTED_LOSSES[msg.loss_fn]}")
-    loss = LOSSES.get(msg.loss_fn)
-    if loss is None:
-        raise WireError("loss_fn", f"unknown loss {msg.loss_fn!r}; one of {', '.join(LOSSES)}")
+def _config(msg, loss: LossDef) -> dict[str, float]:
+    """Every setting of the loss: what was sent (as a number), else its default."""
     sent: dict[str, float] = {}
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
@@ -160,34 +148,52 @@ def decode_forward_backward(body: bytes, *, vocab_size: int | None = None) -> Fo
         config[key] = value
     if "clip_low_threshold" in config and not 0 <= config["clip_low_threshold"] <= config["clip_high_threshold"]:
         raise WireError("loss_fn_config.clip_low_threshold", "must be >= 0 and <= clip_high_threshold")
+    return config
+
+
+def _datum(d, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None) -> Datum:
+    tokens = _tokens(d.model_input, f"{where}.model_input.chunks")
+    if tokens.size == 0:
+        raise WireError(f"{where}.model_input", "no tokens")
+    inputs = {}
+    for name, tensor in sorted(d.loss_fn_inputs.items()):  # a map: in a fixed order, errors are reproducible
+        if name not in loss.required + loss.optional:
+            raise WireError(f"{where}.loss_fn_inputs.{name}", f"not an input of {loss_fn!r} (inputs: "
+                            f"{', '.join(loss.required + loss.optional)})")
+        values = _tensor(tensor, f"{where}.loss_fn_inputs.{name}")
+        if values.size != tokens.size:
+            raise WireError(f"{where}.loss_fn_inputs.{name}", f"{values.size} values for {tokens.size} input "
+                            "tokens: one per input token")
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise WireError(f"{where}.loss_fn_inputs.{name}", "holds a NaN or an infinity")
+        inputs[name] = values
+    if missing := [n for n in loss.required if n not in inputs]:
+        raise WireError(f"{where}.loss_fn_inputs.{missing[0]}", f"required by {loss_fn!r}")
+    for name, values in (("model_input", tokens), ("loss_fn_inputs.target_tokens", inputs["target_tokens"])):
+        outside = values[(values < 0) | (values >= (vocab_size or np.iinfo(np.int64).max))]
+        if outside.size:
+            raise WireError(f"{where}.{name}", f"token id {int(outside[0])} is outside the model's vocabulary"
+                            + (f" [0, {vocab_size})" if vocab_size else " (negative)"))
+    return Datum(tokens=tokens, inputs=inputs)
+
+
+def decode_forward_backward(body: bytes, *, vocab_size: int | None = None) -> ForwardBackward:
+    """The request a body holds, checked: the loss exists and gets what it reads, every input has one
+    value per input token, token ids are in the vocabulary (when `vocab_size` is known)."""
+    msg = pb().ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError, or worse for arbitrary bytes
+        raise WireError("body", f"not a ForwardBackwardRequest protobuf message ({type(exc).__name__})") from None
+    if msg.loss_fn in UNSUPPORTED_LOSSES:
+        raise WireError("loss_fn", f"{msg.loss_fn!r} is not supported here: {UNSUPPORTED_LOSSES[msg.loss_fn]}")
+    loss = LOSSES.get(msg.loss_fn)
+    if loss is None:
+        raise WireError("loss_fn", f"unknown loss {msg.loss_fn!r}; one of {', '.join(LOSSES)}")
+    config = _config(msg, loss)
     if not msg.data:
         raise WireError("data", "no data: send at least one datum")
-    data = []
-    for i, d in enumerate(msg.data):
-        where = f"data.{i}"
-        tokens = _tokens(d.model_input, f"{where}.model_input.chunks")
-        if tokens.size == 0:
-            raise WireError(f"{where}.model_input", "no tokens")
-        inputs = {}
-        for name, tensor in d.loss_fn_inputs.items():
-            if name not in loss.required + loss.optional:
-                raise WireError(f"{where}.loss_fn_inputs.{name}", f"not an input of {msg.loss_fn!r} (inputs: "
-                                f"{', '.join(loss.required + loss.optional)})")
-            values = _tensor(tensor, f"{where}.loss_fn_inputs.{name}")
-            if values.size != tokens.size:
-                raise WireError(f"{where}.loss_fn_inputs.{name}", f"{values.size} values for {tokens.size} input "
-                                "tokens: one per input token")
-            if values.dtype.kind == "f" and not np.isfinite(values).all():
-                raise WireError(f"{where}.loss_fn_inputs.{name}", "holds a NaN or an infinity")
-            inputs[name] = values
-        if missing := [n for n in loss.required if n not in inputs]:
-            raise WireError(f"{where}.loss_fn_inputs.{missing[0]}", f"required by {msg.loss_fn!r}")
-        for name, values in (("model_input", tokens), ("loss_fn_inputs.target_tokens", inputs["target_tokens"])):
-            outside = values[(values < 0) | (values >= (vocab_size or np.iinfo(np.int64).max))]
-            if outside.size:
-                raise WireError(f"{where}.{name}", f"token id {int(outside[0])} is outside the model's vocabulary"
-                                + (f" [0, {vocab_size})" if vocab_size else " (negative)"))
-        data.append(Datum(tokens=tokens, inputs=inputs))
+    data = [_datum(d, f"data.{i}", msg.loss_fn, loss, vocab_size) for i, d in enumerate(msg.data)]
     return ForwardBackward(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn, config=config,
                            forward_only=bool(msg.forward_only), data=data)
 
@@ -209,3 +215,35 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
         batched.offsets = offsets.tobytes()
         batched.dtype = p.DTYPE_FLOAT32
     return out.SerializeToString()
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+
+
+def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: np.ndarray | None) -> bytes:
+    """`SampleResponse` as the SDK decodes it: int32 tokens, float32 log-probs; a prompt log-prob of NaN
+    reads as None (the first token's)."""
+    p = pb()
+    out = p.SampleResponse()
+    for s in sequences:
+        seq = out.sequences.add()
+        seq.stop_reason = p.STOP_REASON_STOP if s.stop_reason == "stop" else p.STOP_REASON_LENGTH
+        seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return out.SerializeToString()
+
+
+def sampler_id(model_id: str, version: int) -> str:
+    """A sampling session's id: the run and the weight version it samples (`<model_id>:v<version>`)."""
+    return f"{model_id}:v{version}"
+
+
+def parse_sampler_id(value: str) -> tuple[str, int] | None:
+    model_id, _, version = value.partition(":v")
+    return (model_id, int(version)) if model_id and version.isdigit() and len(version) < 10 else None

@@ -10,12 +10,12 @@ is never left without a worker: the sweep wakes an idle run that still has one (
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session
 
+from service.core.records import PendingOp
 from service.core.specs import SessionJob, Status
 from service.store.db import session_scope
 from service.store.models import Job, JobEvent, SessionOp, TinkerSession, utcnow
@@ -49,7 +49,8 @@ def session_runs(session: Session, *, session_id: str, owner: str) -> list[Job]:
 def create_run(session: Session, *, owner: str, spec: SessionJob) -> Job:
     """A session run, queued, with its `create_model` operation pending: its future completes once a
     worker has loaded the model."""
-    job = Job(owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"), name=spec.name, total_steps=0)
+    job = Job(uid=spec.session.model_id, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"),
+              name=spec.name, total_steps=0)
     session.add(job)
     session.flush()
     session.add(JobEvent(job_id=job.id, type="created", message=f"session run of {spec.model.name} created by "
@@ -98,22 +99,11 @@ def wake_stranded(url: str, *, older_than_s: float) -> list[tuple[int, str]]:
     return [(job_id, uid) for job_id in ids if (uid := wake(url, job_id=job_id)) is not None]
 
 
-@dataclass(frozen=True)
-class PendingOp:
-    """An operation for the worker to run."""
-
-    id: int
-    request_id: str
-    kind: str
-    body: bytes
-    created_at: datetime
-
-
 def next_op(url: str, *, job_id: int) -> PendingOp | None:
     with session_scope(url, read_only=True) as session:
         op = session.scalars(select(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending")
                              .order_by(SessionOp.seq, SessionOp.id).limit(1)).first()
-        return None if op is None else PendingOp(op.id, op.request_id, op.kind, op.body, op.created_at)
+        return None if op is None else PendingOp(id=op.id, request_id=op.request_id, kind=op.kind, body=op.body)
 
 
 def complete_op(url: str, *, op_id: int, result: bytes, result_format: str) -> None:

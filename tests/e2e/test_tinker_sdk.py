@@ -205,3 +205,38 @@ def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, 
         client.forward_backward([huge], "cross_entropy").result()
     # the run goes on after a refused operation
     assert client.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_sampling_from_snapshots_of_the_trained_weights(dev):
+    base, key = dev
+    service = tinker.ServiceClient(base_url=base, api_key=key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
+    model = reference_model()
+    prompt = [5, 9, 14, 3]
+    sampler = client.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])  # [] : no stop, not even EOS
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 3, params, include_prompt_logprobs=True).result()
+    assert len(out.sequences) == 3 and all(len(s.tokens) == 6 and s.stop_reason == "length" for s in out.sequences)
+    with torch.no_grad():  # each sampled token's log-prob, and the prompt's, from the same weights
+        for s in out.sequences:
+            ids = torch.tensor(prompt + s.tokens)
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+            np.testing.assert_allclose(s.logprobs, logp[len(prompt) - 1:].numpy(), rtol=1e-4, atol=1e-4)
+        assert out.prompt_logprobs[0] is None
+        np.testing.assert_allclose(out.prompt_logprobs[1:], logp[:len(prompt) - 1].numpy(), rtol=1e-4, atol=1e-4)
+        greedy = model(input_ids=torch.tensor(prompt)[None]).logits[0, -1].argmax().item()
+    # a stop token ends a completion with reason "stop"
+    first = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
+        max_tokens=6, temperature=0.0, stop=[greedy])).result().sequences[0]
+    assert first.tokens == [greedy] and first.stop_reason == "stop"
+    # train a step: the earlier sampler still samples the weights it was made from, a new one the new weights
+    d = types.Datum(model_input=types.ModelInput.from_ints(prompt),
+                    loss_fn_inputs={"target_tokens": prompt[1:] + [7], "weights": [1.0] * 4})
+    client.forward_backward([d], "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    again = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in out.sequences]
+    np.testing.assert_allclose([s.logprobs for s in again.sequences], [s.logprobs for s in out.sequences], atol=1e-5)
+    newer = client.save_weights_and_get_sampling_client().result()
+    moved = newer.sample(types.ModelInput.from_ints(prompt), 3, params).result()
+    assert not np.allclose(moved.sequences[0].logprobs[:1], out.sequences[0].logprobs[:1], atol=1e-4)

@@ -9,6 +9,9 @@ the client polls:
   forward_backward  -> per-datum `logprobs` and `loss:sum`; gradients add up until optim_step
   forward           -> the same without gradients
   optim_step        -> one AdamW step with the hyper-parameters sent, then gradients are cleared
+  save_weights_for_sampler (no name) -> a sampling session on a snapshot of the weights as they are
+  sample            -> n completions of a prompt from a snapshot's weights, with the log-prob of every
+                       sampled token (and of the prompt's, when asked)
 
 Every optim_step is a step of the run: it records `loss/total` (the sum of its forward_backwards'
 losses), `tokens`, `lr`, `grad_norm` and `time/step_s`. With no operation for
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,14 +35,23 @@ import torch
 
 from service.core.settings import Settings
 from service.core.specs import SessionJob
-from service.core.tinker_wire import WireError, decode_forward_backward, encode_forward_backward_output
-from service.store import session_ops as ops_q
+from service.core.tinker_wire import (
+    SampledSequence,
+    WireError,
+    decode_forward_backward,
+    encode_forward_backward_output,
+    encode_sample_response,
+    parse_sampler_id,
+    sampler_id,
+)
+from worker import token_sampler
 from worker.algos import tinker_losses
 from worker.checkpoints import Trainables, load_checkpoint, save_checkpoint
 from worker.models import load_policy
 from worker.reporting import LoopResult, Reporter
+from worker.sampling import eos_token_ids
 from worker.sql_reporter import LeaseLost
-from worker.training import grad_norm, trainable
+from worker.training import eval_mode, grad_norm, trainable
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # between looks for the next operation: well under a step's compute
@@ -54,6 +67,8 @@ class Session:
     params: list[torch.nn.Parameter]
     vocab_size: int
     step: int = 0  # optim_steps taken: the run's step
+    version: int = 0  # changes with the weights (every optim_step): what a sampling snapshot names
+    snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # version -> trainable weights
     saved_step: int | None = None  # the step of the last saved state
     pending: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "tokens": 0.0})
     step_started: float = field(default_factory=time.monotonic)
@@ -63,7 +78,8 @@ class Session:
                           schedulers={})
 
 
-def datum_loss(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+def datum_loss(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor],
+               config: dict[str, float]) -> torch.Tensor:
     """The built-in loss `name` of one datum; `logp` [N] the policy's log-probs of its target tokens."""
     if name == "cross_entropy":
         return tinker_losses.cross_entropy(logp, weights=inputs.get("weights", torch.ones_like(logp)))
@@ -113,6 +129,7 @@ def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
     s.optimizer.step()
     s.optimizer.zero_grad(set_to_none=True)
     s.step += 1
+    s.version += 1
     metrics = {"loss/total": s.pending["loss"], "tokens": s.pending["tokens"], "lr": lr, "grad_norm": norm,
                "time/step_s": time.monotonic() - s.step_started}
     reporter.metrics(s.step, metrics)
@@ -120,6 +137,71 @@ def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
     s.pending = {"loss": 0.0, "tokens": 0.0}
     s.step_started = time.monotonic()
     return json.dumps({"type": "optim_step", "metrics": {"grad_norm:mean": norm, "learning_rate:mean": lr}}).encode()
+
+
+SNAPSHOTS_KEPT = 4  # sampling snapshots of older weights kept in memory (the newest ones)
+
+
+def save_for_sampler(s: Session, body: bytes, model_id: str) -> bytes:
+    """A snapshot of the trained weights as they are now, for a sampling client to sample from while
+    training goes on. Named sampler checkpoints are not kept yet (a 400 at the API)."""
+    if s.version not in s.snapshots:
+        s.snapshots[s.version] = {n: p.detach().to("cpu", copy=True) for n, p in s.model.named_parameters()
+                                  if p.requires_grad}
+        for old in sorted(s.snapshots)[:-SNAPSHOTS_KEPT]:
+            del s.snapshots[old]
+    return json.dumps({"type": "save_weights_for_sampler",
+                       "sampling_session_id": sampler_id(model_id, s.version)}).encode()
+
+
+@contextmanager
+def weights_of(s: Session, version: int):
+    """The model with the trained weights of `version` (the current ones, or a snapshot swapped in and
+    out again)."""
+    if version == s.version:
+        yield s.model
+        return
+    if version not in s.snapshots:
+        raise WireError("sampling_session_id", f"the weights of version {version} are no longer kept (the "
+                        f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
+    params = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
+    current = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(s.snapshots[version][n])
+    try:
+        yield s.model
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(current[n])
+
+
+def sample(s: Session, body: bytes) -> bytes:
+    req = json.loads(body)
+    parsed = parse_sampler_id(req["sampling_session_id"])
+    prompt = [t for chunk in req["prompt"]["chunks"] for t in chunk["tokens"]]
+    params = req["sampling_params"]
+    if bad := [t for t in prompt if not 0 <= t < s.vocab_size]:
+        raise WireError("prompt", f"token id {bad[0]} is outside the model's vocabulary [0, {s.vocab_size})")
+    stop = params.get("stop")
+    stop_tokens, stop_strings = frozenset(), ()
+    if stop is None:  # the model's end-of-sequence tokens
+        stop_tokens = frozenset(eos_token_ids(s.tokenizer, s.model))
+    elif isinstance(stop, str):
+        stop_strings = (stop,)
+    elif all(isinstance(x, int) for x in stop):
+        stop_tokens = frozenset(stop)
+    else:
+        stop_strings = tuple(stop)
+    p = token_sampler.Params(max_tokens=params.get("max_tokens") or 16, temperature=params.get("temperature", 1.0),
+                             top_k=params.get("top_k", -1), top_p=params.get("top_p", 1.0), seed=params.get("seed"),
+                             stop_tokens=stop_tokens, stop_strings=stop_strings)
+    decode = (lambda ids: s.tokenizer.decode(ids)) if stop_strings else None
+    with weights_of(s, parsed[1]) as model, eval_mode(model):
+        rows = token_sampler.sample(model, prompt, req.get("num_samples", 1), p, decode)
+        prompt_lp = token_sampler.prompt_logprobs(model, prompt) if req.get("prompt_logprobs") else None
+    return encode_sample_response([SampledSequence(r.tokens, r.logprobs, r.stop_reason) for r in rows], prompt_lp)
 
 
 def save_state(s: Session, reporter: Reporter, why: str) -> None:
@@ -153,25 +235,26 @@ def run(spec: SessionJob, reporter: Reporter, *, settings: Settings, ranks=None)
     except LeaseLost:  # another worker takes the run over and runs what is pending
         raise
     except Exception as exc:  # the run fails: so do the futures waiting on it, with the reason
-        ops_q.fail_pending(settings.store_url, job_id=reporter.job_id, category="server",
-                           error=f"the session run failed: {type(exc).__name__}: {exc}")
+        reporter.operations().fail_pending(f"the session run failed: {type(exc).__name__}: {exc}", "server")
         raise
 
 
 def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResult:
-    url, job_id = settings.store_url, reporter.job_id
+    ops = reporter.operations()
     s = load(spec, settings, reporter)
     handlers = {"forward_backward": lambda body: (forward_backward(s, body), "proto"),
                 "optim_step": lambda body: (optim_step(s, body, reporter), "json"),
                 "create_model": lambda body: (json.dumps({"type": "create_model", "model_id": body.decode()}).encode(),
-                                              "json")}
+                                              "json"),
+                "save_weights_for_sampler": lambda body: (save_for_sampler(s, body, spec.session.model_id), "json"),
+                "sample": lambda body: (sample(s, body), "proto")}
     last_op = time.monotonic()
     while True:
         if reporter.should_stop():
             save_state(s, reporter, "cancelled")
-            ops_q.fail_pending(url, job_id=job_id, error="the run was cancelled", category="user")
+            ops.fail_pending("the run was cancelled", "user")
             return LoopResult(status="cancelled", step=s.step)
-        op = ops_q.next_op(url, job_id=job_id)
+        op = ops.next()
         if op is None:
             if time.monotonic() - last_op > spec.session.idle_timeout_s:
                 save_state(s, reporter, f"no operation for {spec.session.idle_timeout_s:g} s")
@@ -181,10 +264,10 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
         try:
             result, fmt = handlers[op.kind](op.body)
         except WireError as exc:
-            ops_q.fail_op(url, op_id=op.id, error=str(exc), category="user")
+            ops.fail(op, str(exc), "user")
         except Exception as exc:  # the run goes on; the client sees why this operation failed
-            log.exception("session run %s: %s failed", job_id, op.kind)
-            ops_q.fail_op(url, op_id=op.id, error=f"{op.kind} failed: {type(exc).__name__}: {exc}", category="server")
+            log.exception("session run %s: %s failed", reporter.job_id, op.kind)
+            ops.fail(op, f"{op.kind} failed: {type(exc).__name__}: {exc}", "server")
         else:
-            ops_q.complete_op(url, op_id=op.id, result=result, result_format=fmt)
+            ops.complete(op, result, fmt)
         last_op = time.monotonic()

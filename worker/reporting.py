@@ -74,6 +74,8 @@ class Reporter:
     checkpoint_root: Path
     #: the job's id in the service's store (None outside it); remote graders are told it
     job_id: int | None = None
+    #: which attempt at the job this is (1 but after a worker running it stopped without an outcome)
+    attempt: int = 1
 
     def event(self, type: str, message: str = "", *, level: str = "info", data: dict | None = None) -> None: ...
 

@@ -76,6 +76,7 @@ def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: 
         with session_scope(url) as s:
             return _not_leased(s, job_id=job_id, uid=uid)
     reporter = SqlReporter(job_id, uid=lease.uid, owner=lease.owner, holder=holder, settings=settings)
+    reporter.attempt = lease.attempt
     reporter.start()
     try:
         return _run(lease, reporter, settings)
@@ -177,14 +178,13 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
 
 
 def _release_idle(lease: leases.Lease, reporter: SqlReporter, settings: Settings, step: int) -> Outcome:
-    """A session run with nothing to do gives its worker back; an operation that arrived meanwhile
-    queues it again at once."""
+    """A session run with nothing to do gives its worker back; one whose operation arrived meanwhile is
+    queued again at once."""
     message = f"no operation for a while: state saved at step {step}; the next operation brings the run back"
-    if session_ops.release_idle(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message):
-        return "idle"
-    uid = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder,
-                         message="an operation arrived as the run was given back; queued again")
-    if uid is None:
+    given = session_ops.give_back(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
+    if given is None:
         raise LeaseLost(f"job {lease.job_id}: lease lost")
-    queue.enqueue(lease.job_id, uid, broker_url=settings.broker)
+    if given == "idle":
+        return "idle"
+    queue.enqueue(lease.job_id, given, broker_url=settings.broker)
     return "requeued"

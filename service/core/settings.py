@@ -168,6 +168,11 @@ class Settings(BaseSettings):
         description="A tinker session run with no operation for this long saves its state and gives its worker "
         "back; its next operation queues it again.",
     )
+    session_save_every_s: float = Field(
+        default=60.0, ge=0, le=86400, validation_alias="GRPO_SESSION_SAVE_EVERY_S",
+        description="A tinker session run saves its state at the first optim_step this long after its last save "
+        "(0: at every optim_step): a killed worker loses at most this much of the run.",
+    )
     requeue_queued_after_s: float = Field(
         default=600.0, validation_alias="GRPO_REQUEUE_QUEUED_AFTER_S",
         description="A job queued this long with no worker taking it is enqueued again, in case its "

@@ -3,8 +3,9 @@ operations a client sends them, which are the futures it polls.
 
 An operation is `pending` until the worker holding its run writes its result (`done`) or its error
 (`failed`). A run no worker holds is `idle`; the first operation sent to it queues it again (`wake`),
-and a run's worker gives it back (`release_idle`) only while it has nothing pending, so an operation
-is never left without a worker: the sweep wakes an idle run that still has one (a race of the two).
+and a run's worker gives it back (`give_back`) as idle only while it has nothing pending, else queued
+again, so an operation is never left without a worker; the sweep wakes an idle run that still has
+one (a race of the two the store's isolation level allows).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import case, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from service.core.records import PendingOp
@@ -126,17 +127,19 @@ def fail_pending(url: str, *, job_id: int, error: str, category: str) -> int:
                                ).rowcount
 
 
-def release_idle(url: str, *, job_id: int, holder: str, message: str) -> bool:
-    """running -> idle, giving the lease back, only while nothing is pending. The attempt it took is
-    given back too: an idle release is not a failed attempt."""
-    nothing_pending = ~exists().where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None:
+    """A run's worker is done with it for now: `idle` while nothing is pending, else `queued` (an
+    operation arrived as it stopped: enqueue the returned uid). The lease goes, and so does the attempt
+    it took: giving a run back is not a failed attempt. None when the lease was no longer `holder`'s."""
+    pending = exists().where(SessionOp.job_id == job_id, SessionOp.status == "pending")
     with session_scope(url) as session:
-        released = session.execute(
-            update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running,
-                              nothing_pending)
-            .values(status=Status.idle, lease_owner=None, heartbeat_at=None, attempt=Job.attempt - 1,
-                    updated_at=utcnow())
-            .execution_options(synchronize_session=False)).rowcount == 1
-        if released:
-            session.add(JobEvent(job_id=job_id, type="idle", message=message))
-    return released
+        row = session.execute(
+            update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running)
+            .values(status=case((pending, Status.queued), else_=Status.idle), lease_owner=None, heartbeat_at=None,
+                    attempt=Job.attempt - 1, updated_at=utcnow())
+            .returning(Job.status, Job.uid).execution_options(synchronize_session=False)).first()
+        if row is None:
+            return None
+        session.add(JobEvent(job_id=job_id, type=row.status, message=message if row.status == Status.idle else
+                             "an operation arrived as the run was given back: queued again"))
+    return "idle" if row.status == Status.idle else row.uid

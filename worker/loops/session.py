@@ -225,6 +225,13 @@ def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
     if (path := reporter.resume_from()) is not None:
         s.step = s.saved_step = load_checkpoint(path, s.trainables()).step
         reporter.event("resumed", f"state restored from step {s.step}", data={"step": s.step})
+    if reporter.attempt > 1:  # the worker before stopped without giving the run back: what it did since is lost
+        reporter.operations().fail_pending(
+            f"the worker running this session stopped (killed or cut off); the run resumed on another worker from "
+            f"its state saved at step {s.step}, so what was sent after that state is lost: send it again from "
+            "there", "server")
+        reporter.event("resumed_after_failure", f"attempt {reporter.attempt}: pending operations failed; state "
+                       f"from step {s.step}", level="warning", data={"step": s.step})
     model.train()
     return s
 
@@ -248,7 +255,7 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
                                               "json"),
                 "save_weights_for_sampler": lambda body: (save_for_sampler(s, body, spec.session.model_id), "json"),
                 "sample": lambda body: (sample(s, body), "proto")}
-    last_op = time.monotonic()
+    last_op = last_save = time.monotonic()
     while True:
         if reporter.should_stop():
             save_state(s, reporter, "cancelled")
@@ -269,5 +276,8 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
             log.exception("session run %s: %s failed", reporter.job_id, op.kind)
             ops.fail(op, f"{op.kind} failed: {type(exc).__name__}: {exc}", "server")
         else:
+            if op.kind == "optim_step" and time.monotonic() - last_save >= settings.session_save_every_s:
+                save_state(s, reporter, "autosave")  # before its future completes: what a client saw is kept
+                last_save = time.monotonic()
             ops.complete(op, result, fmt)
         last_op = time.monotonic()

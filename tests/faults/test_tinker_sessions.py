@@ -1,0 +1,50 @@
+"""Session runs driven by the real tinker SDK on the production layout (`serve` and separate workers on
+PostgreSQL and a Redis of the test's own): a worker killed mid-session, the run taken over by another
+worker from its last saved state, and two runs in a row on one worker."""
+
+import pytest
+
+from tests.faults.conftest import wait_for
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.faults]
+MODEL = "tiny-random-llama"
+CE = [types.Datum(model_input=types.ModelInput.from_ints([5, 9, 14, 3, 22, 7]),
+                  loss_fn_inputs={"target_tokens": [9, 14, 3, 22, 7, 11], "weights": [1.0] * 6})]
+
+
+def step(client) -> float:
+    loss = client.forward_backward(CE, "cross_entropy").result().metrics["loss:sum"]
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return loss
+
+
+def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its_saved_state(cluster):
+    cluster.serve(GRPO_SESSION_IDLE_S="3")  # an idle run gives its worker back after 3 s
+    cluster.worker("w1", GRPO_SESSION_SAVE_EVERY_S="0")  # state saved at every optim_step
+    service = tinker.ServiceClient(base_url=cluster.base, api_key=cluster.key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
+    losses = [step(client), step(client)]
+    client.forward_backward(CE, "cross_entropy").result()  # gradients on w1 only
+    cluster.kill_group("w1")
+    cluster.worker("w2", GRPO_SESSION_SAVE_EVERY_S="0")
+    # pending when the run resumes on w2, after the lease of w1 ran out: failed, with where the run stands
+    with pytest.raises(tinker.RequestFailedError, match="state saved at step 2"):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    losses.append(step(client))  # sent again from the saved state, it goes on
+    assert losses[2] < losses[0]
+    with cluster.client() as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        assert job["uid"] == client.model_id and job["step"] == 3 and job["attempt"] == 2, cluster.logs()
+        events = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
+        assert "requeued" in events and "resumed_after_failure" in events
+        series = c.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total"}).json()["series"][0]
+        assert [p["step"] for p in series["points"]] == [1, 2, 3]  # nothing recorded is lost or doubled
+    # a second run on the same worker, once the first has given it back
+    other = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+    step(other)
+    with cluster.client() as c:
+        wait_for(lambda: c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]["step"] == 1,
+                 "the second run's step", cluster)

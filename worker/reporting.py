@@ -36,6 +36,8 @@ class Operations(Protocol):
 
     def fail_pending(self, error: str, category: str) -> None: ...
 
+    def name_checkpoint(self, kind: str, name: str, step: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class InitWeights:

@@ -261,3 +261,6 @@ class StoreOperations:
 
     def fail_pending(self, error: str, category: str) -> None:
         session_ops.fail_pending(self.url, job_id=self.job_id, error=error, category=category)
+
+    def name_checkpoint(self, kind: str, name: str, step: int) -> None:
+        session_ops.name_checkpoint(self.url, job_id=self.job_id, kind=kind, name=name, step=step)

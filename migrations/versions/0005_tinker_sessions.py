@@ -1,4 +1,4 @@
-"""tinker_sessions and session_ops: the tinker-compatible API's sessions and the operations (futures)
+"""tinker_sessions, session_ops and session_checkpoints: the tinker-compatible API's sessions and the operations (futures)
 of session jobs
 
 Revision ID: 0005
@@ -44,9 +44,20 @@ def upgrade() -> None:
         sa.UniqueConstraint("request_id", name="uq_session_ops_request_id"),
     )
     op.create_index("ix_session_ops_job_status_seq", "session_ops", ["job_id", "status", "seq"])
+    op.create_table(
+        "session_checkpoints",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("job_id", sa.Integer(), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+        sa.Column("kind", sa.String(20), nullable=False),
+        sa.Column("name", sa.String(100), nullable=False),
+        sa.Column("step", sa.Integer(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.UniqueConstraint("job_id", "kind", "name", name="uq_session_checkpoints_job_kind_name"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("session_checkpoints")
     op.drop_index("ix_session_ops_job_status_seq", table_name="session_ops")
     op.drop_table("session_ops")
     op.drop_index("ix_tinker_sessions_owner_created", table_name="tinker_sessions")

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import re
+import secrets
 import time
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request
@@ -26,7 +30,14 @@ from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_wire import WireError, decode_forward_backward, parse_sampler_id
+from service.core.tinker_wire import (
+    CHECKPOINT_NAME,
+    WireError,
+    decode_forward_backward,
+    parse_sampler_id,
+    parse_tinker_path,
+    tinker_path,
+)
 from service.store import session_ops as ops_q
 from service.store.db import session_scope
 from service.store.models import new_uid, utcnow
@@ -99,6 +110,35 @@ class SaveForSamplerIn(_Wire):
     sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1)
     kind: str = Field("snapshot", max_length=20)
     seq_id: int | None = Field(None, ge=0, le=2**62)
+
+
+class SaveWeightsIn(_Wire):
+    model_id: str = Field(max_length=100)
+    path: str | None = Field(None, max_length=100, description="The checkpoint's name.")
+    seq_id: int | None = Field(None, ge=0, le=2**62)
+
+
+class LoadWeightsIn(_Wire):
+    model_id: str | None = Field(None, max_length=100)
+    seq_id: int | None = Field(None, ge=0, le=2**62)
+    session_id: str | None = Field(None, max_length=40)
+    model_seq_id: int | None = Field(None, ge=0, le=2**31 - 1)
+    base_model: str | None = Field(None, max_length=200)
+    path: str = Field(max_length=300)
+    optimizer: bool = False
+
+
+class CheckpointOut(BaseModel):
+    checkpoint_id: str
+    checkpoint_type: str
+    time: datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+
+
+class CheckpointsOut(BaseModel):
+    checkpoints: list[CheckpointOut]
 
 
 class CreateSamplingSessionIn(_Wire):
@@ -317,7 +357,10 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
     spec = SessionJob(name=f"tinker {name}", model=ModelSpec(name=name, lora=lora, dtype="float32"),
                       session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
                                           model_seq_id=body.model_seq_id,
-                                          seed=None if body.lora_config is None else body.lora_config.seed,
+                                          # chosen here when not sent: a run from its saved state builds the same
+                                          # base (the tiny test models are built from the seed)
+                                          seed=secrets.randbelow(2**32) if body.lora_config is None
+                                          or body.lora_config.seed is None else body.lora_config.seed,
                                           idle_timeout_s=settings.session_idle_s))
     if (why := model_unavailable(name, settings, owner=owner)) is not None:
         return _refused("base_model", why)
@@ -383,11 +426,75 @@ def optim_step(body: OptimStepIn, owner: OwnerDep, settings: SettingsDep) -> Unt
 @router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def save_weights_for_sampler(body: SaveForSamplerIn, owner: OwnerDep, settings: SettingsDep):
     """A snapshot of the run's weights to sample from (`save_weights_and_get_sampling_client`)."""
-    if body.path is not None:
-        return _refused("path", "named sampler checkpoints are not kept here yet: use "
-                        "save_weights_and_get_sampling_client(), which samples from a snapshot")
+    if body.path is not None:  # a named checkpoint to sample from later
+        return _save_named(settings, owner, body.model_id, "sampler_weights", body.path, body.seq_id)
     return _queue_op(settings, owner, body.model_id, "save_weights_for_sampler", body.model_dump_json().encode(),
                      body.seq_id)
+
+
+def _save_named(settings, owner: str, model_id: str, kind: str, name: str | None, seq_id: int | None):
+    if name is None or not re.match(CHECKPOINT_NAME, name):
+        return _refused("path", f"a checkpoint name is needed: letters, digits, '_', '.', '-', at most 100 "
+                        f"({name!r})")
+    body = json.dumps({"kind": kind, "name": name}).encode()
+    return _queue_op(settings, owner, model_id, "save_weights", body, seq_id)
+
+
+@router.post("/save_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+def save_weights(body: SaveWeightsIn, owner: OwnerDep, settings: SettingsDep):
+    """The run's state (weights and optimizer) as `tinker://<model_id>/weights/<name>` (`save_state`)."""
+    return _save_named(settings, owner, body.model_id, "weights", body.path, body.seq_id)
+
+
+def _same_shape(a: ModelSpec, b: ModelSpec) -> bool:
+    def shape(m: ModelSpec):
+        return m.name, None if m.lora is None else (m.lora.r, m.lora.alpha, tuple(m.lora.target_modules))
+    return shape(a) == shape(b)
+
+
+@router.post("/load_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
+    """A saved checkpoint into a run (`load_state`), or into a new run of this session
+    (`create_training_client_from_state`), with its optimizer state when asked."""
+    parsed = parse_tinker_path(body.path)
+    if parsed is None or (parsed[1] != "weights" and body.optimizer):
+        return _refused("path", "expected tinker://<model_id>/weights/<name> (sampler_weights/<name> without the "
+                        f"optimizer), got {body.path!r}")
+    found = ops_q.find_named(session, model_id=parsed[0], kind=parsed[1], name=parsed[2], owner=owner)
+    if found is None:
+        raise HTTPException(404, f"checkpoint {body.path} not found")
+    source, step = found
+    trained = source.job_spec().model
+    load = {"job": source.id, "step": step, "optimizer": body.optimizer, "path": body.path}
+    if body.model_id is not None:
+        target = _owned_run(session, model_id=body.model_id, owner=owner)
+        if not _same_shape(target.job_spec().model, trained):
+            return _refused("path", f"{body.path} holds weights of {trained.name} with lora "
+                            f"{None if trained.lora is None else trained.lora.r}: not the shape of this run")
+        return _submit_op(settings, session, job=target, kind="load_weights", body=json.dumps(load).encode(),
+                          seq=body.seq_id)
+    if body.session_id is None or ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
+        raise HTTPException(404, f"session {body.session_id} not found")
+    spec = SessionJob(name=f"tinker {trained.name} from {parsed[2]}", model=trained,
+                      session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
+                                          model_seq_id=body.model_seq_id or 0, idle_timeout_s=settings.session_idle_s,
+                                          seed=source.job_spec().session.seed))
+    job = ops_q.create_run(session, owner=owner, spec=spec)
+    ops_q.add_op(session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
+    future = _submit_op(settings, session, job=job, kind="load_weights", body=json.dumps(load).encode(), seq=1)
+    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+    return future.model_copy(update={"model_id": f"{body.session_id}:train:{spec.session.model_seq_id}"})
+
+
+@router.get("/training_runs/{model_id}/checkpoints", response_model=CheckpointsOut, responses=error_responses(404))
+def list_checkpoints(model_id: Annotated[str, Path(max_length=100)], owner: OwnerDep, session: SessionDep):
+    """A run's named checkpoints; each is also `GET /v1/jobs/{id}/checkpoints/{step}/archive`."""
+    job = _owned_run(session, model_id=model_id, owner=owner)
+    return {"checkpoints": [
+        {"checkpoint_id": f"{named.kind}/{named.name}", "tinker_path": tinker_path(job.uid, named.kind, named.name),
+         "checkpoint_type": "training" if named.kind == "weights" else "sampler", "time": named.created_at,
+         "size_bytes": None if ckpt is None else ckpt.size_bytes}
+        for named, ckpt in ops_q.named_checkpoints(session, job_id=job.id)]}
 
 
 @router.post("/create_sampling_session", responses=error_responses(404) | REFUSED)

@@ -11,6 +11,7 @@ again to run it.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -247,3 +248,21 @@ def sampler_id(model_id: str, version: int) -> str:
 def parse_sampler_id(value: str) -> tuple[str, int] | None:
     model_id, _, version = value.partition(":v")
     return (model_id, int(version)) if model_id and version.isdigit() and len(version) < 10 else None
+
+
+CHECKPOINT_KINDS = ("weights", "sampler_weights")  # a state (with the optimizer) | weights to sample from
+CHECKPOINT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
+    """(model_id, kind, name) of `tinker://<model_id>/<kind>/<name>`, or None."""
+    if not path.startswith("tinker://"):
+        return None
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not re.match(CHECKPOINT_NAME, parts[2]) or not parts[0]:
+        return None
+    return parts[0], parts[1], parts[2]

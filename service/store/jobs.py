@@ -16,6 +16,7 @@ from service.store.models import (
     Metric,
     Sample,
     Selection,
+    SessionCheckpoint,
     SessionOp,
     SparsityReport,
     utcnow,
@@ -108,7 +109,7 @@ def active_jobs(session: Session, *, owner: str) -> list[Job]:
 
 def delete_job(session: Session, *, job: Job) -> None:
     """Delete a job and every row it owns."""
-    for table in (JobEvent, Metric, Sample, Selection, SparsityReport, Checkpoint, SessionOp):
+    for table in (JobEvent, Metric, Sample, Selection, SparsityReport, Checkpoint, SessionOp, SessionCheckpoint):
         session.execute(delete(table).where(table.job_id == job.id))
     session.delete(job)
 

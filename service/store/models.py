@@ -259,6 +259,21 @@ class TinkerSession(Base):
     finished_at: Mapped[datetime | None]
 
 
+class SessionCheckpoint(Base):
+    """A tinker name for a session run's checkpoint: `tinker://<model_id>/<kind>/<name>` is step `step`'s
+    folder (several names may share one)."""
+
+    __tablename__ = "session_checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "kind", "name", name="uq_session_checkpoints_job_kind_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(20))  # weights (a state, with the optimizer) | sampler_weights
+    name: Mapped[str] = mapped_column(String(100))
+    step: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class SessionOp(Base):
     """One operation a tinker client sent to a session job, and its result once the worker ran
     it: the future the client polls. The worker runs a job's pending operations in `seq` order."""

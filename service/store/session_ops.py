@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from service.core.records import PendingOp
 from service.core.specs import SessionJob, Status
 from service.store.db import session_scope
-from service.store.models import Job, JobEvent, SessionOp, TinkerSession, utcnow
+from service.store.models import Checkpoint, Job, JobEvent, SessionCheckpoint, SessionOp, TinkerSession, utcnow
 
 
 def create_session(session: Session, *, owner: str, tags: list[str], user_metadata: dict,
@@ -60,8 +60,18 @@ def create_run(session: Session, *, owner: str, spec: SessionJob) -> Job:
 
 
 def run_for_model(session: Session, *, model_id: str, owner: str) -> Job | None:
-    """The session run a tinker `model_id` (the job's uid) names, if this owner's."""
-    return session.scalars(select(Job).where(Job.uid == model_id, Job.owner == owner, Job.kind == "session")).first()
+    """The session run a tinker `model_id` names, if this owner's: the job's uid, or
+    `<session_id>:train:<model_seq_id>` (the id the SDK gives a run it created from a saved state)."""
+    q = select(Job).where(Job.owner == owner, Job.kind == "session")
+    tinker_session, _, seq = model_id.partition(":train:")
+    if seq:
+        if not seq.isdigit() or len(seq) > 9:
+            return None
+        spec = Job.spec["session"]
+        q = q.where(spec["tinker_session"].as_string() == tinker_session, spec["model_seq_id"].as_integer() == int(seq))
+    else:
+        q = q.where(Job.uid == model_id)
+    return session.scalars(q.order_by(Job.id.desc())).first()
 
 
 def add_op(session: Session, *, job: Job, kind: str, body: bytes, seq: int | None = None) -> SessionOp:
@@ -143,3 +153,33 @@ def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None
         session.add(JobEvent(job_id=job_id, type=row.status, message=message if row.status == Status.idle else
                              "an operation arrived as the run was given back: queued again"))
     return "idle" if row.status == Status.idle else row.uid
+
+
+def name_checkpoint(url: str, *, job_id: int, kind: str, name: str, step: int) -> None:
+    """`tinker://<run>/<kind>/<name>` is now step `step`'s checkpoint (a name saved again moves)."""
+    with session_scope(url) as session:
+        row = session.scalars(select(SessionCheckpoint).where(SessionCheckpoint.job_id == job_id,
+                                                              SessionCheckpoint.kind == kind,
+                                                              SessionCheckpoint.name == name)).first()
+        if row is None:
+            session.add(SessionCheckpoint(job_id=job_id, kind=kind, name=name, step=step))
+        else:
+            row.step, row.created_at = step, utcnow()
+
+
+def named_checkpoints(session: Session, *, job_id: int) -> list[tuple[SessionCheckpoint, Checkpoint | None]]:
+    """A run's named checkpoints, newest first, each with its step's checkpoint row."""
+    rows = session.execute(select(SessionCheckpoint, Checkpoint).outerjoin(
+        Checkpoint, (Checkpoint.job_id == SessionCheckpoint.job_id) & (Checkpoint.step == SessionCheckpoint.step))
+        .where(SessionCheckpoint.job_id == job_id).order_by(SessionCheckpoint.created_at.desc(),
+                                                             SessionCheckpoint.id.desc())).all()
+    return [(named, step) for named, step in rows]
+
+
+def find_named(session: Session, *, model_id: str, kind: str, name: str, owner: str) -> tuple[Job, int] | None:
+    """The run and step a tinker path names, if this owner's."""
+    row = session.execute(select(Job, SessionCheckpoint.step)
+                          .join(SessionCheckpoint, SessionCheckpoint.job_id == Job.id)
+                          .where(Job.uid == model_id, Job.owner == owner, SessionCheckpoint.kind == kind,
+                                 SessionCheckpoint.name == name)).first()
+    return None if row is None else (row[0], row[1])

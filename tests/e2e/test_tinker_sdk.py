@@ -240,3 +240,39 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
     newer = client.save_weights_and_get_sampling_client().result()
     moved = newer.sample(types.ModelInput.from_ints(prompt), 3, params).result()
     assert not np.allclose(moved.sequences[0].logprobs[:1], out.sequences[0].logprobs[:1], atol=1e-4)
+
+
+def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
+    base, key = dev
+    service = tinker.ServiceClient(base_url=base, api_key=key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
+    ce = [types.Datum(model_input=types.ModelInput.from_ints([5, 9, 14, 3, 22]),
+                      loss_fn_inputs={"target_tokens": [9, 14, 3, 22, 7], "weights": [1.0] * 5})]
+
+    def train() -> None:
+        client.forward_backward(ce, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def loss(c) -> float:
+        return c.forward(ce, "cross_entropy").result().metrics["loss:sum"]
+
+    train()
+    saved = client.save_state("after-one").result().path
+    assert saved == f"tinker://{client.model_id}/weights/after-one"
+    at_save = loss(client)
+    train()
+    train()
+    assert loss(client) < at_save
+    client.load_state_with_optimizer(saved).result()
+    assert loss(client) == pytest.approx(at_save, rel=1e-6)  # the weights as they were saved
+    # a new run of this session from the saved state, optimizer included: it trains on as the first did
+    resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+    assert loss(resumed) == pytest.approx(at_save, rel=1e-6)
+    listed = tinker.RestClient(base_url=base, api_key=key).list_checkpoints(client.model_id).result()
+    assert [c.tinker_path for c in listed.checkpoints] == [saved]
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        runs = c.get("/v1/jobs", params={"kind": "session"}).json()["items"]
+        assert len(runs) == 2
+        first = next(r for r in runs if r["uid"] == client.model_id)
+        archive = c.get(f"/v1/jobs/{first['id']}/checkpoints/1/archive")
+        assert archive.status_code == 200 and archive.content[:2] == b"\x1f\x8b"  # the state, as a .tar.gz

@@ -12,6 +12,9 @@ the client polls:
   save_weights_for_sampler (no name) -> a sampling session on a snapshot of the weights as they are
   sample            -> n completions of a prompt from a snapshot's weights, with the log-prob of every
                        sampled token (and of the prompt's, when asked)
+  save_weights      -> the state (weights and optimizer) saved as checkpoint step-N, named
+                       `tinker://<model_id>/weights/<name>` (or `sampler_weights/<name>`)
+  load_weights      -> a named checkpoint's weights (and its optimizer state, when asked) loaded
 
 Every optim_step is a step of the run: it records `loss/total` (the sum of its forward_backwards'
 losses), `tokens`, `lr`, `grad_norm` and `time/step_s`. With no operation for
@@ -43,10 +46,11 @@ from service.core.tinker_wire import (
     encode_sample_response,
     parse_sampler_id,
     sampler_id,
+    tinker_path,
 )
 from worker import token_sampler
 from worker.algos import tinker_losses
-from worker.checkpoints import Trainables, load_checkpoint, save_checkpoint
+from worker.checkpoints import Trainables, load_checkpoint, load_weights, save_checkpoint
 from worker.models import load_policy
 from worker.reporting import LoopResult, Reporter
 from worker.sampling import eos_token_ids
@@ -204,6 +208,32 @@ def sample(s: Session, body: bytes) -> bytes:
     return encode_sample_response([SampledSequence(r.tokens, r.logprobs, r.stop_reason) for r in rows], prompt_lp)
 
 
+def save_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
+    req = json.loads(body)
+    save_state(s, reporter, f"saved as {req['kind']}/{req['name']}")
+    reporter.operations().name_checkpoint(req["kind"], req["name"], s.step)
+    kind = "save_weights" if req["kind"] == "weights" else "save_weights_for_sampler"
+    return json.dumps({"type": kind, "path": tinker_path(model_id, req["kind"], req["name"])}).encode()
+
+
+def load_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
+    """A checkpoint's weights, and its optimizer state when asked; the run keeps its own step count."""
+    req = json.loads(body)
+    folder = reporter.init_checkpoint(req["job"], req["step"]).path
+    s.optimizer.zero_grad(set_to_none=True)  # gradients of the weights being replaced mean nothing now
+    if req["optimizer"]:
+        step = s.step
+        load_checkpoint(folder, s.trainables())
+        s.step = step
+    else:
+        load_weights(folder, model=s.model)
+    s.version += 1
+    s.saved_step = None  # the saved state of this step is not these weights
+    reporter.event("loaded", f"loaded {req['path']}" + (" with its optimizer state" if req["optimizer"] else ""),
+                   data={"path": req["path"], "optimizer": req["optimizer"]})
+    return json.dumps({"type": "load_weights", "path": req["path"], "model_id": model_id}).encode()
+
+
 def save_state(s: Session, reporter: Reporter, why: str) -> None:
     """The run's weights and optimizer as checkpoint step-N, unless step N is saved already."""
     if s.saved_step == s.step:
@@ -254,7 +284,9 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
                 "create_model": lambda body: (json.dumps({"type": "create_model", "model_id": body.decode()}).encode(),
                                               "json"),
                 "save_weights_for_sampler": lambda body: (save_for_sampler(s, body, spec.session.model_id), "json"),
-                "sample": lambda body: (sample(s, body), "proto")}
+                "sample": lambda body: (sample(s, body), "proto"),
+                "save_weights": lambda body: (save_named(s, body, reporter, spec.session.model_id), "json"),
+                "load_weights": lambda body: (load_named(s, body, reporter, spec.session.model_id), "json")}
     last_op = last_save = time.monotonic()
     while True:
         if reporter.should_stop():

@@ -22,6 +22,7 @@ export const SECTIONS = [
     { title: "Evaluation (greedy, validation split)", match: prefix("eval/") },
     { title: "Step time (s): rollout vs training", keys: ["time/rollout_s", "time/train_s", "time/step_s", "time/sync_s"] },
     { title: "Throughput (tokens/s)", keys: ["throughput/tokens_per_s", "throughput/rollout_tokens_per_s"] },
+    { title: "Tokens trained on", keys: ["tokens"], note: "a session run's forward_backward tokens per optim_step" },
   ] },
   { title: "Rollout engine", panels: [
     { title: "Engine vs trainer log-probs |Δ|", keys: ["mismatch/logp_abs_mean", "mismatch/logp_abs_max"],

@@ -95,7 +95,7 @@ export async function jobPage({ app, onLeave }, id) {
 function header(job, cancel) {
   const spec = job.spec || {};
   const elapsed = runTime(job);
-  const eta = job.status === "running" && job.step > 0 && elapsed ? (elapsed / job.step) * (job.total_steps - job.step) : null;
+  const eta = job.status === "running" && job.step > 0 && job.total_steps > 0 && elapsed ? (elapsed / job.step) * (job.total_steps - job.step) : null;
   const rewards = (spec.rewards || []).map((r) => (r.weight !== undefined && r.weight !== 1 ? `${r.name}×${r.weight}` : r.name)).join(", ");
   const canCancel = !TERMINAL.has(job.status) && !job.cancel_requested;
   return h("div", { class: "header-row" },

@@ -2,8 +2,9 @@
 import { api, qs } from "../api.js";
 import { ago, badge, duration, fmt, h, progress, runTime } from "../dom.js";
 
-const STATUSES = ["", "queued", "running", "succeeded", "failed", "cancelled"];
-const KINDS = ["", "grpo", "tracin", "joint", "sft"];
+const STATUSES = ["", "queued", "running", "idle", "succeeded", "failed", "cancelled"];
+// session: a run driven from the tinker SDK (/api/v1), one optim_step a step
+const KINDS = ["", "grpo", "tracin", "joint", "sft", "session"];
 const PAGE = 50;
 const REFRESH_MS = 3000;
 

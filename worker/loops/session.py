@@ -58,7 +58,9 @@ from worker.sql_reporter import LeaseLost
 from worker.training import eval_mode, grad_norm, trainable
 
 log = logging.getLogger(__name__)
-POLL_S = 0.05  # between looks for the next operation: well under a step's compute
+# Between looks for the next operation: every 2 ms for a second after the last one (a client's loop
+# sends the next at once; measured in bench/primitives.py), then every 50 ms.
+POLL_BUSY_S, POLL_IDLE_S, BUSY_FOR_S = 0.002, 0.05, 1.0
 
 
 @dataclass
@@ -103,8 +105,8 @@ def forward_backward(s: Session, body: bytes) -> bytes:
     device = next(s.model.parameters()).device
     outputs, total = [], 0.0
     for datum in request.data:  # one sequence at a time: no padding to get wrong, memory of the longest only
-        tokens = torch.from_numpy(datum.tokens).to(device)
-        inputs = {k: torch.from_numpy(np.asarray(v, dtype=np.float32 if v.dtype.kind == "f" else np.int64)).to(device)
+        tokens = torch.tensor(datum.tokens, device=device)
+        inputs = {k: torch.tensor(v, dtype=torch.float32 if v.dtype.kind == "f" else torch.int64, device=device)
                   for k, v in datum.inputs.items()}
         with torch.set_grad_enabled(not request.forward_only):
             logits = s.model(input_ids=tokens[None]).logits[0].float()  # [N, V]
@@ -298,7 +300,7 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
             if time.monotonic() - last_op > spec.session.idle_timeout_s:
                 save_state(s, reporter, f"no operation for {spec.session.idle_timeout_s:g} s")
                 return LoopResult(status="idle", step=s.step)
-            time.sleep(POLL_S)
+            time.sleep(POLL_BUSY_S if time.monotonic() - last_op < BUSY_FOR_S else POLL_IDLE_S)
             continue
         try:
             result, fmt = handlers[op.kind](op.body)

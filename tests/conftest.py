@@ -117,6 +117,18 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="session")
+def cookbook_python() -> Path:
+    """tinker-cookbook's environment's Python (`make cookbook`; make test sets GRPO_COOKBOOK_PYTHON)."""
+    python = os.environ.get("GRPO_COOKBOOK_PYTHON")
+    if not python or not Path(python).exists():
+        msg = f"no tinker-cookbook environment: GRPO_COOKBOOK_PYTHON is {python!r} (`make cookbook` builds it)"
+        if CI:
+            pytest.fail(msg + " (CI=true: the suite needs it)")
+        pytest.skip(msg)
+    return Path(python)
+
+
+@pytest.fixture(scope="session")
 def models_root(tmp_path_factory, worker_id) -> Path:
     """One model cache for the whole run (the bundled model converts once, under a file lock, even
     when pytest-xdist's workers ask for it at the same time)."""

@@ -1,0 +1,68 @@
+"""tinker-cookbook's own loops, unmodified, against `grpo-jobs dev`: they run in the cookbook's
+environment (`make cookbook`) and talk to the service over HTTP, as a user's would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.conftest import free_port, wait_http
+
+HERE = Path(__file__).parent.parent / "cookbook"
+HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def hf_cache_with_smollm2(models_root: Path, root: Path) -> Path:
+    """A Hugging Face cache holding the bundled SmolLM2's tokenizer under its hub name: the cookbook
+    loads its tokenizer by that name, with no network."""
+    from worker.models import smollm2_dir
+
+    source = smollm2_dir(models_root)
+    repo = root / "hub" / f"models--{HUB_NAME.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(source / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("local")
+    return root
+
+
+def start_dev(procs) -> tuple[str, str]:
+    port = free_port()
+    procs.start("dev", "dev", "--port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/healthz", procs)
+    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
+    for _ in range(100):
+        if key_file.exists() and key_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    return base, key_file.read_text().strip()
+
+
+def test_the_cookbooks_supervised_loop_on_its_conversations(procs, models_root, cookbook_python, tmp_path):
+    base, key = start_dev(procs)
+    log = tmp_path / "sl"
+    env = {**os.environ, "TINKER_BASE_URL": base, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
+           "HF_HOME": str(hf_cache_with_smollm2(models_root, tmp_path / "hf")), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([str(cookbook_python), str(HERE / "sl_conversations.py"), str(log), "6"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + procs.logs()
+    nll = [json.loads(line)["train_mean_nll"] for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert len(nll) == 6 and nll[-1] < 0.6 * nll[0], nll  # the supervised loss falls
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        assert job["step"] == 6
+        series = c.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total"}).json()["series"][0]
+        assert [p["step"] for p in series["points"]] == [1, 2, 3, 4, 5, 6]
+        listed = c.get(f"/api/v1/training_runs/{job['uid']}/checkpoints", headers={"X-API-Key": key}).json()
+    # the cookbook's final save: a state, and weights to sample from, both named "final"
+    assert sorted(ckpt["tinker_path"] for ckpt in listed["checkpoints"]) == [
+        f"tinker://{job['uid']}/sampler_weights/final", f"tinker://{job['uid']}/weights/final"]

@@ -45,6 +45,17 @@ def get_owner(request: Request, session: SessionDep) -> str:
     """The owner of the presented API key: `Authorization: Bearer KEY` (or `X-API-Key: KEY`, as the
     tinker SDK sends it), never in a URL (a URL ends up in logs; a browser's EventSource uses a
     stream token instead, see stream.py)."""
+    return _owner(request, session)
+
+
+def get_owner_released(request: Request, settings: SettingsDep) -> str:
+    """The key's owner, looked up on a connection given back before the route runs: for routes that open
+    their own sessions or wait (holding one while taking another starves the pool under load)."""
+    with session_scope(settings.store_url) as session:
+        return _owner(request, session)
+
+
+def _owner(request: Request, session: Session) -> str:
     key = bearer_key(request) or request.headers.get("x-api-key", "").strip() or None
     if not key:
         raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
@@ -55,6 +66,7 @@ def get_owner(request: Request, session: SessionDep) -> str:
 
 
 OwnerDep = Annotated[str, Depends(get_owner)]
+ReleasedOwnerDep = Annotated[str, Depends(get_owner_released)]
 
 
 MAX_INT = 2**31 - 1  # ids and steps are 32-bit integer columns

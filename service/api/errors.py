@@ -12,6 +12,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.core.artifacts import ArtifactStoreError
@@ -85,8 +86,14 @@ async def store_error(_: Request, exc: DBAPIError) -> JSONResponse:
     return store_unavailable("unreachable")
 
 
+async def store_busy(_: Request, exc: PoolTimeout) -> JSONResponse:
+    log.warning("store connection pool exhausted: %s", exc)
+    return store_unavailable("every connection is busy")
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(DBAPIError, store_error)
+    app.add_exception_handler(PoolTimeout, store_busy)
     app.add_exception_handler(ArtifactStoreError, artifact_store_error)

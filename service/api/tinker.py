@@ -24,7 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.api.deps import OwnerDep, SessionDep, SettingsDep
+from service.api.deps import OwnerDep, ReleasedOwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
@@ -282,9 +282,12 @@ def _owned_run(session, *, model_id: str, owner: str):
 
 
 def _submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | None) -> UntypedFuture:
+    """The operation, and an idle run woken, in one transaction on the caller's one connection (a second
+    connection taken while holding one starves the pool under concurrent requests)."""
     op = ops_q.add_op(session, job=job, kind=kind, body=body, seq=seq)
-    session.commit()  # the operation exists before the run is woken to run it
-    if (uid := ops_q.wake(settings.store_url, job_id=job.id)) is not None:
+    uid = ops_q.wake(session, job_id=job.id)
+    session.commit()  # both exist before a worker is told
+    if uid is not None:
         queue.enqueue(job.id, uid, broker_url=settings.broker)
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
 
@@ -383,7 +386,7 @@ def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
 @router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 413) | REFUSED,
              openapi_extra={"requestBody": {"required": True, "content": {PROTOBUF: {"schema": {
                  "type": "string", "format": "binary"}}}}})
-async def forward_backward(request: Request, owner: OwnerDep, settings: SettingsDep):
+async def forward_backward(request: Request, owner: ReleasedOwnerDep, settings: SettingsDep):
     body = await request.body()
     if request.headers.get("content-encoding", "") == "zstd":
         body = await run_in_threadpool(_unzstd, body)
@@ -419,12 +422,12 @@ def _queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: 
 
 
 @router.post("/optim_step", responses=error_responses(404))
-def optim_step(body: OptimStepIn, owner: OwnerDep, settings: SettingsDep) -> UntypedFuture:
+def optim_step(body: OptimStepIn, owner: ReleasedOwnerDep, settings: SettingsDep) -> UntypedFuture:
     return _queue_op(settings, owner, body.model_id, "optim_step", body.model_dump_json().encode(), body.seq_id)
 
 
 @router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
-def save_weights_for_sampler(body: SaveForSamplerIn, owner: OwnerDep, settings: SettingsDep):
+def save_weights_for_sampler(body: SaveForSamplerIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """A snapshot of the run's weights to sample from (`save_weights_and_get_sampling_client`)."""
     if body.path is not None:  # a named checkpoint to sample from later
         return _save_named(settings, owner, body.model_id, "sampler_weights", body.path, body.seq_id)
@@ -441,7 +444,7 @@ def _save_named(settings, owner: str, model_id: str, kind: str, name: str | None
 
 
 @router.post("/save_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
-def save_weights(body: SaveWeightsIn, owner: OwnerDep, settings: SettingsDep):
+def save_weights(body: SaveWeightsIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """The run's state (weights and optimizer) as `tinker://<model_id>/weights/<name>` (`save_state`)."""
     return _save_named(settings, owner, body.model_id, "weights", body.path, body.seq_id)
 
@@ -521,7 +524,7 @@ def get_sampler(sampling_session_id: Annotated[str, Path(max_length=100)], owner
 
 
 @router.post("/asample", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
-def asample(body: SampleIn, owner: OwnerDep, settings: SettingsDep):
+def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """Completions of one prompt from a snapshot of a run's weights, run by the run's worker."""
     if any(c.type != "encoded_text" for c in body.prompt.chunks):
         return _refused("prompt.chunks", "only text chunks (token ids) are supported here, not images or audio")
@@ -541,7 +544,7 @@ def asample(body: SampleIn, owner: OwnerDep, settings: SettingsDep):
     "operation failed; `{type: try_again}` while it is still pending.",
     "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}, "application/json": {"schema": {
         "type": "object"}}}}})
-async def retrieve_future(body: RetrieveFutureIn, owner: OwnerDep, settings: SettingsDep) -> Response:
+async def retrieve_future(body: RetrieveFutureIn, owner: ReleasedOwnerDep, settings: SettingsDep) -> Response:
     """The operation's result once its worker wrote it: protobuf for forward_backward, JSON otherwise;
     `{error, category}` when it failed; `try_again` while it is pending after a wait of up to
     RETRIEVE_WAIT_S, polled without holding a thread or a connection."""

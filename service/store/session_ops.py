@@ -91,13 +91,12 @@ def op_for(session: Session, *, request_id: str, owner: str) -> SessionOp | None
                            .where(SessionOp.request_id == request_id, Job.owner == owner)).first()
 
 
-def wake(url: str, *, job_id: int) -> str | None:
-    """idle -> queued, for the worker to take the run back. Returns the uid to enqueue, or None when the
-    run was not idle (a worker holds it, or it is queued already)."""
-    with session_scope(url) as session:
-        row = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.idle)
-                              .values(status=Status.queued, updated_at=utcnow()).returning(Job.uid)
-                              .execution_options(synchronize_session=False)).first()
+def wake(session: Session, *, job_id: int) -> str | None:
+    """idle -> queued, for a worker to take the run back. Returns the uid to enqueue (once this
+    transaction commits), or None when the run was not idle (a worker holds it, or it is queued)."""
+    row = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.idle)
+                          .values(status=Status.queued, updated_at=utcnow()).returning(Job.uid)
+                          .execution_options(synchronize_session=False)).first()
     return None if row is None else row.uid
 
 
@@ -107,7 +106,7 @@ def wake_stranded(url: str, *, older_than_s: float) -> list[tuple[int, str]]:
     pending = exists().where(SessionOp.job_id == Job.id, SessionOp.status == "pending", SessionOp.created_at < cutoff)
     with session_scope(url) as session:
         ids = session.scalars(select(Job.id).where(Job.status == Status.idle, pending)).all()
-    return [(job_id, uid) for job_id in ids if (uid := wake(url, job_id=job_id)) is not None]
+        return [(job_id, uid) for job_id in ids if (uid := wake(session, job_id=job_id)) is not None]
 
 
 def next_op(url: str, *, job_id: int) -> PendingOp | None:

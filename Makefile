@@ -96,6 +96,7 @@ bench: install vllm
 	$(PY) bench/selection.py
 	$(PY) bench/rl_vs_sft.py
 	GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) bench/rollout.py
+	$(PY) bench/primitives.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info test-artifacts .pytest_cache

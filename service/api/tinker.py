@@ -17,9 +17,9 @@ import re
 import secrets
 import time
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,6 +126,17 @@ class LoadWeightsIn(_Wire):
     base_model: str | None = Field(None, max_length=200)
     path: str = Field(max_length=300)
     optimizer: bool = False
+
+
+class SessionListOut(BaseModel):
+    sessions: list[str]
+
+
+class SessionInfoOut(BaseModel):
+    training_run_ids: list[str]
+    sampler_ids: list[str]  # snapshots live in their run's worker: none are listed
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
 
 
 class CheckpointOut(BaseModel):
@@ -340,6 +351,27 @@ def session_heartbeat(body: SessionIdIn, owner: OwnerDep, session: SessionDep) -
         raise HTTPException(410, f"session {body.session_id} has finished")
     row.heartbeat_at = utcnow()
     return {"type": "session_heartbeat"}
+
+
+Scope = Annotated[Literal["owned", "accessible"], Query(description="Either way, your own sessions only.")]
+
+
+@router.get("/sessions", response_model=SessionListOut)
+def list_sessions(owner: OwnerDep, session: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+                  offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0, access_scope: Scope = "owned") -> dict:
+    """Your tinker sessions, newest first."""
+    return {"sessions": [s.id for s in ops_q.list_sessions(session, owner=owner, limit=limit, offset=offset)]}
+
+
+@router.get("/sessions/{session_id}", response_model=SessionInfoOut, responses=error_responses(404))
+def get_session(session_id: Annotated[str, Path(max_length=40)], owner: OwnerDep, session: SessionDep,
+                access_scope: Scope = "owned") -> dict:
+    row = ops_q.get_session(session, session_id=session_id, owner=owner)
+    if row is None:
+        raise HTTPException(404, f"session {session_id} not found")
+    runs = ops_q.session_runs(session, session_id=session_id, owner=owner)
+    return {"training_run_ids": [job.uid for job in runs], "sampler_ids": [],
+            "user_metadata": {str(k): str(v) for k, v in row.user_metadata.items()} or None}
 
 
 @router.post("/sessions/{session_id}/finish", status_code=204, responses=error_responses(404))

@@ -268,8 +268,13 @@ def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
     # a new run of this session from the saved state, optimizer included: it trains on as the first did
     resumed = service.create_training_client_from_state_with_optimizer(saved).result()
     assert loss(resumed) == pytest.approx(at_save, rel=1e-6)
-    listed = tinker.RestClient(base_url=base, api_key=key).list_checkpoints(client.model_id).result()
+    rest = tinker.RestClient(base_url=base, api_key=key)
+    listed = rest.list_checkpoints(client.model_id).result()
     assert [c.tinker_path for c in listed.checkpoints] == [saved]
+    sessions = rest.list_sessions().result().sessions
+    assert len(sessions) == 1  # this client's session: both runs belong to it
+    runs_of_session = rest.get_session(sessions[0]).result().training_run_ids
+    assert client.model_id in runs_of_session and len(runs_of_session) == 2
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         runs = c.get("/v1/jobs", params={"kind": "session"}).json()["items"]
         assert len(runs) == 2

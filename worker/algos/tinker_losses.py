@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from worker.algos.losses import cispo_surrogate, grpo_surrogate
+
 
 def cross_entropy(logp: Tensor, *, weights: Tensor) -> Tensor:
     """-sum_t w_t * logp_t: supervised learning, w = 0 on prompt tokens."""
@@ -24,15 +26,15 @@ def importance_sampling(logp: Tensor, *, q: Tensor, adv: Tensor) -> Tensor:
 
 
 def ppo(logp: Tensor, *, q: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """-sum_t min(r_t A_t, clip(r_t, lo, hi) A_t), per token; lo and hi bound the ratio itself."""
-    ratio = torch.exp(logp - q)
-    return -torch.minimum(ratio * adv, ratio.clamp(clip_low, clip_high) * adv).sum()
+    """-sum_t min(r_t A_t, clip(r_t, lo, hi) A_t), per token; lo and hi bound the ratio itself: the
+    GRPO loop's token-level surrogate, summed."""
+    return grpo_surrogate(logp, q, adv, torch.ones_like(logp), clip_low, clip_high).per_token.sum()
 
 
 def cispo(logp: Tensor, *, q: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """-sum_t sg(clip(r_t, lo, hi)) * logp_t * A_t: the clipped ratio weighs, never blocks, a gradient."""
-    weight = torch.exp(logp - q).clamp(clip_low, clip_high).detach()
-    return -(weight * logp * adv).sum()
+    """-sum_t sg(clip(r_t, lo, hi)) * logp_t * A_t: the clipped ratio weighs, never blocks, a gradient
+    (the GRPO loop's CISPO surrogate, summed)."""
+    return cispo_surrogate(logp, q, adv, torch.ones_like(logp), clip_low, clip_high).per_token.sum()
 
 
 def dro(logp: Tensor, *, q: Tensor, adv: Tensor, beta: float) -> Tensor:

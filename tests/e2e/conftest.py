@@ -130,3 +130,17 @@ def check_finished_sft_job(client: httpx.Client, job: dict) -> None:
     assert [c["step"] for c in client.get(f"/v1/jobs/{jid}/checkpoints").json()] == [2, 3]
     report = client.get(f"/v1/jobs/{jid}/sparsity", params={"scope": "cumulative"}).json()[0]["report"]
     assert report["kl_task"] > 0 and set(report["merged"]["precision"]["bf16"]) == {"0.0", "1e-05", "0.0001"}
+
+
+def start_dev(procs: Procs, **env: str) -> tuple[str, str]:
+    """`grpo-jobs dev` on a free port (with `env` on top): its base URL and the API key it saved."""
+    port = free_port()
+    procs.start("dev", "dev", "--port", str(port), env=env)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/healthz", procs)
+    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
+    for _ in range(100):
+        if key_file.exists() and key_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    return base, key_file.read_text().strip()

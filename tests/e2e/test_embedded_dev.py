@@ -10,24 +10,14 @@ from tests.e2e.conftest import (
     TINY_JOB,
     check_finished_job,
     check_finished_sft_job,
-    free_port,
     parent_pid,
-    wait_http,
+    start_dev,
     wait_job,
 )
 
 
 def test_dev_runs_a_job_end_to_end(procs):
-    port = free_port()
-    procs.start("dev", "dev", "--port", str(port))
-    base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/healthz", procs)
-    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
-    for _ in range(50):
-        if key_file.exists():
-            break
-        time.sleep(0.1)
-    key = key_file.read_text().strip()
+    base, key = start_dev(procs)
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         r = c.post("/v1/jobs", json=TINY_JOB)
         assert r.status_code == 201, r.text

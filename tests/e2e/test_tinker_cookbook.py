@@ -7,12 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import free_port, wait_http
+from tests.e2e.conftest import start_dev
 
 HERE = Path(__file__).parent.parent / "cookbook"
 HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -32,19 +31,6 @@ def hf_cache_with_smollm2(models_root: Path, root: Path) -> Path:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("local")
     return root
-
-
-def start_dev(procs) -> tuple[str, str]:
-    port = free_port()
-    procs.start("dev", "dev", "--port", str(port))
-    base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/healthz", procs)
-    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
-    for _ in range(100):
-        if key_file.exists() and key_file.read_text().strip():
-            break
-        time.sleep(0.1)
-    return base, key_file.read_text().strip()
 
 
 def test_the_cookbooks_supervised_loop_on_its_conversations(procs, models_root, cookbook_python, tmp_path):

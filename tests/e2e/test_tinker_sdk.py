@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import BIN, free_port, wait_http
+from tests.e2e.conftest import BIN, start_dev
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -31,16 +31,7 @@ LOSS_CONFIGS = {  # clip bounds tight enough that some of the ratios below are c
 
 @pytest.fixture
 def dev(procs):
-    port = free_port()
-    procs.start("dev", "dev", "--port", str(port), env={"GRPO_SESSION_IDLE_S": "4", "TINKER_TELEMETRY": "0"})
-    base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/healthz", procs)
-    key_file = Path(procs.env["GRPO_DATA_DIR"]) / "dev-api-key"
-    for _ in range(100):
-        if key_file.exists() and key_file.read_text().strip():
-            break
-        time.sleep(0.1)
-    return base, key_file.read_text().strip()
+    return start_dev(procs, GRPO_SESSION_IDLE_S="4", TINKER_TELEMETRY="0")
 
 
 def reference_model():

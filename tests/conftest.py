@@ -104,28 +104,27 @@ def redis_url(worker_id):
     return REDIS_URL if n is None else REDIS_URL.rsplit("/", 1)[0] + f"/{1 + n % 15}"
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The engine environment's Python (`make vllm`; make test sets GRPO_VLLM_PYTHON)."""
-    python = os.environ.get("GRPO_VLLM_PYTHON")
+def _environment_python(variable: str, what: str, target: str) -> Path:
+    """The Python of an environment of its own that `make test` builds and names in `variable`."""
+    python = os.environ.get(variable)
     if not python or not Path(python).exists():
-        msg = f"no vLLM environment: GRPO_VLLM_PYTHON is {python!r} (`make vllm` builds .venv-vllm)"
+        msg = f"no {what} environment: {variable} is {python!r} (`make {target}` builds it)"
         if CI:
             pytest.fail(msg + " (CI=true: the suite needs it)")
         pytest.skip(msg)
     return Path(python)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The engine environment's Python (`make vllm` builds .venv-vllm)."""
+    return _environment_python("GRPO_VLLM_PYTHON", "vLLM", "vllm")
 
 
 @pytest.fixture(scope="session")
 def cookbook_python() -> Path:
-    """tinker-cookbook's environment's Python (`make cookbook`; make test sets GRPO_COOKBOOK_PYTHON)."""
-    python = os.environ.get("GRPO_COOKBOOK_PYTHON")
-    if not python or not Path(python).exists():
-        msg = f"no tinker-cookbook environment: GRPO_COOKBOOK_PYTHON is {python!r} (`make cookbook` builds it)"
-        if CI:
-            pytest.fail(msg + " (CI=true: the suite needs it)")
-        pytest.skip(msg)
-    return Path(python)
+    """tinker-cookbook's environment's Python (`make cookbook` builds .venv-cookbook)."""
+    return _environment_python("GRPO_COOKBOOK_PYTHON", "tinker-cookbook", "cookbook")
 
 
 @pytest.fixture(scope="session")

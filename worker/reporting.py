@@ -30,6 +30,9 @@ class Operations(Protocol):
 
     def next(self) -> PendingOp | None: ...
 
+    def next_run(self, kind: str, limit: int) -> list[PendingOp]:
+        """The next pending operations while they are of `kind`, in order (at most `limit`)."""
+
     def complete(self, op: PendingOp, result: bytes, result_format: str) -> None: ...
 
     def fail(self, op: PendingOp, error: str, category: str) -> None: ...

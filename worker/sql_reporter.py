@@ -253,6 +253,9 @@ class StoreOperations:
     def next(self) -> PendingOp | None:
         return session_ops.next_op(self.url, job_id=self.job_id)
 
+    def next_run(self, kind: str, limit: int) -> list[PendingOp]:
+        return session_ops.next_run(self.url, job_id=self.job_id, kind=kind, limit=limit)
+
     def complete(self, op: PendingOp, result: bytes, result_format: str) -> None:
         session_ops.complete_op(self.url, op_id=op.id, result=result, result_format=result_format)
 

@@ -1,7 +1,11 @@
-"""Sampling token ids from token ids, as the tinker SDK's `sample` asks: n completions of one prompt,
+"""Sampling token ids from token ids, as the tinker SDK's `sample` asks: n completions of a prompt,
 each token's log-prob under the sampling distribution, the prompt's own log-probs, stop tokens and
-stop strings. One batch of n rows shares the prompt, so there is no padding; a key-value cache
-carries the prefix.
+stop strings.
+
+Several requests (different prompts, parameters and seeds) run as one batch: prompts are padded on
+the left, with the attention mask and position ids that make each row compute what it would alone,
+and a key-value cache carries the prefix. Each request draws from its own generator, so a seeded
+request gets the same tokens whatever it is batched with.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ class Params:
     stop_strings: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Request:
+    """n completions of one prompt."""
+
+    prompt: list[int]
+    n: int
+    params: Params
+
+
 def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Logits [n, V] with what top-k and top-p exclude set to -inf."""
     if 0 < top_k < scaled.shape[-1]:
@@ -50,39 +63,70 @@ def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt: list[int], n: int, p: Params,
            decode: Callable[[list[int]], str] | None = None) -> list[Sampled]:
+    """n completions of one prompt."""
+    return sample_many(model, [Request(prompt, n, p)], decode)[0]
+
+
+@torch.no_grad()
+def sample_many(model: torch.nn.Module, requests: list[Request],
+                decode: Callable[[list[int]], str] | None = None) -> list[list[Sampled]]:
+    """The completions of every request, computed as one batch of sum(n) rows."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(p.seed if p.seed is not None else int(torch.seed() % 2**63))
-    ids = torch.tensor([prompt] * n, device=device)  # [n, P]
-    out = model(input_ids=ids, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1].float()  # [n, V]
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logps: list[list[float]] = [[] for _ in range(n)]
-    reason = ["length"] * n
-    live = [True] * n
-    for _ in range(p.max_tokens):
-        if p.temperature == 0:
-            logp = torch.log_softmax(logits, -1)
-            chosen = logits.argmax(-1, keepdim=True)  # [n, 1]
-        else:
-            scaled = logits / p.temperature
-            logp = torch.log_softmax(scaled, -1)
-            probs = torch.softmax(_filter(scaled, p.top_k, p.top_p), -1)
-            chosen = torch.multinomial(probs, 1, generator=gen)  # [n, 1]
+    spans, start = [], 0  # request i owns rows spans[i]
+    for r in requests:
+        spans.append(slice(start, start + r.n))
+        start += r.n
+    prompts = [r.prompt for r in requests for _ in range(r.n)]
+    width = max(len(x) for x in prompts)
+    ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts], device=device)  # [R, P] padded on the left
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=device)  # [R, P]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [R, P]: each row's tokens at 0.. as if alone
+    gens = []
+    for r in requests:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(r.params.seed if r.params.seed is not None else int(torch.seed() % 2**63))
+        gens.append(gen)
+    # per row: greedy rows score tokens under the plain logits (temperature 1), as a single request does
+    temperature = torch.tensor([r.params.temperature or 1.0 for r in requests for _ in range(r.n)],
+                               device=device)[:, None]  # [R, 1]
+    params = [r.params for r in requests for _ in range(r.n)]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache, logits = out.cache, out.logits[:, -1].float()  # [R, V]
+    rows = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logps: list[list[float]] = [[] for _ in range(rows)]
+    reason = ["length"] * rows
+    live = [p.max_tokens > 0 for p in params]
+    while any(live):
+        scaled = logits / temperature
+        logp = torch.log_softmax(scaled, -1)  # [R, V]
+        chosen = torch.empty(rows, 1, dtype=torch.long, device=device)  # [R, 1]
+        for r, span, gen in zip(requests, spans, gens, strict=True):
+            if r.params.temperature == 0:
+                chosen[span] = logits[span].argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(_filter(scaled[span], r.params.top_k, r.params.top_p), -1)
+                chosen[span] = torch.multinomial(probs, 1, generator=gen)
         chosen_logp = logp.gather(-1, chosen)[:, 0].tolist()
         for i, tok in enumerate(chosen[:, 0].tolist()):
             if not live[i]:
                 continue
+            p = params[i]
             tokens[i].append(tok)
             logps[i].append(chosen_logp[i])
             if tok in p.stop_tokens or (p.stop_strings and decode is not None
                                         and any(s in decode(tokens[i]) for s in p.stop_strings)):
                 live[i], reason[i] = False, "stop"
+            elif len(tokens[i]) >= p.max_tokens:
+                live[i] = False
         if not any(live):
             break
-        out = model(input_ids=chosen, past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].float()
-    return [Sampled(tokens[i], logps[i], reason[i]) for i in range(n)]
+        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=-1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=chosen, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        cache, logits = out.cache, out.logits[:, -1].float()
+    done = [Sampled(tokens[i], logps[i], reason[i]) for i in range(rows)]
+    return [done[span] for span in spans]
 
 
 @torch.no_grad()

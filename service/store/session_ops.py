@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from itertools import takewhile
 
 from sqlalchemy import case, exists, func, select, update
 from sqlalchemy.orm import Session
@@ -114,6 +115,18 @@ def next_op(url: str, *, job_id: int) -> PendingOp | None:
         op = session.scalars(select(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending")
                              .order_by(SessionOp.seq, SessionOp.id).limit(1)).first()
         return None if op is None else PendingOp(id=op.id, request_id=op.request_id, kind=op.kind, body=op.body)
+
+
+def next_run(url: str, *, job_id: int, kind: str, limit: int) -> list[PendingOp]:
+    """The run's next pending operations while they are of `kind`, in order (at most `limit`): what can
+    run together without reordering anything the client sent."""
+    with session_scope(url, read_only=True) as session:
+        head = session.execute(select(SessionOp.id, SessionOp.kind)
+                               .where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+                               .order_by(SessionOp.seq, SessionOp.id).limit(limit)).all()
+        ids = [row.id for row in takewhile(lambda row: row.kind == kind, head)]
+        ops = session.scalars(select(SessionOp).where(SessionOp.id.in_(ids)).order_by(SessionOp.seq, SessionOp.id))
+        return [PendingOp(id=op.id, request_id=op.request_id, kind=op.kind, body=op.body) for op in ops]
 
 
 def complete_op(url: str, *, op_id: int, result: bytes, result_format: str) -> None:

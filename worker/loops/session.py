@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.core.records import PendingOp
 from service.core.settings import Settings
 from service.core.specs import SessionJob
 from service.core.tinker_wire import (
@@ -51,7 +52,7 @@ from worker import token_sampler
 from worker.algos import tinker_losses
 from worker.checkpoints import Trainables, load_checkpoint, load_weights, save_checkpoint
 from worker.models import load_policy
-from worker.reporting import LoopResult, Reporter
+from worker.reporting import LoopResult, Operations, Reporter
 from worker.sampling import eos_token_ids
 from worker.sql_reporter import LeaseLost
 from worker.training import eval_mode, grad_norm, trainable
@@ -166,9 +167,6 @@ def weights_of(s: Session, version: int):
     if version == s.version:
         yield s.model
         return
-    if version not in s.snapshots:
-        raise WireError("sampling_session_id", f"the weights of version {version} are no longer kept (the "
-                        f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
     params = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
     current = {n: p.detach().clone() for n, p in params.items()}
     with torch.no_grad():
@@ -182,9 +180,17 @@ def weights_of(s: Session, version: int):
                 p.copy_(current[n])
 
 
-def sample(s: Session, body: bytes) -> bytes:
+@dataclass(frozen=True)
+class SampleCall:
+    """One `sample` operation, parsed: n completions of a prompt from the weights of `version`."""
+
+    version: int
+    request: token_sampler.Request
+    prompt_logprobs: bool
+
+
+def parse_sample(s: Session, body: bytes) -> SampleCall:
     req = json.loads(body)
-    parsed = parse_sampler_id(req["sampling_session_id"])
     prompt = [t for chunk in req["prompt"]["chunks"] for t in chunk["tokens"]]
     params = req["sampling_params"]
     if bad := [t for t in prompt if not 0 <= t < s.vocab_size]:
@@ -202,11 +208,72 @@ def sample(s: Session, body: bytes) -> bytes:
     p = token_sampler.Params(max_tokens=params.get("max_tokens") or 16, temperature=params.get("temperature", 1.0),
                              top_k=params.get("top_k", -1), top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                              stop_tokens=stop_tokens, stop_strings=stop_strings)
-    decode = (lambda ids: s.tokenizer.decode(ids)) if stop_strings else None
-    with weights_of(s, parsed[1]) as model, eval_mode(model):
-        rows = token_sampler.sample(model, prompt, req.get("num_samples", 1), p, decode)
-        prompt_lp = token_sampler.prompt_logprobs(model, prompt) if req.get("prompt_logprobs") else None
-    return encode_sample_response([SampledSequence(r.tokens, r.logprobs, r.stop_reason) for r in rows], prompt_lp)
+    version = parse_sampler_id(req["sampling_session_id"])[1]
+    if version != s.version and version not in s.snapshots:
+        raise WireError("sampling_session_id", f"the weights of version {version} are no longer kept (the "
+                        f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
+    return SampleCall(version, token_sampler.Request(prompt, req.get("num_samples", 1), p),
+                      bool(req.get("prompt_logprobs")))
+
+
+SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch (rows of several pending sample requests)
+
+
+def sample(s: Session, calls: list[SampleCall]) -> list[bytes]:
+    """The responses to sample calls, in their order: the calls of one snapshot run as batches of up to
+    SAMPLE_BATCH_ROWS completions."""
+    results: list[bytes | None] = [None] * len(calls)
+    for version in dict.fromkeys(c.version for c in calls):
+        todo = [i for i, c in enumerate(calls) if c.version == version]
+        with weights_of(s, version) as model, eval_mode(model):
+            while todo:
+                batch, rows = [], 0
+                while todo and (not batch or rows + calls[todo[0]].request.n <= SAMPLE_BATCH_ROWS):
+                    batch.append(todo.pop(0))
+                    rows += calls[batch[-1]].request.n
+                sampled = token_sampler.sample_many(model, [calls[i].request for i in batch], s.tokenizer.decode)
+                for i, rows_of_call in zip(batch, sampled, strict=True):
+                    c = calls[i]
+                    prompt_lp = token_sampler.prompt_logprobs(model, c.request.prompt) if c.prompt_logprobs else None
+                    results[i] = encode_sample_response(
+                        [SampledSequence(r.tokens, r.logprobs, r.stop_reason) for r in rows_of_call], prompt_lp)
+    return results
+
+
+# A client sends a step's sample requests together: while more keep arriving (GATHER_S apart, for
+# GATHER_MAX_S at most) they are gathered into one batch.
+GATHER_S, GATHER_MAX_S = 0.01, 0.1
+
+
+def gather_samples(ops: Operations) -> list[PendingOp]:
+    run = ops.next_run("sample", SAMPLE_BATCH_ROWS)
+    deadline = time.monotonic() + GATHER_MAX_S
+    while len(run) < SAMPLE_BATCH_ROWS and time.monotonic() < deadline:
+        time.sleep(GATHER_S)
+        more = ops.next_run("sample", SAMPLE_BATCH_ROWS)
+        if len(more) == len(run):
+            break
+        run = more
+    return run
+
+
+def run_samples(s: Session, ops: Operations, pending: list[PendingOp]) -> None:
+    """Sample operations, run as batches; one that is malformed fails alone."""
+    calls: list[tuple[PendingOp, SampleCall]] = []
+    for op in pending:
+        try:
+            calls.append((op, parse_sample(s, op.body)))
+        except WireError as exc:
+            ops.fail(op, str(exc), "user")
+    try:
+        results = sample(s, [call for _, call in calls])
+    except Exception as exc:  # the run goes on; each client sees why its sample failed
+        log.exception("session run: sampling %d requests failed", len(calls))
+        for op, _ in calls:
+            ops.fail(op, f"sample failed: {type(exc).__name__}: {exc}", "server")
+        return
+    for (op, _), result in zip(calls, results, strict=True):
+        ops.complete(op, result, "proto")
 
 
 def save_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
@@ -285,7 +352,6 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
                 "create_model": lambda body: (json.dumps({"type": "create_model", "model_id": body.decode()}).encode(),
                                               "json"),
                 "save_weights_for_sampler": lambda body: (save_for_sampler(s, body, spec.session.model_id), "json"),
-                "sample": lambda body: (sample(s, body), "proto"),
                 "save_weights": lambda body: (save_named(s, body, reporter, spec.session.model_id), "json"),
                 "load_weights": lambda body: (load_named(s, body, reporter, spec.session.model_id), "json")}
     last_op = last_save = time.monotonic()
@@ -300,6 +366,10 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
                 save_state(s, reporter, f"no operation for {spec.session.idle_timeout_s:g} s")
                 return LoopResult(status="idle", step=s.step)
             time.sleep(POLL_BUSY_S if time.monotonic() - last_op < BUSY_FOR_S else POLL_IDLE_S)
+            continue
+        if op.kind == "sample":
+            run_samples(s, ops, gather_samples(ops))
+            last_op = time.monotonic()
             continue
         try:
             result, fmt = handlers[op.kind](op.body)

@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from service.core.specs import LoraSpec, ModelSpec
+from worker import token_sampler
+from worker.models import load_policy
+from worker.token_sampler import Params, Request
+
+
+@pytest.fixture(scope="module")
+def model(models_root):
+    spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, dropout=0.0))
+    model, _ = load_policy(spec, models_root=models_root, device="cpu", seed=0)
+    return model.eval()
+
+
+def _scored(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """The log-prob of each completion token under the temperature-scaled logits, one unpadded forward."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def test_a_batched_request_samples_what_it_samples_alone(model):
+    """Padding on the left, masks and positions: each request's rows come out as if sampled alone."""
+    requests = [Request([5, 17, 40, 2, 9, 11, 3], 3, Params(max_tokens=9, temperature=0.8, seed=1)),
+                Request([7, 8], 2, Params(max_tokens=5, temperature=1.0, top_k=20, seed=2)),
+                Request([100, 3, 4, 4], 1, Params(max_tokens=6, temperature=0.0)),
+                Request([12, 13, 14], 2, Params(max_tokens=7, temperature=0.7, top_p=0.9, seed=3))]
+    together = token_sampler.sample_many(model, requests)
+    for r, rows in zip(requests, together, strict=True):
+        alone = token_sampler.sample(model, r.prompt, r.n, r.params)
+        assert [x.tokens for x in rows] == [x.tokens for x in alone]
+        assert [len(x.tokens) for x in rows] == [r.params.max_tokens] * r.n  # no stop asked: max_tokens each
+        for x, y in zip(rows, alone, strict=True):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+            # the log-probs are those the trainer computes on the unpadded sequence
+            assert x.logprobs == pytest.approx(_scored(model, r.prompt, x.tokens, r.params.temperature or 1.0),
+                                               abs=1e-5)
+
+
+def test_stops_end_rows_one_by_one(model):
+    first = token_sampler.sample(model, [5, 6, 7], 4, Params(max_tokens=12, temperature=1.0, seed=4))
+    stop = first[0].tokens[2]  # a token row 0 draws third, drawn again with the same seed
+    rows = token_sampler.sample_many(model, [Request([5, 6, 7], 4, Params(max_tokens=12, temperature=1.0, seed=4,
+                                                                           stop_tokens=frozenset({stop}))),
+                                             Request([9], 1, Params(max_tokens=3, seed=5))])
+    assert rows[0][0].tokens == first[0].tokens[:3] and rows[0][0].stop_reason == "stop"
+    for row in rows[0]:
+        assert (row.stop_reason == "stop") == (stop in row.tokens)
+        assert row.tokens.count(stop) <= 1 and (stop not in row.tokens or row.tokens[-1] == stop)
+    assert len(rows[1][0].tokens) == 3 and rows[1][0].stop_reason == "length"
+
+
+def test_stop_strings_and_zero_tokens(model):
+    def decode(ids: list[int]) -> str:  # a stand-in tokenizer
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    free = token_sampler.sample(model, [1, 2], 1, Params(max_tokens=10, seed=6))[0]
+    stop = decode(free.tokens[3:5])
+    cut = token_sampler.sample(model, [1, 2], 1, Params(max_tokens=10, seed=6, stop_strings=(stop,)), decode)[0]
+    assert stop in decode(cut.tokens) and stop not in decode(cut.tokens[:-1]) and cut.stop_reason == "stop"
+    assert token_sampler.sample(model, [1, 2], 2, Params(max_tokens=0)) == [
+        token_sampler.Sampled([], [], "length")] * 2

@@ -15,14 +15,15 @@ from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuil
 from tinker_cookbook.rl import train
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-RENDERER = "role_colon"  # plain "User: ... Assistant: ..." turns: the cookbook has no SmolLM2 renderer
+RENDERER = os.environ.get("RL_RENDERER", "qwen3_instruct")  # ChatML, the format SmolLM2-Instruct was tuned on
 
 
 def main(log_path: str, steps: int) -> None:
-    dataset = ArithmeticDatasetBuilder(batch_size=8, group_size=8, model_name_for_tokenizer=MODEL,
-                                       renderer_name=RENDERER, n_batches=steps)
-    config = train.Config(learning_rate=2e-4, dataset_builder=dataset, model_name=MODEL, recipe_name="rl_arithmetic",
-                          max_tokens=8, log_path=log_path, renderer_name=RENDERER, eval_every=0, save_every=0,
+    env = os.environ.get
+    dataset = ArithmeticDatasetBuilder(batch_size=int(env("RL_BATCH", 8)), group_size=int(env("RL_GROUP", 8)),
+                                       model_name_for_tokenizer=MODEL, renderer_name=RENDERER, n_batches=steps)
+    config = train.Config(learning_rate=float(env("RL_LR", 2e-4)), dataset_builder=dataset, model_name=MODEL,
+                          recipe_name="rl_arithmetic", max_tokens=int(env("RL_MAX_TOKENS", 8)), log_path=log_path, renderer_name=RENDERER, eval_every=0, save_every=0,
                           loss_fn="importance_sampling", lora_rank=16, base_url=os.environ["TINKER_BASE_URL"],
                           max_steps=steps)
     asyncio.run(train.main(config))

@@ -102,7 +102,10 @@ def datum_loss(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor],
     return {"ppo": tinker_losses.ppo, "cispo": tinker_losses.cispo}[name](logp, q=q, adv=adv, **clip)
 
 
-FORWARD_TOKENS = 4096  # padded tokens per forward pass: its logits are FORWARD_TOKENS x vocabulary floats
+# Padded tokens per forward pass (its logits are FORWARD_TOKENS x vocabulary floats). On this 2-core
+# CPU, SmolLM2 LoRA, 32 sequences of 45 tokens: 23.8 s one by one, 9.2 s in batches of 1024 tokens;
+# 8 of 200-950 tokens: 41.8 s one by one, 39.8 s at 1024, 55.2 s at 2048, 72.6 s at 4096.
+FORWARD_TOKENS = 1024
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -4,6 +4,9 @@ batch and few steps. Run in the cookbook's own environment (`make cookbook`):
 
     TINKER_BASE_URL=... TINKER_API_KEY=... HF_HOME=<a cache holding SmolLM2's tokenizer> \\
         .venv-cookbook/bin/python tests/cookbook/sl_conversations.py LOG_DIR STEPS
+
+SL_SAVE_EVERY=N saves the state every N steps (0, the default: at the end only). Run again with the
+same LOG_DIR, the loop resumes from its last saved state.
 """
 
 import asyncio
@@ -28,7 +31,8 @@ def main(log_path: str, steps: int) -> None:
     config = train.Config(log_path=log_path, model_name=MODEL, renderer_name=RENDERER, recipe_name="sl_conversations",
                           dataset_builder=FromConversationFileBuilder(common_config=common, file_path=str(data)),
                           learning_rate=5e-4, lr_schedule="constant", num_epochs=4, lora_rank=16,
-                          base_url=os.environ["TINKER_BASE_URL"], save_every=0, eval_every=0, max_steps=steps)
+                          base_url=os.environ["TINKER_BASE_URL"],
+                          save_every=int(os.environ.get("SL_SAVE_EVERY", 0)), eval_every=0, max_steps=steps)
     asyncio.run(train.main(config))
 
 

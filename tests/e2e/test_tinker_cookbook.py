@@ -3,47 +3,22 @@ environment (`make cookbook`) and talk to the service over HTTP, as a user's wou
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
 
+from tests.cookbook.harness import output, recipe_env, recipe_metrics, start_recipe
 from tests.e2e.conftest import start_dev
-
-HERE = Path(__file__).parent.parent / "cookbook"
-HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def hf_cache_with_smollm2(models_root: Path, root: Path) -> Path:
-    """A Hugging Face cache holding the bundled SmolLM2's tokenizer under its hub name: the cookbook
-    loads its tokenizer by that name, with no network."""
-    from worker.models import smollm2_dir
-
-    source = smollm2_dir(models_root)
-    repo = root / "hub" / f"models--{HUB_NAME.replace('/', '--')}"
-    snapshot = repo / "snapshots" / "local"
-    snapshot.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(source / name, snapshot / name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("local")
-    return root
 
 
 def run_recipe(script: str, steps: int, *, base: str, key: str, cookbook_python: Path, models_root: Path,
                tmp_path: Path, procs) -> list[dict]:
-    """A script of tests/cookbook run against the service for `steps` steps: the cookbook's metrics,
-    a dict a step."""
-    log = tmp_path / script
-    env = {**os.environ, "TINKER_BASE_URL": base, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
-           "HF_HOME": str(hf_cache_with_smollm2(models_root, tmp_path / "hf")), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([str(cookbook_python), str(HERE / script), str(log), str(steps)], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + procs.logs()
-    return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    """A script of tests/cookbook run against the service for `steps` steps: the cookbook's metrics."""
+    log = tmp_path / script.removesuffix(".py")
+    env = recipe_env(base=base, key=key, models_root=models_root, root=tmp_path)
+    run = start_recipe(cookbook_python, script, log, steps, env)
+    assert run.wait(timeout=900) == 0, output(log) + procs.logs()
+    return recipe_metrics(log)
 
 
 def test_the_cookbooks_supervised_loop_on_its_conversations(procs, models_root, cookbook_python, tmp_path):

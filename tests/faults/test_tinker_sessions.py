@@ -1,9 +1,13 @@
 """Session runs driven by the real tinker SDK on the production layout (`serve` and separate workers on
 PostgreSQL and a Redis of the test's own): a worker killed mid-session, the run taken over by another
-worker from its last saved state, and two runs in a row on one worker."""
+worker from its last saved state, and two runs in a row on one worker; tinker-cookbook's supervised loop
+through the same, resumed from its own save."""
+
+import json
 
 import pytest
 
+from tests.cookbook.harness import output, recipe_env, recipe_metrics, start_recipe
 from tests.faults.conftest import wait_for
 
 tinker = pytest.importorskip("tinker")
@@ -48,3 +52,40 @@ def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its
     with cluster.client() as c:
         wait_for(lambda: c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]["step"] == 1,
                  "the second run's step", cluster)
+
+
+def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_is_killed(
+        cluster, models_root, cookbook_python, tmp_path):
+    """tinker-cookbook's supervised loop, saving every 2 steps, loses its worker after a save: its
+    pending future fails and the loop stops. Run again, it resumes from its last save into a new run,
+    on the other worker, and its loss goes on falling from where it was."""
+    cluster.serve(GRPO_SESSION_IDLE_S="3")  # the orphaned run gives its worker back soon
+    cluster.worker("w1")
+    log = tmp_path / "sl"
+    env = recipe_env(base=cluster.base, key=cluster.key, models_root=models_root, root=tmp_path, SL_SAVE_EVERY="2")
+    first = start_recipe(cookbook_python, "sl_conversations.py", log, 8, env)
+    with cluster.client() as c:
+        runs = lambda: c.get("/v1/jobs", params={"kind": "session"}).json()["items"]  # noqa: E731
+        def saved() -> list[int]:  # the steps of the loop's saves that completed
+            if not (log / "checkpoints.jsonl").exists():
+                return []
+            return [json.loads(line)["batch"] for line in (log / "checkpoints.jsonl").read_text().splitlines()]
+
+        # killed once a save has completed and the run has trained past it
+        wait_for(lambda: saved() and runs()[0]["step"] > saved()[-1], "a save and a step after it", cluster,
+                 timeout=300, every=0.1)
+        cluster.kill_group("w1")
+        cluster.worker("w2")
+        assert first.wait(timeout=300) != 0  # the future pending on w1 failed: the loop stops
+        assert "state saved at step" in output(log), output(log)
+        resume_at = saved()[-1]
+        again = start_recipe(cookbook_python, "sl_conversations.py", log, 8, env)
+        assert again.wait(timeout=600) == 0, output(log) + cluster.logs()
+        nll = [m["train_mean_nll"] for m in recipe_metrics(log) if "train_mean_nll" in m]
+        assert len(nll) == 8 and nll[-1] < 0.6 * nll[0], nll  # every step once, and the loss fell
+        first_run, second_run = sorted(runs(), key=lambda j: j["id"])
+        taken_over = [e["type"] for e in c.get(f"/v1/jobs/{first_run['id']}/events").json()]
+        assert "resumed_after_failure" in taken_over, taken_over  # by w2, once w1's lease ran out
+        events = c.get(f"/v1/jobs/{second_run['id']}/events").json()
+        assert any(e["type"] == "loaded" and first_run["uid"] in e["message"] for e in events), events
+        assert second_run["step"] == 8 - resume_at

@@ -357,10 +357,11 @@ def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
         s.step = s.saved_step = load_checkpoint(path, s.trainables()).step
         reporter.event("resumed", f"state restored from step {s.step}", data={"step": s.step})
     if reporter.attempt > 1:  # the worker before stopped without giving the run back: what it did since is lost
+        since = f"its state saved at step {s.step}" if s.saved_step is not None else "its initial weights (no state " \
+            "was saved yet)"
         reporter.operations().fail_pending(
             f"the worker running this session stopped (killed or cut off); the run resumed on another worker from "
-            f"its state saved at step {s.step}, so what was sent after that state is lost: send it again from "
-            "there", "server")
+            f"{since}, so what was sent after that is lost: send it again from there", "server")
         reporter.event("resumed_after_failure", f"attempt {reporter.attempt}: pending operations failed; state "
                        f"from step {s.step}", level="warning", data={"step": s.step})
     model.train()

@@ -1,0 +1,54 @@
+"""Running the scripts of tests/cookbook in tinker-cookbook's own environment (`make cookbook`) against a
+running service, as a user's would: over HTTP, with the tokenizer from a local Hugging Face cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).parent
+HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def hf_cache_with_smollm2(models_root: Path, root: Path) -> Path:
+    """A Hugging Face cache holding the bundled SmolLM2's tokenizer under its hub name: the cookbook
+    loads its tokenizer by that name, with no network."""
+    from worker.models import smollm2_dir
+
+    repo = root / "hub" / f"models--{HUB_NAME.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "local"
+    if snapshot.exists():
+        return root
+    source = smollm2_dir(models_root)
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(source / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("local")
+    return root
+
+
+def recipe_env(*, base: str, key: str, models_root: Path, root: Path, **knobs: str) -> dict[str, str]:
+    """The environment a recipe runs in: the service's address and key, the local cache, the script's
+    knobs (e.g. SL_SAVE_EVERY)."""
+    return {**os.environ, "TINKER_BASE_URL": base, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
+            "HF_HOME": str(hf_cache_with_smollm2(models_root, root / "hf")), "HF_HUB_OFFLINE": "1", **knobs}
+
+
+def start_recipe(python: Path, script: str, log_dir: Path, steps: int, env: dict[str, str]) -> subprocess.Popen:
+    """The script running in the background; its output in LOG_DIR.out."""
+    out = log_dir.with_suffix(".out").open("a")
+    return subprocess.Popen([str(python), str(HERE / script), str(log_dir), str(steps)], env=env, stdout=out,
+                            stderr=subprocess.STDOUT)
+
+
+def output(log_dir: Path) -> str:
+    return log_dir.with_suffix(".out").read_text()[-6000:]
+
+
+def recipe_metrics(log_dir: Path) -> list[dict]:
+    """The cookbook's metrics.jsonl: a dict a step."""
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

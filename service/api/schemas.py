@@ -196,7 +196,7 @@ class SampleOut(_Out):
     index: int
     prompt: str
     completion: str
-    reward: float
+    reward: float | None  # null for a session run's samples: its client grades them
     advantage: float | None
     influence: float | None
     selected: bool | None

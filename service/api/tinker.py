@@ -29,13 +29,14 @@ from service.api.errors import format_errors
 from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
-from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec, SessionJob, SessionSpec
+from service.core.specs import MODEL_PRESETS, TERMINAL, LoraSpec, ModelSpec, SessionJob, SessionSpec
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
     decode_forward_backward,
     parse_sampler_id,
     parse_tinker_path,
+    saved_sampler_id,
     tinker_path,
 )
 from service.store import session_ops as ops_q
@@ -532,18 +533,37 @@ def list_checkpoints(model_id: Annotated[str, Path(max_length=100)], owner: Owne
         for named, ckpt in ops_q.named_checkpoints(session, job_id=job.id)]}
 
 
-@router.post("/create_sampling_session", responses=error_responses(404) | REFUSED)
-def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep):
-    field = "model_path" if body.model_path is not None else "base_model"
-    return _refused(field, "sampling from a saved path or a base model is not supported here yet: sample from a "
-                    "training run with save_weights_and_get_sampling_client()")
+class SamplingSessionOut(BaseModel):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    sampling_session_id: str
+
+
+@router.post("/create_sampling_session", response_model=SamplingSessionOut, responses=error_responses(404) | REFUSED)
+def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, session: SessionDep):
+    """A sampling session on weights a run saved (`model_path`, a tinker:// path), run by that run's
+    worker; a base model without a run is not supported here."""
+    if body.model_path is None:
+        return _refused("base_model", "sampling a base model without a training run is not supported here yet: "
+                        "create one (create_lora_training_client) and sample it with "
+                        "save_weights_and_get_sampling_client(), or pass a model_path it saved")
+    parsed = parse_tinker_path(body.model_path)
+    if parsed is None:
+        return _refused("model_path", "not a path of this server: tinker://<model_id>/<weights|sampler_weights>/<name>")
+    found = ops_q.find_named(session, model_id=parsed[0], kind=parsed[1], name=parsed[2], owner=owner)
+    if found is None:
+        raise HTTPException(404, f"checkpoint {body.model_path} not found")
+    job, step = found
+    if job.status in TERMINAL:
+        return _refused("model_path", f"the run that saved {body.model_path} has ended ({job.status}): its worker "
+                        "no longer samples; load the path into a new run to sample from it")
+    return {"sampling_session_id": saved_sampler_id(job.uid, step)}
 
 
 def _sampler_run(session, *, sampling_session_id: str, owner: str):
     parsed = parse_sampler_id(sampling_session_id)
     if parsed is None:
         raise HTTPException(404, f"sampling session {sampling_session_id} not found")
-    job = ops_q.run_for_model(session, model_id=parsed[0], owner=owner)
+    job = ops_q.run_for_model(session, model_id=parsed.model_id, owner=owner)
     if job is None:
         raise HTTPException(404, f"sampling session {sampling_session_id} not found")
     return job

@@ -43,11 +43,19 @@ class SampleRow:
     index: int  # row in the step's rollout batch
     prompt: str
     completion: str
-    reward: float
+    reward: float | None  # None: the client grades it (a session run's samples)
     advantage: float | None
     influence: float | None = None  # TracIn only
     selected: bool | None = None  # TracIn only
     extra: dict[str, Any] | None = None  # joint: the document it answered from
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Completions a session run drew at `step`, recorded after those it drew before at that step."""
+
+    step: int
+    rows: list[SampleRow]
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ LOSSES: dict[str, LossDef] = {
 }
 # Named by the SDK, refused here with the reason (a 400 naming loss_fn)
 UNSUPPORTED_LOSSES = {
-    "stable_reinforce": "it needs the sampler's per-sequence provenance, which this server does not keep yet",
+    "stable_reinforce": "not supported here: its objective is not published (the SDK calls it alpha), and it "
+                        "needs each sequence's record from sampling with record_stability_info",
     "custom": "server-side custom losses are not supported: the SDK runs them client-side "
               "(forward_backward_custom) when the server says so, as this one does",
 }
@@ -240,14 +241,38 @@ def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: np
     return out.SerializeToString()
 
 
+@dataclass(frozen=True)
+class SamplerRef:
+    """What a sampling session samples: a run's weights at a version (`<model_id>:v<n>`, a snapshot
+    taken by save_weights_for_sampler) or as saved at a step (`<model_id>:s<n>`, a checkpoint named by
+    a tinker:// path)."""
+
+    model_id: str
+    source: str  # "v" | "s"
+    number: int
+
+    @property
+    def key(self) -> str:
+        """The weights' name within the run."""
+        return f"{self.source}{self.number}"
+
+
 def sampler_id(model_id: str, version: int) -> str:
-    """A sampling session's id: the run and the weight version it samples (`<model_id>:v<version>`)."""
+    """The sampling session of a run's weights at `version`."""
     return f"{model_id}:v{version}"
 
 
-def parse_sampler_id(value: str) -> tuple[str, int] | None:
-    model_id, _, version = value.partition(":v")
-    return (model_id, int(version)) if model_id and version.isdigit() and len(version) < 10 else None
+def saved_sampler_id(model_id: str, step: int) -> str:
+    """The sampling session of a run's weights as saved at `step`."""
+    return f"{model_id}:s{step}"
+
+
+def parse_sampler_id(value: str) -> SamplerRef | None:
+    model_id, _, rest = value.rpartition(":")
+    source, number = rest[:1], rest[1:]
+    if not model_id or source not in ("v", "s") or not number.isdigit() or len(number) >= 10:
+        return None
+    return SamplerRef(model_id, source, int(number))
 
 
 CHECKPOINT_KINDS = ("weights", "sampler_weights")  # a state (with the optimizer) | weights to sample from

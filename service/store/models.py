@@ -181,7 +181,7 @@ class Sample(Base):
     index: Mapped[int] = mapped_column(Integer)
     prompt: Mapped[str] = mapped_column(Text)
     completion: Mapped[str] = mapped_column(Text)
-    reward: Mapped[float] = mapped_column(Float)
+    reward: Mapped[float | None] = mapped_column(Float)  # None: graded by the client (session runs)
     advantage: Mapped[float | None] = mapped_column(Float)
     influence: Mapped[float | None] = mapped_column(Float)
     selected: Mapped[bool | None] = mapped_column(Boolean)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from service.core.records import SampleRow, SelectionRecord, SparsityRecord
@@ -54,6 +54,17 @@ def put_samples(session: Session, *, job_id: int, step: int, rows: list[SampleRo
     session.add_all(Sample(job_id=job_id, step=step, index=r.index, prompt=r.prompt, completion=r.completion,
                            reward=r.reward, advantage=r.advantage, influence=r.influence, selected=r.selected,
                            extra=r.extra) for r in rows)
+
+
+def append_samples(session: Session, *, job_id: int, step: int, rows: list[SampleRow]) -> None:
+    """Rows added to a step's, their indexes after those already there (a session run records a step's
+    samples a call at a time)."""
+    first = (session.scalar(select(func.max(Sample.index)).where(Sample.job_id == job_id, Sample.step == step))
+             if rows else None)
+    first = 0 if first is None else first + 1
+    session.add_all(Sample(job_id=job_id, step=step, index=first + i, prompt=r.prompt, completion=r.completion,
+                           reward=r.reward, advantage=r.advantage, influence=r.influence, selected=r.selected,
+                           extra=r.extra) for i, r in enumerate(rows))
 
 
 def list_samples(session: Session, *, job_id: int, step: int | None = None, after_id: int = 0,

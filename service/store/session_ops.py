@@ -17,8 +17,9 @@ from itertools import takewhile
 from sqlalchemy import case, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from service.core.records import PendingOp
+from service.core.records import PendingOp, Samples
 from service.core.specs import SessionJob, Status
+from service.store import records
 from service.store.db import session_scope
 from service.store.models import Checkpoint, Job, JobEvent, SessionCheckpoint, SessionOp, TinkerSession, utcnow
 
@@ -129,10 +130,14 @@ def next_run(url: str, *, job_id: int, kind: str, limit: int) -> list[PendingOp]
         return [PendingOp(id=op.id, request_id=op.request_id, kind=op.kind, body=op.body) for op in ops]
 
 
-def complete_op(url: str, *, op_id: int, result: bytes, result_format: str) -> None:
+def complete_op(url: str, *, op_id: int, result: bytes, result_format: str, samples: Samples | None = None) -> None:
+    """The operation's result, and the samples it drew (recorded with it, or not at all)."""
     with session_scope(url) as session:
-        session.execute(update(SessionOp).where(SessionOp.id == op_id, SessionOp.status == "pending")
-                        .values(status="done", result=result, result_format=result_format, finished_at=utcnow()))
+        done = session.execute(update(SessionOp).where(SessionOp.id == op_id, SessionOp.status == "pending")
+                               .values(status="done", result=result, result_format=result_format,
+                                       finished_at=utcnow()).returning(SessionOp.job_id)).first()
+        if done is not None and samples is not None:
+            records.append_samples(session, job_id=done.job_id, step=samples.step, rows=samples.rows)
 
 
 def fail_op(url: str, *, op_id: int, error: str, category: str) -> None:
@@ -190,8 +195,10 @@ def named_checkpoints(session: Session, *, job_id: int) -> list[tuple[SessionChe
 
 def find_named(session: Session, *, model_id: str, kind: str, name: str, owner: str) -> tuple[Job, int] | None:
     """The run and step a tinker path names, if this owner's."""
-    row = session.execute(select(Job, SessionCheckpoint.step)
-                          .join(SessionCheckpoint, SessionCheckpoint.job_id == Job.id)
-                          .where(Job.uid == model_id, Job.owner == owner, SessionCheckpoint.kind == kind,
-                                 SessionCheckpoint.name == name)).first()
-    return None if row is None else (row[0], row[1])
+    job = run_for_model(session, model_id=model_id, owner=owner)
+    if job is None:
+        return None
+    step = session.scalar(select(SessionCheckpoint.step).where(SessionCheckpoint.job_id == job.id,
+                                                               SessionCheckpoint.kind == kind,
+                                                               SessionCheckpoint.name == name))
+    return None if step is None else (job, step)

@@ -231,6 +231,31 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
     newer = client.save_weights_and_get_sampling_client().result()
     moved = newer.sample(types.ModelInput.from_ints(prompt), 3, params).result()
     assert not np.allclose(moved.sequences[0].logprobs[:1], out.sequences[0].logprobs[:1], atol=1e-4)
+    # requests sent together are sampled as one batch, each as it is alone
+    prompts = [[5, 9, 14, 3, 22, 8, 1], [7], [30, 31, 32], [2, 4, 6, 8, 10]]
+
+    def params_of(i: int) -> types.SamplingParams:
+        return types.SamplingParams(max_tokens=5, temperature=1.0, seed=100 + i, stop=[])
+
+    futures = [newer.sample(types.ModelInput.from_ints(p), 2, params_of(i)) for i, p in enumerate(prompts)]
+    together = [f.result() for f in futures]
+    for i, (p, got) in enumerate(zip(prompts, together)):
+        alone = newer.sample(types.ModelInput.from_ints(p), 2, params_of(i)).result()
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
+        np.testing.assert_allclose([s.logprobs for s in got.sequences], [s.logprobs for s in alone.sequences],
+                                   atol=1e-5)
+    # every completion is recorded as a sample of the step it was drawn at, ungraded
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        rows = c.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 1000}).json()
+    by_step = {step: [r for r in rows if r["step"] == step] for step in (0, 1)}
+    assert len(rows) == 4 + 22 and [len(by_step[0]), len(by_step[1])] == [4, 22]  # 3 + 1; 3 + 3 + 4 x 2 x 2
+    for step_rows in by_step.values():
+        assert sorted(r["index"] for r in step_rows) == list(range(len(step_rows)))
+    assert all(r["reward"] is None and r["advantage"] is None for r in rows)
+    assert [r["extra"]["tokens"] for r in by_step[0]] == [6, 6, 6, 1]
+    assert [r["extra"]["stop_reason"] for r in by_step[0]] == ["length"] * 3 + ["stop"]
+    assert by_step[0][0]["extra"]["logprob"] == pytest.approx(sum(out.sequences[0].logprobs), abs=1e-4)
 
 
 def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
@@ -250,10 +275,21 @@ def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
     train()
     saved = client.save_state("after-one").result().path
     assert saved == f"tinker://{client.model_id}/weights/after-one"
+    to_sample = client.save_weights_for_sampler("one").result().path
+    live = client.save_weights_and_get_sampling_client().result()  # the same weights, in memory
     at_save = loss(client)
     train()
     train()
     assert loss(client) < at_save
+    # a sampling client on the saved path samples the weights as they were saved
+    from_path = service.create_sampling_client(model_path=to_sample).result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
+    prompt = types.ModelInput.from_ints([5, 9, 14])
+    got, want = from_path.sample(prompt, 2, params).result(), live.sample(prompt, 2, params).result()
+    assert [q.tokens for q in got.sequences] == [q.tokens for q in want.sequences]
+    np.testing.assert_allclose([q.logprobs for q in got.sequences], [q.logprobs for q in want.sequences], atol=1e-5)
+    with pytest.raises(tinker.NotFoundError):
+        service.create_sampling_client(model_path=f"tinker://{client.model_id}/sampler_weights/nope").result()
     client.load_state_with_optimizer(saved).result()
     assert loss(client) == pytest.approx(at_save, rel=1e-6)  # the weights as they were saved
     # a new run of this session from the saved state, optimizer included: it trains on as the first did
@@ -261,7 +297,7 @@ def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
     assert loss(resumed) == pytest.approx(at_save, rel=1e-6)
     rest = tinker.RestClient(base_url=base, api_key=key)
     listed = rest.list_checkpoints(client.model_id).result()
-    assert [c.tinker_path for c in listed.checkpoints] == [saved]
+    assert sorted(c.tinker_path for c in listed.checkpoints) == sorted([saved, to_sample])
     sessions = rest.list_sessions().result().sessions
     assert len(sessions) == 1  # this client's session: both runs belong to it
     runs_of_session = rest.get_session(sessions[0]).result().training_run_ids

@@ -12,7 +12,8 @@ the client polls:
   optim_step        -> one AdamW step with the hyper-parameters sent, then gradients are cleared
   save_weights_for_sampler (no name) -> a sampling session on a snapshot of the weights as they are
   sample            -> n completions of a prompt from a snapshot's weights, with the log-prob of every
-                       sampled token (and of the prompt's, when asked)
+                       sampled token (and of the prompt's, when asked); the pending sample calls run as
+                       one batch, and their completions are recorded as the samples of the current step
   save_weights      -> the state (weights and optimizer) saved as checkpoint step-N, named
                        `tinker://<model_id>/weights/<name>` (or `sampler_weights/<name>`)
   load_weights      -> a named checkpoint's weights (and its optimizer state, when asked) loaded
@@ -37,11 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from service.core.records import PendingOp
+from service.core.records import PendingOp, SampleRow, Samples
 from service.core.settings import Settings
 from service.core.specs import SessionJob
 from service.core.tinker_wire import (
     SampledSequence,
+    SamplerRef,
     WireError,
     decode_forward_backward,
     encode_forward_backward_output,
@@ -76,7 +78,8 @@ class Session:
     vocab_size: int
     step: int = 0  # optim_steps taken: the run's step
     version: int = 0  # changes with the weights (every optim_step): what a sampling snapshot names
-    snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # version -> trainable weights
+    # weights to sample from: "v<version>" (save_weights_for_sampler) or "s<step>" (a saved checkpoint)
+    snapshots: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last saved state
     pending: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "tokens": 0.0})
     step_started: float = field(default_factory=time.monotonic)
@@ -176,46 +179,69 @@ def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
     return json.dumps({"type": "optim_step", "metrics": {"grad_norm:mean": norm, "learning_rate:mean": lr}}).encode()
 
 
-SNAPSHOTS_KEPT = 4  # sampling snapshots of older weights kept in memory (the newest ones)
+SNAPSHOTS_KEPT = 4  # sampling snapshots kept in memory: the newest ones, and the saved weights last sampled
+
+
+def trained_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the trained weights (the adapter's, or the whole model's), on the CPU."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def save_for_sampler(s: Session, body: bytes, model_id: str) -> bytes:
     """A snapshot of the trained weights as they are now, for a sampling client to sample from while
-    training goes on. Named sampler checkpoints are not kept yet (a 400 at the API)."""
-    if s.version not in s.snapshots:
-        s.snapshots[s.version] = {n: p.detach().to("cpu", copy=True) for n, p in s.model.named_parameters()
-                                  if p.requires_grad}
-        for old in sorted(s.snapshots)[:-SNAPSHOTS_KEPT]:
+    training goes on (a named save goes through save_named)."""
+    if f"v{s.version}" not in s.snapshots:
+        s.snapshots[f"v{s.version}"] = trained_weights(s.model)
+        for old in sorted((k for k in s.snapshots if k[0] == "v"), key=lambda k: int(k[1:]))[:-SNAPSHOTS_KEPT]:
             del s.snapshots[old]
     return json.dumps({"type": "save_weights_for_sampler",
                        "sampling_session_id": sampler_id(model_id, s.version)}).encode()
 
 
+def saved_weights(s: Session, step: int, reporter: Reporter) -> dict[str, torch.Tensor]:
+    """The trained weights of the run's checkpoint at `step` (what a tinker:// path names), kept as a
+    snapshot once read."""
+    key = f"s{step}"
+    if key not in s.snapshots:
+        folder = reporter.init_checkpoint(reporter.job_id, step).path
+        current = trained_weights(s.model)
+        load_weights(folder, model=s.model)
+        s.snapshots[key] = trained_weights(s.model)
+        put_weights(s.model, current)
+        for old in [k for k in s.snapshots if k[0] == "s"][:-SNAPSHOTS_KEPT]:
+            del s.snapshots[old]
+    return s.snapshots[key]
+
+
+def put_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(weights[n])
+
+
 @contextmanager
-def weights_of(s: Session, version: int):
-    """The model with the trained weights of `version` (the current ones, or a snapshot swapped in and
-    out again)."""
-    if version == s.version:
+def weights_of(s: Session, ref: SamplerRef, reporter: Reporter):
+    """The model with the weights a sampling session names: the current ones, or a snapshot (or a saved
+    checkpoint's) swapped in and out again."""
+    if ref.source == "v" and ref.number == s.version:
         yield s.model
         return
-    params = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
-    current = {n: p.detach().clone() for n, p in params.items()}
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(s.snapshots[version][n])
+    weights = s.snapshots[ref.key] if ref.source == "v" else saved_weights(s, ref.number, reporter)
+    current = trained_weights(s.model)
+    put_weights(s.model, weights)
     try:
         yield s.model
     finally:
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(current[n])
+        put_weights(s.model, current)
 
 
 @dataclass(frozen=True)
 class SampleCall:
-    """One `sample` operation, parsed: n completions of a prompt from the weights of `version`."""
+    """One `sample` operation, parsed: n completions of a prompt from the weights `ref` names."""
 
-    version: int
+    sampler: str  # the sampling session id, recorded with the samples
+    ref: SamplerRef
     request: token_sampler.Request
     prompt_logprobs: bool
 
@@ -239,24 +265,30 @@ def parse_sample(s: Session, body: bytes) -> SampleCall:
     p = token_sampler.Params(max_tokens=params.get("max_tokens") or 16, temperature=params.get("temperature", 1.0),
                              top_k=params.get("top_k", -1), top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                              stop_tokens=stop_tokens, stop_strings=stop_strings)
-    version = parse_sampler_id(req["sampling_session_id"])[1]
-    if version != s.version and version not in s.snapshots:
-        raise WireError("sampling_session_id", f"the weights of version {version} are no longer kept (the "
+    ref = parse_sampler_id(req["sampling_session_id"])
+    if ref.source == "v" and ref.number != s.version and ref.key not in s.snapshots:
+        raise WireError("sampling_session_id", f"the weights of version {ref.number} are no longer kept (the "
                         f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
-    return SampleCall(version, token_sampler.Request(prompt, req.get("num_samples", 1), p),
+    return SampleCall(req["sampling_session_id"], ref, token_sampler.Request(prompt, req.get("num_samples", 1), p),
                       bool(req.get("prompt_logprobs")))
 
 
 SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch (rows of several pending sample requests)
 
 
-def sample(s: Session, calls: list[SampleCall]) -> list[bytes]:
-    """The responses to sample calls, in their order: the calls of one snapshot run as batches of up to
+@dataclass(frozen=True)
+class SampleResult:
+    response: bytes  # the SampleResponse for the client
+    rows: list[SampleRow]  # the completions as text, for the run's samples
+
+
+def sample(s: Session, calls: list[SampleCall], reporter: Reporter) -> list[SampleResult]:
+    """The results of sample calls, in their order: the calls of one snapshot run as batches of up to
     SAMPLE_BATCH_ROWS completions."""
-    results: list[bytes | None] = [None] * len(calls)
-    for version in dict.fromkeys(c.version for c in calls):
-        todo = [i for i, c in enumerate(calls) if c.version == version]
-        with weights_of(s, version) as model, eval_mode(model):
+    results: list[SampleResult | None] = [None] * len(calls)
+    for ref in dict.fromkeys(c.ref for c in calls):
+        todo = [i for i, c in enumerate(calls) if c.ref == ref]
+        with weights_of(s, ref, reporter) as model, eval_mode(model):
             while todo:
                 batch, rows = [], 0
                 while todo and (not batch or rows + calls[todo[0]].request.n <= SAMPLE_BATCH_ROWS):
@@ -266,9 +298,18 @@ def sample(s: Session, calls: list[SampleCall]) -> list[bytes]:
                 for i, rows_of_call in zip(batch, sampled, strict=True):
                     c = calls[i]
                     prompt_lp = token_sampler.prompt_logprobs(model, c.request.prompt) if c.prompt_logprobs else None
-                    results[i] = encode_sample_response(
+                    response = encode_sample_response(
                         [SampledSequence(r.tokens, r.logprobs, r.stop_reason) for r in rows_of_call], prompt_lp)
+                    results[i] = SampleResult(response, sample_rows(s, c, rows_of_call))
     return results
+
+
+def sample_rows(s: Session, call: SampleCall, rows: list[token_sampler.Sampled]) -> list[SampleRow]:
+    """A call's completions as the run records them: text, and no reward (the client grades them)."""
+    prompt = s.tokenizer.decode(call.request.prompt)
+    return [SampleRow(index=i, prompt=prompt, completion=s.tokenizer.decode(r.tokens), reward=None, advantage=None,
+                      extra={"sampler": call.sampler, "tokens": len(r.tokens), "logprob": sum(r.logprobs),
+                             "stop_reason": r.stop_reason}) for i, r in enumerate(rows)]
 
 
 # A client sends a step's sample requests together, and they reach the store over a few hundred ms
@@ -290,7 +331,7 @@ def gather_samples(ops: Operations) -> list[PendingOp]:
     return run
 
 
-def run_samples(s: Session, ops: Operations, pending: list[PendingOp]) -> None:
+def run_samples(s: Session, ops: Operations, pending: list[PendingOp], reporter: Reporter) -> None:
     """Sample operations, run as batches; one that is malformed fails alone."""
     calls: list[tuple[PendingOp, SampleCall]] = []
     for op in pending:
@@ -299,14 +340,14 @@ def run_samples(s: Session, ops: Operations, pending: list[PendingOp]) -> None:
         except WireError as exc:
             ops.fail(op, str(exc), "user")
     try:
-        results = sample(s, [call for _, call in calls])
+        results = sample(s, [call for _, call in calls], reporter)
     except Exception as exc:  # the run goes on; each client sees why its sample failed
         log.exception("session run: sampling %d requests failed", len(calls))
         for op, _ in calls:
             ops.fail(op, f"sample failed: {type(exc).__name__}: {exc}", "server")
         return
     for (op, _), result in zip(calls, results, strict=True):
-        ops.complete(op, result, "proto")
+        ops.complete(op, result.response, "proto", Samples(step=s.step, rows=result.rows))
 
 
 def save_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
@@ -340,6 +381,7 @@ def save_state(s: Session, reporter: Reporter, why: str) -> None:
     if s.saved_step == s.step:
         return
     path = reporter.checkpoint_dir(s.step)
+    s.snapshots.pop(f"s{s.step}", None)  # a step saved again (after a load_weights) holds other weights
     saved = save_checkpoint(path, s.trainables(), step=s.step, opt_steps=s.step)
     reporter.checkpoint(s.step, path, saved.format, saved.size_bytes)
     reporter.event("checkpoint", f"state saved at step {s.step} ({why})", data={"step": s.step, "format": saved.format})
@@ -402,7 +444,7 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
             time.sleep(POLL_BUSY_S if time.monotonic() - last_op < BUSY_FOR_S else POLL_IDLE_S)
             continue
         if op.kind == "sample":
-            run_samples(s, ops, gather_samples(ops))
+            run_samples(s, ops, gather_samples(ops), reporter)
             last_op = time.monotonic()
             continue
         try:

@@ -27,6 +27,7 @@ class SavedState:
 
     step: int
     opt_steps: int | None  # optimizer steps taken (absent from checkpoints of older versions)
+    extra: dict[str, int] = field(default_factory=dict)  # what save_checkpoint's `extra` held
 
 
 @dataclass
@@ -76,9 +77,9 @@ class Saved:
 
 
 def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int,
-                    full: FullStates | None = None) -> Saved:
+                    full: FullStates | None = None, extra: dict[str, int] | None = None) -> Saved:
     """Write checkpoint folder `path` (`full`: a sharded model's gathered states, written in the
-    same format as an unsharded one's)."""
+    same format as an unsharded one's; `extra`: the loop's own counters, back in SavedState.extra)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,7 @@ def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int,
                 "optimizers": {k: full.optimizer if full is not None and k == "policy" else o.state_dict()
                                for k, o in t.optimizers.items()},
                 "schedulers": {k: s.state_dict() for k, s in t.schedulers.items()},
-                "extra": {"opt_steps": opt_steps}}, tmp / STATE_FILE)
+                "extra": {"opt_steps": opt_steps, **(extra or {})}}, tmp / STATE_FILE)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
@@ -130,7 +131,7 @@ def load_checkpoint(path: Path, t: Trainables) -> SavedState:
     for k, s in t.schedulers.items():
         if k in state["schedulers"]:
             s.load_state_dict(state["schedulers"][k])
-    return SavedState(int(state["step"]), state["extra"].get("opt_steps"))
+    return SavedState(int(state["step"]), state["extra"].get("opt_steps"), extra=state["extra"])
 
 
 def _load_sharded_policy(path: Path, t: Trainables, optimizer_state: dict) -> None:

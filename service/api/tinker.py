@@ -36,6 +36,7 @@ from service.core.tinker_wire import (
     decode_forward_backward,
     parse_sampler_id,
     parse_tinker_path,
+    sampler_id,
     saved_sampler_id,
     tinker_path,
 )
@@ -384,11 +385,16 @@ def finish_session(session_id: Annotated[str, Path(max_length=40)], owner: Owner
     return Response(status_code=204)
 
 
+def _model_name(base_model: str) -> str:
+    """The service's name of a model the SDK names by its hub name."""
+    return {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}.get(base_model, base_model)
+
+
 @router.post("/create_model", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
         raise HTTPException(404, f"session {body.session_id} not found")
-    name = {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}.get(body.base_model, body.base_model)
+    name = _model_name(body.base_model)
     lora = None if body.lora_config is None else _lora_spec(body.lora_config)
     spec = SessionJob(name=f"tinker {name}", model=ModelSpec(name=name, lora=lora, dtype="float32"),
                       session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
@@ -539,13 +545,12 @@ class SamplingSessionOut(BaseModel):
 
 
 @router.post("/create_sampling_session", response_model=SamplingSessionOut, responses=error_responses(404) | REFUSED)
-def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, session: SessionDep):
+def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, session: SessionDep,
+                            settings: SettingsDep):
     """A sampling session on weights a run saved (`model_path`, a tinker:// path), run by that run's
-    worker; a base model without a run is not supported here."""
+    worker; or on a base model's own weights (`base_model`), run by a run of its own that only samples."""
     if body.model_path is None:
-        return _refused("base_model", "sampling a base model without a training run is not supported here yet: "
-                        "create one (create_lora_training_client) and sample it with "
-                        "save_weights_and_get_sampling_client(), or pass a model_path it saved")
+        return _sample_base_model(body, owner, session, settings)
     parsed = parse_tinker_path(body.model_path)
     if parsed is None:
         return _refused("model_path", "not a path of this server: tinker://<model_id>/<weights|sampler_weights>/<name>")
@@ -557,6 +562,25 @@ def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, sess
         return _refused("model_path", f"the run that saved {body.model_path} has ended ({job.status}): its worker "
                         "no longer samples; load the path into a new run to sample from it")
     return {"sampling_session_id": saved_sampler_id(job.uid, step)}
+
+
+def _sample_base_model(body: CreateSamplingSessionIn, owner: str, session, settings):
+    if body.base_model is None:
+        return _refused("base_model", "either model_path or base_model is required")
+    if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
+        raise HTTPException(404, f"session {body.session_id} not found")
+    name = _model_name(body.base_model)
+    if (why := model_unavailable(name, settings, owner=owner)) is not None:
+        return _refused("base_model", why)
+    spec = SessionJob(name=f"tinker sampler {name}", model=ModelSpec(name=name, dtype="float32"),
+                      session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
+                                          model_seq_id=body.sampling_session_seq_id, sampling_only=True,
+                                          seed=0,  # the base the tiny presets build by default
+                                          idle_timeout_s=settings.session_idle_s))
+    job = ops_q.create_run(session, owner=owner, spec=spec)
+    _submit_op(settings, session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
+    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+    return {"sampling_session_id": sampler_id(job.uid, 0)}
 
 
 def _sampler_run(session, *, sampling_session_id: str, owner: str):

@@ -644,6 +644,8 @@ class SessionSpec(_Section):
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Seed of the LoRA initialisation (random when null).")
     idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A worker holding the run gives it back after "
                                   "this long with no operation; the next operation brings it back from its last state.")
+    sampling_only: bool = Field(False, description="A run create_sampling_session made for a base model: it samples "
+                                "the model's own weights and trains nothing.")
 
 
 class SessionJob(_Section):

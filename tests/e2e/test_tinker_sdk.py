@@ -231,6 +231,20 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
     newer = client.save_weights_and_get_sampling_client().result()
     moved = newer.sample(types.ModelInput.from_ints(prompt), 3, params).result()
     assert not np.allclose(moved.sequences[0].logprobs[:1], out.sequences[0].logprobs[:1], atol=1e-4)
+    # a base model's own weights, sampled by a run that only samples (the tiny presets' base: seed 0)
+    from service.core.specs import ModelSpec
+    from worker.models import load_policy
+
+    base_sampler = service.create_sampling_client(base_model=MODEL).result()
+    from_base = base_sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
+    base_model = load_policy(ModelSpec(name=MODEL, dtype="float32"), models_root=Path("/nonexistent"), device="cpu",
+                             seed=0)[0].eval()
+    with torch.no_grad():
+        for q in from_base.sequences:
+            ids = torch.tensor(prompt + q.tokens)
+            logits = base_model(input_ids=ids[None]).logits[0, :-1]
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+            np.testing.assert_allclose(q.logprobs, logp[len(prompt) - 1:].numpy(), rtol=1e-4, atol=1e-4)
     # requests sent together are sampled as one batch, each as it is alone
     prompts = [[5, 9, 14, 3, 22, 8, 1], [7], [30, 31, 32], [2, 4, 6, 8, 10]]
 
@@ -246,7 +260,8 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
                                    atol=1e-5)
     # every completion is recorded as a sample of the step it was drawn at, ungraded
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
-        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        job = next(j for j in c.get("/v1/jobs", params={"kind": "session"}).json()["items"]
+                   if j["uid"] == client.model_id)
         rows = c.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 1000}).json()
     by_step = {step: [r for r in rows if r["step"] == step] for step in (0, 1)}
     assert len(rows) == 4 + 22 and [len(by_step[0]), len(by_step[1])] == [4, 22]  # 3 + 1; 3 + 3 + 4 x 2 x 2

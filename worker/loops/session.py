@@ -22,7 +22,12 @@ Every optim_step is a step of the run: it records `loss/total` (the sum of its f
 losses), `tokens`, `lr`, `grad_norm` and `time/step_s`. With no operation for
 `session.idle_timeout_s` the run's state (weights and optimizer) is saved and the worker gives the run
 back (status idle); the next operation queues it again and a worker restores that state. Gradients
-accumulated by a forward_backward whose optim_step has not come yet are not part of the saved state.
+accumulated by a forward_backward whose optim_step has not come yet are not part of the saved state, nor
+are the in-memory snapshots of older weights: a sampler of the current weights samples on, one of older
+weights is told they are no longer kept.
+
+A run create_sampling_session made for a base model (`session.sampling_only`) only samples the model's
+own weights.
 
 Run it from the SDK: README, "Use grpo-jobs from the tinker SDK".
 """
@@ -77,10 +82,12 @@ class Session:
     params: list[torch.nn.Parameter]
     vocab_size: int
     step: int = 0  # optim_steps taken: the run's step
-    version: int = 0  # changes with the weights (every optim_step): what a sampling snapshot names
+    version: int = 0  # changes with the weights (optim_step, load_weights): what a sampling snapshot names;
+    # saved with the state, so it goes on across idle releases
     # weights to sample from: "v<version>" (save_weights_for_sampler) or "s<step>" (a saved checkpoint)
     snapshots: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last saved state
+    trains: bool = True  # False: a base model's sampler (create_sampling_session), with nothing to save
     pending: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "tokens": 0.0})
     step_started: float = field(default_factory=time.monotonic)
 
@@ -179,6 +186,9 @@ def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
     return json.dumps({"type": "optim_step", "metrics": {"grad_norm:mean": norm, "learning_rate:mean": lr}}).encode()
 
 
+# After a worker is lost, the run's weight versions go on from its saved one plus this: the versions
+# the lost worker handed out since (fewer than this many weight changes) are never named again.
+VERSION_GAP = 1 << 20
 SNAPSHOTS_KEPT = 4  # sampling snapshots kept in memory: the newest ones, and the saved weights last sampled
 
 
@@ -376,13 +386,18 @@ def load_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> by
     return json.dumps({"type": "load_weights", "path": req["path"], "model_id": model_id}).encode()
 
 
+def _refuse_training(body: bytes) -> tuple[bytes, str]:
+    raise WireError("model_id", "this run samples a base model (create_sampling_session): it does not train")
+
+
 def save_state(s: Session, reporter: Reporter, why: str) -> None:
-    """The run's weights and optimizer as checkpoint step-N, unless step N is saved already."""
-    if s.saved_step == s.step:
+    """The run's weights and optimizer as checkpoint step-N, unless step N is saved already (or the run
+    only samples a base model: nothing of it changes)."""
+    if s.saved_step == s.step or not s.trains:
         return
     path = reporter.checkpoint_dir(s.step)
     s.snapshots.pop(f"s{s.step}", None)  # a step saved again (after a load_weights) holds other weights
-    saved = save_checkpoint(path, s.trainables(), step=s.step, opt_steps=s.step)
+    saved = save_checkpoint(path, s.trainables(), step=s.step, opt_steps=s.step, extra={"version": s.version})
     reporter.checkpoint(s.step, path, saved.format, saved.size_bytes)
     reporter.event("checkpoint", f"state saved at step {s.step} ({why})", data={"step": s.step, "format": saved.format})
     s.saved_step = s.step
@@ -394,11 +409,15 @@ def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
                                    model_roots=settings.model_roots)
     params = trainable(model)
     s = Session(model=model, tokenizer=tokenizer, optimizer=torch.optim.AdamW(params, lr=1e-4), params=params,
-                vocab_size=model.get_input_embeddings().num_embeddings)
+                vocab_size=model.get_input_embeddings().num_embeddings, trains=not spec.session.sampling_only)
     if (path := reporter.resume_from()) is not None:
-        s.step = s.saved_step = load_checkpoint(path, s.trainables()).step
+        restored = load_checkpoint(path, s.trainables())
+        s.step = s.saved_step = restored.step
+        s.version = restored.extra.get("version", 0)  # a sampler of these weights samples them still
         reporter.event("resumed", f"state restored from step {s.step}", data={"step": s.step})
     if reporter.attempt > 1:  # the worker before stopped without giving the run back: what it did since is lost
+        # versions it handed out since the saved state name weights that are gone: never reuse them
+        s.version += VERSION_GAP
         since = f"its state saved at step {s.step}" if s.saved_step is not None else "its initial weights (no state " \
             "was saved yet)"
         reporter.operations().fail_pending(
@@ -430,6 +449,8 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
                 "save_weights_for_sampler": lambda body: (save_for_sampler(s, body, spec.session.model_id), "json"),
                 "save_weights": lambda body: (save_named(s, body, reporter, spec.session.model_id), "json"),
                 "load_weights": lambda body: (load_named(s, body, reporter, spec.session.model_id), "json")}
+    if spec.session.sampling_only:  # a base model's sampler: nothing else is sent to it by the SDK
+        handlers = {kind: handler if kind == "create_model" else _refuse_training for kind, handler in handlers.items()}
     last_op = last_save = time.monotonic()
     while True:
         if reporter.should_stop():

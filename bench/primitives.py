@@ -3,12 +3,17 @@ the real SDK, against the same computation in-process (the session loop's own fu
 same bodies), on the embedded default (`grpo-jobs dev`: SQLite store and broker) and on PostgreSQL +
 Redis (`grpo-jobs serve` + `grpo-jobs worker`, a scratch database and a redis-server of its own).
 
-    python bench/primitives.py [--model tiny-random-llama|smollm2-135m-instruct] [--rounds 20]
-                               [--batch 4] [--tokens 64] [--url postgresql+psycopg://postgres@127.0.0.1:5432/test]
+Then, on each served layout, what batching the sample requests buys: --samples single-completion
+requests sent together (as an RL loop sends a step's), against the same sent one at a time.
 
-Prints p50/p95 per layout and the overhead (p50 over in-process). Ends with:
+    python bench/primitives.py [--model tiny-random-llama|smollm2-135m-instruct] [--rounds 20]
+                               [--batch 4] [--tokens 64] [--samples 16] [--sample-tokens 16]
+                               [--url postgresql+psycopg://postgres@127.0.0.1:5432/test]
+
+Prints p50/p95 per layout and the overhead (p50 over in-process), and the sampling times. Ends with:
 RESULT inprocess_p50_ms=... embedded_p50_ms=... embedded_p95_ms=... postgres_p50_ms=... postgres_p95_ms=...
-       embedded_overhead_ms=... postgres_overhead_ms=...
+       embedded_overhead_ms=... postgres_overhead_ms=... embedded_samples_together_s=...
+       embedded_samples_one_by_one_s=... postgres_samples_together_s=... postgres_samples_one_by_one_s=...
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -97,7 +103,14 @@ def in_process(args) -> list[float]:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def through_sdk(base: str, key: str, args) -> list[float]:
+@dataclass(frozen=True)
+class Measured:
+    round_trips_ms: list[float]  # forward_backward + optim_step, each
+    samples_together_s: float  # args.samples requests sent at once, until the last answer
+    samples_one_by_one_s: float  # the same, each sent once the one before was answered
+
+
+def through_sdk(base: str, key: str, args) -> Measured:
     import tinker
     from tinker import types
 
@@ -112,7 +125,20 @@ def through_sdk(base: str, key: str, args) -> list[float]:
         fb.result()
         step.result()
 
-    return timed(once, args.rounds)
+    round_trips = timed(once, args.rounds)
+    # args.samples single-completion requests, as an RL loop sends them: all at once, then one at a time
+    sampler = client.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=args.sample_tokens, temperature=1.0, stop=[])
+    prompts = [types.ModelInput.from_ints(row.model_input.to_ints()[:16]) for row in batch]
+    sampler.sample(prompts[0], 1, params).result()  # warm
+    t0 = time.perf_counter()
+    for f in [sampler.sample(prompts[i % len(prompts)], 1, params) for i in range(args.samples)]:
+        f.result()
+    together = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(args.samples):
+        sampler.sample(prompts[i % len(prompts)], 1, params).result()
+    return Measured(round_trips, together, time.perf_counter() - t0)
 
 
 def wait_up(url: str, procs: list[subprocess.Popen], timeout: float = 90) -> None:
@@ -145,7 +171,7 @@ def started(*commands: list[str], env: dict, log_dir: Path) -> Iterator[list[sub
                 os.killpg(p.pid, 9)
 
 
-def embedded(args, env: dict) -> list[float]:
+def embedded(args, env: dict) -> Measured:
     tmp = Path(tempfile.mkdtemp(prefix="bench-primitives-dev-"))
     port = free_port()
     env = {**env, "GRPO_DATA_DIR": str(tmp)}
@@ -159,7 +185,7 @@ def embedded(args, env: dict) -> list[float]:
         return through_sdk(f"http://127.0.0.1:{port}", key_file.read_text().strip(), args)
 
 
-def postgres(args, env: dict) -> list[float]:
+def postgres(args, env: dict) -> Measured:
     from service.store import keys as keys_q
     from service.store.db import session_scope
     from service.store.migrate import upgrade
@@ -185,21 +211,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per forward_backward")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--url", default=DEFAULT_URL, help="PostgreSQL server for the scratch database")
+    parser.add_argument("--samples", type=int, default=16, help="single-completion sample requests")
+    parser.add_argument("--sample-tokens", type=int, default=16, help="tokens per completion")
     args = parser.parse_args()
     env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
-    results = {"inprocess": in_process(args), "embedded": embedded(args, env), "postgres": postgres(args, env)}
+    inprocess = in_process(args)
+    served = {"embedded": embedded(args, env), "postgres": postgres(args, env)}
     print(f"{args.model}, LoRA r={args.rank}, {args.batch} x {args.tokens} tokens, cross_entropy; "
           f"{args.rounds} round trips of forward_backward + optim_step each")
     print(f"{'layout':<12} {'p50 ms':>8} {'p95 ms':>8} {'overhead p50 ms':>16}")
-    base = percentiles(results["inprocess"])[0]
+    base = percentiles(inprocess)[0]
     fields = {}
-    for name, ms in results.items():
+    for name, ms in [("inprocess", inprocess)] + [(n, m.round_trips_ms) for n, m in served.items()]:
         p50, p95 = percentiles(ms)
         print(f"{name:<12} {p50:8.1f} {p95:8.1f} {p50 - base:16.1f}")
         fields[f"{name}_p50_ms"], fields[f"{name}_p95_ms"] = p50, p95
         if name != "inprocess":
             fields[f"{name}_overhead_ms"] = p50 - base
-    print("RESULT " + " ".join(f"{k}={v:.1f}" for k, v in fields.items()))
+    print(f"{args.samples} sample requests of {args.sample_tokens} tokens: sent together (sampled in one batch) "
+          "against one at a time")
+    print(f"{'layout':<12} {'together s':>11} {'one by one s':>13} {'ratio':>6}")
+    for name, m in served.items():
+        ratio = m.samples_one_by_one_s / m.samples_together_s
+        print(f"{name:<12} {m.samples_together_s:11.2f} {m.samples_one_by_one_s:13.2f} {ratio:6.1f}")
+        fields[f"{name}_samples_together_s"], fields[f"{name}_samples_one_by_one_s"] = (
+            m.samples_together_s, m.samples_one_by_one_s)
+    print("RESULT " + " ".join(f"{k}={v:.2f}" if k.endswith("_s") else f"{k}={v:.1f}" for k, v in fields.items()))
 
 
 if __name__ == "__main__":

@@ -326,11 +326,16 @@ def sample_rows(s: Session, call: SampleCall, rows: list[token_sampler.Sampled])
 # (measured: 16 requests of the cookbook's RL loop within 300 ms, up to 80 ms apart). A decode step
 # costs about the same for 1 row as for 16 (it reads every weight either way), so while more keep
 # arriving (within GATHER_S of the last, for GATHER_MAX_S at most) they are gathered into one batch.
+# A client that sends one request at a time (one pending now, one in the batch before) does not wait.
 GATHER_S, GATHER_MAX_S = 0.1, 0.5
 
 
-def gather_samples(ops: Operations) -> list[PendingOp]:
+def gather_samples(ops: Operations, last_batch: int) -> list[PendingOp]:
+    """The sample operations at the head of the queue, waiting for more while they keep coming;
+    `last_batch`: how many the batch before had."""
     run = ops.next_run("sample", SAMPLE_BATCH_ROWS)
+    if len(run) == 1 and last_batch <= 1:
+        return run
     deadline = time.monotonic() + GATHER_MAX_S
     while len(run) < SAMPLE_BATCH_ROWS and time.monotonic() < deadline:
         time.sleep(GATHER_S)
@@ -452,6 +457,7 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
     if spec.session.sampling_only:  # a base model's sampler: nothing else is sent to it by the SDK
         handlers = {kind: handler if kind == "create_model" else _refuse_training for kind, handler in handlers.items()}
     last_op = last_save = time.monotonic()
+    last_batch = 0  # sample operations in the last batch sampled
     while True:
         if reporter.should_stop():
             save_state(s, reporter, "cancelled")
@@ -465,7 +471,9 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
             time.sleep(POLL_BUSY_S if time.monotonic() - last_op < BUSY_FOR_S else POLL_IDLE_S)
             continue
         if op.kind == "sample":
-            run_samples(s, ops, gather_samples(ops), reporter)
+            batch = gather_samples(ops, last_batch)
+            run_samples(s, ops, batch, reporter)
+            last_batch = len(batch)
             last_op = time.monotonic()
             continue
         try:

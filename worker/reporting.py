@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
-from service.core.records import PendingOp, SampleRow, Samples, SelectionRecord, SparsityRecord
+from service.core.records import OpResult, PendingOp, SampleRow, SelectionRecord, SparsityRecord
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Operations(Protocol):
     def next_run(self, kind: str, limit: int) -> list[PendingOp]:
         """The next pending operations while they are of `kind`, in order (at most `limit`)."""
 
-    def complete(self, op: PendingOp, result: bytes, result_format: str, samples: Samples | None = None) -> None:
-        """The operation's result for its future, with the samples it drew (recorded together)."""
+    def complete(self, results: list[OpResult]) -> None:
+        """Operations' results for their futures, with the samples they drew: all recorded together."""
 
     def fail(self, op: PendingOp, error: str, category: str) -> None: ...
 

@@ -33,7 +33,7 @@ from service.core.artifacts import (
     open_store,
     sha256_of,
 )
-from service.core.records import PendingOp, Samples
+from service.core.records import OpResult, PendingOp
 from service.core.settings import Settings
 from service.core.sources import unavailable_checkpoint
 from service.store import events as events_q
@@ -256,8 +256,8 @@ class StoreOperations:
     def next_run(self, kind: str, limit: int) -> list[PendingOp]:
         return session_ops.next_run(self.url, job_id=self.job_id, kind=kind, limit=limit)
 
-    def complete(self, op: PendingOp, result: bytes, result_format: str, samples: Samples | None = None) -> None:
-        session_ops.complete_op(self.url, op_id=op.id, result=result, result_format=result_format, samples=samples)
+    def complete(self, results: list[OpResult]) -> None:
+        session_ops.complete_ops(self.url, results=results)
 
     def fail(self, op: PendingOp, error: str, category: str) -> None:
         session_ops.fail_op(self.url, op_id=op.id, error=error, category=category)

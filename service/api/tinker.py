@@ -305,6 +305,19 @@ def _submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | Non
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
 
 
+def _start_run(settings, session, *, owner: str, spec: SessionJob,
+               then: tuple[str, bytes] | None = None) -> UntypedFuture:
+    """A new session run, queued with its `create_model` operation (and `then`, an operation after it):
+    the future of the last. create_model, a run from a saved state and a base model's sampler start so."""
+    job = ops_q.create_run(session, owner=owner, spec=spec)
+    op = ops_q.add_op(session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
+    if then is not None:
+        op = ops_q.add_op(session, job=job, kind=then[0], body=then[1], seq=1)
+    session.commit()  # the run and its operations exist before a worker is told
+    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+    return UntypedFuture(request_id=op.request_id, model_id=job.uid)
+
+
 @router.get("/healthz", response_model=StatusOut)
 def healthz() -> dict:
     return {"status": "ok"}
@@ -406,10 +419,7 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
                                           idle_timeout_s=settings.session_idle_s))
     if (why := model_unavailable(name, settings, owner=owner)) is not None:
         return _refused("base_model", why)
-    job = ops_q.create_run(session, owner=owner, spec=spec)
-    future = _submit_op(settings, session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
-    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
-    return future
+    return _start_run(settings, session, owner=owner, spec=spec)
 
 
 @router.post("/get_info", response_model=InfoOut, responses=error_responses(404))
@@ -521,10 +531,7 @@ def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, sett
                       session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
                                           model_seq_id=body.model_seq_id or 0, idle_timeout_s=settings.session_idle_s,
                                           seed=source.job_spec().session.seed))
-    job = ops_q.create_run(session, owner=owner, spec=spec)
-    ops_q.add_op(session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
-    future = _submit_op(settings, session, job=job, kind="load_weights", body=json.dumps(load).encode(), seq=1)
-    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+    future = _start_run(settings, session, owner=owner, spec=spec, then=("load_weights", json.dumps(load).encode()))
     return future.model_copy(update={"model_id": f"{body.session_id}:train:{spec.session.model_seq_id}"})
 
 
@@ -577,10 +584,8 @@ def _sample_base_model(body: CreateSamplingSessionIn, owner: str, session, setti
                                           model_seq_id=body.sampling_session_seq_id, sampling_only=True,
                                           seed=0,  # the base the tiny presets build by default
                                           idle_timeout_s=settings.session_idle_s))
-    job = ops_q.create_run(session, owner=owner, spec=spec)
-    _submit_op(settings, session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
-    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
-    return {"sampling_session_id": sampler_id(job.uid, 0)}
+    future = _start_run(settings, session, owner=owner, spec=spec)
+    return {"sampling_session_id": sampler_id(future.model_id, 0)}
 
 
 def _sampler_run(session, *, sampling_session_id: str, owner: str):

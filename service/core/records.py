@@ -66,3 +66,13 @@ class PendingOp:
     request_id: str
     kind: str  # forward_backward | optim_step | sample | ...
     body: bytes  # the request as sent
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """An operation's result for its future, with the samples it drew."""
+
+    op: PendingOp
+    result: bytes
+    result_format: str  # json | proto
+    samples: Samples | None = None

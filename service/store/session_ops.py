@@ -17,7 +17,7 @@ from itertools import takewhile
 from sqlalchemy import case, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from service.core.records import PendingOp, Samples
+from service.core.records import OpResult, PendingOp
 from service.core.specs import SessionJob, Status
 from service.store import records
 from service.store.db import session_scope
@@ -50,8 +50,8 @@ def session_runs(session: Session, *, session_id: str, owner: str) -> list[Job]:
 
 
 def create_run(session: Session, *, owner: str, spec: SessionJob) -> Job:
-    """A session run, queued, with its `create_model` operation pending: its future completes once a
-    worker has loaded the model."""
+    """A session run, queued; its first operation is `create_model`, whose future completes once a worker
+    has loaded the model."""
     job = Job(uid=spec.session.model_id, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"),
               name=spec.name, total_steps=0)
     session.add(job)
@@ -130,14 +130,15 @@ def next_run(url: str, *, job_id: int, kind: str, limit: int) -> list[PendingOp]
         return [PendingOp(id=op.id, request_id=op.request_id, kind=op.kind, body=op.body) for op in ops]
 
 
-def complete_op(url: str, *, op_id: int, result: bytes, result_format: str, samples: Samples | None = None) -> None:
-    """The operation's result, and the samples it drew (recorded with it, or not at all)."""
+def complete_ops(url: str, *, results: list[OpResult]) -> None:
+    """Operations' results, and the samples they drew: all recorded in one transaction, or none."""
     with session_scope(url) as session:
-        done = session.execute(update(SessionOp).where(SessionOp.id == op_id, SessionOp.status == "pending")
-                               .values(status="done", result=result, result_format=result_format,
-                                       finished_at=utcnow()).returning(SessionOp.job_id)).first()
-        if done is not None and samples is not None:
-            records.append_samples(session, job_id=done.job_id, step=samples.step, rows=samples.rows)
+        for r in results:
+            done = session.execute(update(SessionOp).where(SessionOp.id == r.op.id, SessionOp.status == "pending")
+                                   .values(status="done", result=r.result, result_format=r.result_format,
+                                           finished_at=utcnow()).returning(SessionOp.job_id)).first()
+            if done is not None and r.samples is not None:
+                records.append_samples(session, job_id=done.job_id, step=r.samples.step, rows=r.samples.rows)
 
 
 def fail_op(url: str, *, op_id: int, error: str, category: str) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,8 +51,9 @@ from service.core.tinker_wire import (
     tinker_path,
 )
 from worker.algos import tinker_losses
-from worker.checkpoints import Trainables, load_checkpoint, load_weights, save_checkpoint
+from worker.checkpoints import load_checkpoint, load_weights, save_checkpoint
 from worker.loops.session_sampling import gather_samples, run_samples, save_for_sampler
+from worker.loops.session_state import Session
 from worker.models import load_policy
 from worker.reporting import LoopResult, Reporter
 from worker.sql_reporter import LeaseLost
@@ -63,30 +63,6 @@ log = logging.getLogger(__name__)
 # Between looks for the next operation: every 2 ms for a second after the last one (a client's loop
 # sends the next at once; measured in bench/primitives.py), then every 50 ms.
 POLL_BUSY_S, POLL_IDLE_S, BUSY_FOR_S = 0.002, 0.05, 1.0
-
-
-@dataclass
-class Session:
-    """What a run holds between operations."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    optimizer: torch.optim.AdamW
-    params: list[torch.nn.Parameter]
-    vocab_size: int
-    step: int = 0  # optim_steps taken: the run's step
-    version: int = 0  # changes with the weights (optim_step, load_weights): what a sampling snapshot names;
-    # saved with the state, so it goes on across idle releases
-    # weights to sample from: "v<version>" (save_weights_for_sampler) or "s<step>" (a saved checkpoint)
-    snapshots: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    saved_step: int | None = None  # the step of the last saved state
-    trains: bool = True  # False: a base model's sampler (create_sampling_session), with nothing to save
-    pending: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "tokens": 0.0})
-    step_started: float = field(default_factory=time.monotonic)
-
-    def trainables(self) -> Trainables:
-        return Trainables(model=self.model, tokenizer=self.tokenizer, optimizers={"policy": self.optimizer},
-                          schedulers={})
 
 
 def datum_loss(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor],

@@ -15,7 +15,6 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,12 +29,10 @@ from service.core.tinker_wire import (
 )
 from worker import token_sampler
 from worker.checkpoints import load_weights
+from worker.loops.session_state import Session
 from worker.reporting import Operations, Reporter
 from worker.sampling import eos_token_ids
 from worker.training import eval_mode
-
-if TYPE_CHECKING:
-    from worker.loops.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from service.core.specs import LoraSpec, ModelSpec
 from worker.checkpoints import Trainables, save_checkpoint
-from worker.models import load_policy, smollm2_dir
+from worker.models import load_policy
 from worker.sampling import RolloutBatch, SamplingParams, sequence_logprobs
 from worker.vllm_engine import ServerConfig, VLLMEngine, VLLMServer, write_model_folder
 
@@ -54,31 +54,12 @@ def _server(vllm_python, folder: Path, log: Path, lora_rank: int | None) -> VLLM
     return server
 
 
-def test_every_model_folder_the_service_writes_serves_the_trainers_logprobs(vllm_python, models_root, tmp_path):
-    folder = smollm2_dir(models_root)  # the bundled conversion
+def test_a_full_fine_tuning_checkpoint_and_its_sync_serve_the_trainers_logprobs(vllm_python, models_root, tmp_path):
+    """A full-fine-tuning checkpoint folder (what the service archives), served from a fresh start, and
+    the engine's folder reloaded in place; the LoRA folders are the sync test's."""
     model, tok = load_policy(ModelSpec(name="smollm2-135m-instruct"), models_root=models_root, device="cpu")
     prompt, completion = tok(PROMPT)["input_ids"], tok(COMPLETION)["input_ids"] + [tok.eos_token_id]
     base = _trainer_logprobs(model.eval(), prompt, completion)
-
-    # the bundled conversion, and a LoRA checkpoint's adapter folder on it
-    lora, _ = load_policy(ModelSpec(name="smollm2-135m-instruct", lora=LoraSpec(r=8)), models_root=models_root,
-                          device="cpu")
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    save_checkpoint(tmp_path / "lora", Trainables(lora, tok, {}, {}), step=1, opt_steps=1)
-    server = _server(vllm_python, folder, tmp_path / "vllm.log", lora_rank=8)
-    groups = [server.proc.pid]
-    try:
-        assert (_served_logprobs(server, prompt, completion) - base).abs().max() < TOLERANCE
-        server.post("/v1/load_lora_adapter", {"lora_name": "ckpt", "lora_path": str(tmp_path / "lora")})
-        expected = _trainer_logprobs(lora.eval(), prompt, completion)
-        assert (_served_logprobs(server, prompt, completion, model="ckpt") - expected).abs().max() < TOLERANCE
-    finally:
-        server.stop()
-
-    # a full-fine-tuning checkpoint (what the service archives), served from a fresh start
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "mlp" in name or "embed" in name:
@@ -88,7 +69,7 @@ def test_every_model_folder_the_service_writes_serves_the_trainers_logprobs(vllm
     expected = _trainer_logprobs(saved, prompt, completion)
     assert (expected - base).abs().max() > 100 * TOLERANCE  # the weights really differ
     server = _server(vllm_python, tmp_path / "full", tmp_path / "vllm.log", lora_rank=None)
-    groups.append(server.proc.pid)
+    pgid = server.proc.pid
     try:
         assert (_served_logprobs(server, prompt, completion) - expected).abs().max() < TOLERANCE
         # the full-fine-tuning sync: the engine's folder, reloaded in place (embeddings included)
@@ -104,7 +85,7 @@ def test_every_model_folder_the_service_writes_serves_the_trainers_logprobs(vllm
         assert (_served_logprobs(server, prompt, completion) - expected).abs().max() < TOLERANCE
     finally:
         server.stop()
-    assert all(_group_gone(g) for g in groups)
+    assert _group_gone(pgid)
 
 
 def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm_python, models_root, tmp_path):
@@ -115,7 +96,19 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
                         workdir=tmp_path / "engine", max_model_len=1024, extra_args=("--enforce-eager",),
                         on_event=lambda kind, message, data: events.append(kind))
     pgid = engine.server.proc.pid
+    prompt, completion = tok(PROMPT)["input_ids"], tok(COMPLETION)["input_ids"] + [tok.eos_token_id]
     try:
+        # the folder the engine wrote from the trainer's base, and a LoRA checkpoint's adapter folder on it
+        with policy.disable_adapter():
+            base = _trainer_logprobs(policy.eval(), prompt, completion)
+        assert (_served_logprobs(engine.server, prompt, completion) - base).abs().max() < TOLERANCE
+        _perturb(policy)
+        save_checkpoint(tmp_path / "lora", Trainables(policy, tok, {}, {}), step=1, opt_steps=1)
+        engine.server.post("/v1/load_lora_adapter", {"lora_name": "ckpt", "lora_path": str(tmp_path / "lora")})
+        expected = _trainer_logprobs(policy, prompt, completion)
+        assert (_served_logprobs(engine.server, prompt, completion, model="ckpt") - expected).abs().max() < TOLERANCE
+        engine.server.post("/v1/unload_lora_adapter", {"lora_name": "ckpt"})
+
         engine.sync(policy)
         before = engine.generate([PROMPT], 4, seeds=[3])
         _perturb(policy)  # one "update": what a training step does to the adapter

@@ -52,3 +52,16 @@ def output(log_dir: Path) -> str:
 def recipe_metrics(log_dir: Path) -> list[dict]:
     """The cookbook's metrics.jsonl: a dict a step."""
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_rl_learning(metrics: list[dict], steps: int) -> None:
+    """What the RL recipe (rl_arithmetic.py) shows over `steps` (3 or more) steps of 8 problems x 4 answers:
+    SmolLM2-135M learns the format, to end its answer (<|im_end|> within 8 tokens), the 0.1 of the
+    reward that is not correctness; and the sampler's log-probs are the trainer's."""
+    per_step = [m for m in metrics if "env/all/format" in m]
+    assert len(per_step) == steps, metrics
+    fmt = [m["env/all/format"] for m in per_step]
+    # measured: about 0.56 of the untrained model's answers end in time, 0.9 to 1.0 after one step
+    assert sum(fmt[1:]) / (steps - 1) >= fmt[0] + 0.15, fmt
+    # the cookbook's own check: the KL between the sampler's and the trainer's log-probs
+    assert all(abs(m["optim/kl_sample_train_v1"]) < 1e-3 for m in per_step), per_step

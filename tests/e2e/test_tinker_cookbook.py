@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.cookbook.harness import output, recipe_env, recipe_metrics, start_recipe
+from tests.cookbook.harness import check_rl_learning, output, recipe_env, recipe_metrics, start_recipe
 from tests.e2e.conftest import start_dev
 
 
@@ -39,17 +39,10 @@ def test_the_cookbooks_supervised_loop_on_its_conversations(procs, models_root, 
 
 
 def test_the_cookbooks_rl_loop_on_its_arithmetic_environment(procs, models_root, cookbook_python, tmp_path):
-    """3 steps of 8 problems x 4 answers. What SmolLM2-135M learns in that time is the format: to end
-    its answer (<|im_end|> within 8 tokens), the 0.1 of the reward that is not correctness."""
+    """3 steps of 8 problems x 4 answers: the format is learnt (tests/cookbook/harness.check_rl_learning)."""
     base, key = start_dev(procs)
-    metrics = [m for m in run_recipe("rl_arithmetic.py", 3, base=base, key=key, cookbook_python=cookbook_python,
-                                     models_root=models_root, tmp_path=tmp_path, procs=procs) if "env/all/format" in m]
-    assert len(metrics) == 3
-    fmt = [m["env/all/format"] for m in metrics]
-    # measured: about 0.56 of the untrained model's answers end in time, 0.9 to 1.0 after one step
-    assert sum(fmt[1:]) / 2 >= fmt[0] + 0.15, fmt
-    # the sampler's log-probs are the trainer's: the cookbook measures the KL between them
-    assert all(abs(m["optim/kl_sample_train_v1"]) < 1e-3 for m in metrics), metrics
+    check_rl_learning(run_recipe("rl_arithmetic.py", 3, base=base, key=key, cookbook_python=cookbook_python,
+                                 models_root=models_root, tmp_path=tmp_path, procs=procs), steps=3)
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
         assert job["step"] == 3

@@ -1,13 +1,13 @@
 """Session runs driven by the real tinker SDK on the production layout (`serve` and separate workers on
 PostgreSQL and a Redis of the test's own): a worker killed mid-session, the run taken over by another
 worker from its last saved state, and two runs in a row on one worker; tinker-cookbook's supervised loop
-through the same, resumed from its own save."""
+through the same, resumed from its own save; its RL loop, learning as on the embedded default."""
 
 import json
 
 import pytest
 
-from tests.cookbook.harness import output, recipe_env, recipe_metrics, start_recipe
+from tests.cookbook.harness import check_rl_learning, output, recipe_env, recipe_metrics, start_recipe
 from tests.faults.conftest import wait_for
 
 tinker = pytest.importorskip("tinker")
@@ -89,3 +89,22 @@ def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_
         events = c.get(f"/v1/jobs/{second_run['id']}/events").json()
         assert any(e["type"] == "loaded" and first_run["uid"] in e["message"] for e in events), events
         assert second_run["step"] == 8 - resume_at
+
+
+def test_the_cookbooks_rl_loop_learns_on_the_production_layout(cluster, models_root, cookbook_python, tmp_path):
+    """tinker-cookbook's RL loop against `serve` and a separate worker: its sample requests of a step
+    reach the worker through PostgreSQL and are sampled together, and it learns what it learns on the
+    embedded default (tests/e2e/test_tinker_cookbook.py)."""
+    cluster.serve()
+    cluster.worker("w1")
+    log = tmp_path / "rl"
+    env = recipe_env(base=cluster.base, key=cluster.key, models_root=models_root, root=tmp_path)
+    assert start_recipe(cookbook_python, "rl_arithmetic.py", log, 3, env).wait(timeout=900) == 0, \
+        output(log) + cluster.logs()
+    check_rl_learning(recipe_metrics(log), steps=3)
+    with cluster.client() as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        assert job["step"] == 3
+        # the answers sampled before the first optim_step: 8 problems x 4, graded by the client
+        samples = c.get(f"/v1/jobs/{job['id']}/samples", params={"step": 0, "limit": 100}).json()
+        assert len(samples) == 32 and all(s["reward"] is None for s in samples), samples

@@ -29,7 +29,7 @@ from service.api.errors import format_errors
 from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
-from service.core.specs import MODEL_PRESETS, TERMINAL, LoraSpec, ModelSpec, SessionJob, SessionSpec
+from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
@@ -555,7 +555,8 @@ class SamplingSessionOut(BaseModel):
 def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, session: SessionDep,
                             settings: SettingsDep):
     """A sampling session on weights a run saved (`model_path`, a tinker:// path), run by that run's
-    worker; or on a base model's own weights (`base_model`), run by a run of its own that only samples."""
+    worker (or, once that run has ended, by a run of its own that only samples them); or on a base
+    model's own weights (`base_model`), run by a run of its own that only samples."""
     if body.model_path is None:
         return _sample_base_model(body, owner, session, settings)
     parsed = parse_tinker_path(body.model_path)
@@ -565,24 +566,34 @@ def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, sess
     if found is None:
         raise HTTPException(404, f"checkpoint {body.model_path} not found")
     job, step = found
-    if job.status in TERMINAL:
-        return _refused("model_path", f"the run that saved {body.model_path} has ended ({job.status}): its worker "
-                        "no longer samples; load the path into a new run to sample from it")
-    return {"sampling_session_id": saved_sampler_id(job.uid, step)}
+    if job.status not in TERMINAL:  # the run's own worker samples the saved weights beside its training
+        return {"sampling_session_id": saved_sampler_id(job.uid, step)}
+    # the run has ended: a run of its own samples them, loaded as its model's init_from
+    trained = job.job_spec()
+    model = trained.model.model_copy(update={"init_from": InitFrom(job=job.id, step=step)})
+    return _start_sampler(body, owner, session, settings, name=f"tinker sampler {parsed[2]} of {job.uid}",
+                          model=model, seed=trained.session.seed)
 
 
 def _sample_base_model(body: CreateSamplingSessionIn, owner: str, session, settings):
     if body.base_model is None:
         return _refused("base_model", "either model_path or base_model is required")
-    if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
-        raise HTTPException(404, f"session {body.session_id} not found")
     name = _model_name(body.base_model)
     if (why := model_unavailable(name, settings, owner=owner)) is not None:
         return _refused("base_model", why)
-    spec = SessionJob(name=f"tinker sampler {name}", model=ModelSpec(name=name, dtype="float32"),
+    return _start_sampler(body, owner, session, settings, name=f"tinker sampler {name}",
+                          model=ModelSpec(name=name, dtype="float32"),
+                          seed=0)  # the base the tiny presets build by default
+
+
+def _start_sampler(body: CreateSamplingSessionIn, owner: str, session, settings, *, name: str, model: ModelSpec,
+                   seed: int | None) -> dict:
+    """A run that only samples `model`'s weights, for this session: its sampler samples version 0."""
+    if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
+        raise HTTPException(404, f"session {body.session_id} not found")
+    spec = SessionJob(name=name, model=model,
                       session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
-                                          model_seq_id=body.sampling_session_seq_id, sampling_only=True,
-                                          seed=0,  # the base the tiny presets build by default
+                                          model_seq_id=body.sampling_session_seq_id, sampling_only=True, seed=seed,
                                           idle_timeout_s=settings.session_idle_s))
     future = _start_run(settings, session, owner=owner, spec=spec)
     return {"sampling_session_id": sampler_id(future.model_id, 0)}

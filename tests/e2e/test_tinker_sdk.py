@@ -323,3 +323,16 @@ def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
         first = next(r for r in runs if r["uid"] == client.model_id)
         archive = c.get(f"/v1/jobs/{first['id']}/checkpoints/1/archive")
         assert archive.status_code == 200 and archive.content[:2] == b"\x1f\x8b"  # the state, as a .tar.gz
+        # once the run has ended, its saved path is sampled by a run of its own, from the same weights
+        assert c.post(f"/v1/jobs/{first['id']}/cancel").status_code == 200
+        deadline = time.monotonic() + 60
+        while c.get(f"/v1/jobs/{first['id']}").json()["status"] != "cancelled" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after_end = service.create_sampling_client(model_path=to_sample).result()
+        got = after_end.sample(prompt, 2, params).result()
+        assert [q.tokens for q in got.sequences] == [q.tokens for q in want.sequences]
+        np.testing.assert_allclose([q.logprobs for q in got.sequences], [q.logprobs for q in want.sequences],
+                                   atol=1e-5)
+        samplers = [r for r in c.get("/v1/jobs", params={"kind": "session"}).json()["items"]
+                    if r["name"].startswith("tinker sampler one")]
+        assert len(samplers) == 1 and samplers[0]["uid"] != first["uid"]

@@ -26,8 +26,8 @@ accumulated by a forward_backward whose optim_step has not come yet are not part
 are the in-memory snapshots of older weights: a sampler of the current weights samples on, one of older
 weights is told they are no longer kept.
 
-A run create_sampling_session made for a base model (`session.sampling_only`) only samples the model's
-own weights. Snapshots and sampling: worker.loops.session_sampling.
+A run create_sampling_session made for a base model, or for a path whose run has ended
+(`session.sampling_only`), only samples those weights (the path's through `model.init_from`). Snapshots and sampling: worker.loops.session_sampling.
 
 Run it from the SDK: README, "Use grpo-jobs from the tinker SDK".
 """
@@ -54,6 +54,7 @@ from worker.algos import tinker_losses
 from worker.checkpoints import load_checkpoint, load_weights, save_checkpoint
 from worker.loops.session_sampling import gather_samples, run_samples, save_for_sampler
 from worker.loops.session_state import Session
+from worker.loops.setup import init_weights
 from worker.models import load_policy
 from worker.reporting import LoopResult, Reporter
 from worker.sql_reporter import LeaseLost
@@ -205,6 +206,7 @@ def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
     seed = spec.session.seed if spec.session.seed is not None else int(torch.seed() % 2**32)
     model, tokenizer = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=seed,
                                    model_roots=settings.model_roots)
+    init_weights(model, spec.model.init_from, reporter)  # a sampler of a path whose run has ended
     params = trainable(model)
     s = Session(model=model, tokenizer=tokenizer, optimizer=torch.optim.AdamW(params, lr=1e-4), params=params,
                 vocab_size=model.get_input_embeddings().num_embeddings, trains=not spec.session.sampling_only)

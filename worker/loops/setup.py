@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from service.core.settings import Settings
-from service.core.specs import GRPOJob, GRPOSpec, JointJob, SFTJob, TracInJob, wants_checkpointing
+from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob, wants_checkpointing
 from worker import allocator
 from worker.algos.lora import is_lora
 from worker.checkpoints import (
@@ -79,11 +79,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     mspec = spec.model.model_copy(update={"gradient_checkpointing": wants_checkpointing(spec.model, g)})
     model, tok = load_policy(mspec, models_root=settings.models_dir, device=dev, seed=g.seed,
                              model_roots=settings.model_roots)
-    if (init := spec.model.init_from) is not None:  # train on from an earlier checkpoint of the owner's
-        found = reporter.init_checkpoint(init.job, init.step)
-        load_weights(found.path, model=model)
-        reporter.event("initialised", f"weights from job {found.job}, step {found.step}",
-                       data={"job": found.job, "step": found.step})
+    init_weights(model, spec.model.init_from, reporter)
     malloc = allocator.prepare_for_steps(keep_freed=settings.keep_freed_memory) if device.type == "cpu" else None
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
@@ -161,3 +157,14 @@ def resume(s: Setup, reporter: Reporter) -> Resumed:
     reporter.event("resumed", f"resumed from checkpoint at step {state.step}", data={"step": state.step})
     opt_steps = state.opt_steps if state.opt_steps is not None else state.step * s.spec.train.epochs_per_step
     return Resumed(state.step, opt_steps)
+
+
+def init_weights(model: torch.nn.Module, init: InitFrom | None, reporter: Reporter) -> None:
+    """`model.init_from`'s weights (an earlier checkpoint of the owner's) loaded into `model`; nothing
+    when unset. Job loops train on from them; a session run samples them."""
+    if init is None:
+        return
+    found = reporter.init_checkpoint(init.job, init.step)
+    load_weights(found.path, model=model)
+    reporter.event("initialised", f"weights from job {found.job}, step {found.step}",
+                   data={"job": found.job, "step": found.step})

@@ -76,29 +76,45 @@ def _engine_processes(data_dir) -> list[int]:
     return found
 
 
+MISMATCH_BOUND = 1e-3  # |engine - trainer| log-prob per token, fp32; measured up to 3.4e-5 on this model
+
+
+def _series(c, job_id: int, keys: str) -> dict[str, dict[int, float]]:
+    return {s["key"]: {p["step"]: p["value"] for p in s["points"]}
+            for s in c.get(f"/v1/jobs/{job_id}/metrics", params={"keys": keys}).json()["series"]}
+
+
 @pytest.mark.redis
 @pytest.mark.postgres
 @pytest.mark.vllm
-def test_a_vllm_job_then_another_on_one_worker(service, procs, vllm_python):
+def test_a_vllm_job_matches_the_hf_job_run_next_on_the_same_worker(service, procs, vllm_python):
     """serve + a separate worker on PostgreSQL and Redis: a job sampled by its own vLLM server a step
-    ahead (max_staleness 1), whose mismatch and staleness the API serves, and after it another job on
-    the same worker, with no server left."""
+    ahead (max_staleness 1), whose mismatch and staleness the API serves; then the same job sampled by
+    generate on the same worker, with no server left: both see the same weights the same way."""
     c = service(GRPO_VLLM_PYTHON=str(vllm_python))
     r = c.post("/v1/jobs", json=VLLM_JOB)
     assert r.status_code == 201, r.text
     job = wait_job(c, r.json()["id"], procs, timeout=400)
     assert job["status"] == "succeeded", (job, procs.logs())
-    series = {s["key"]: [p["value"] for p in s["points"]] for s in c.get(
-        f"/v1/jobs/{job['id']}/metrics", params={"keys": "mismatch/logp_abs_max,time/sync_s,rollout/staleness"}
-    ).json()["series"]}
-    assert len(series["time/sync_s"]) == 2
-    assert series["rollout/staleness"] == [0.0, 1.0]  # step 2 was sampled while step 1 trained
-    assert series["mismatch/logp_abs_max"][0] < 1e-3  # step 1: the same weights, the engine's kernels alone
+    vllm = _series(c, job["id"], "mismatch/logp_abs_max,mismatch/ratio_p05,mismatch/ratio_p50,mismatch/ratio_p95,"
+                   "correction/changed_fraction,time/sync_s,rollout/staleness,eval/accuracy")
+    assert len(vllm["time/sync_s"]) == 2
+    assert list(vllm["rollout/staleness"].values()) == [0.0, 1.0]  # step 2 was sampled while step 1 trained
+    # step 1: the same weights, the engine's kernels alone (step 2's sampler was a step behind, by design)
+    assert vllm["mismatch/logp_abs_max"][1] < MISMATCH_BOUND
+    assert 0.99 < vllm["mismatch/ratio_p05"][1] <= vllm["mismatch/ratio_p50"][1] <= vllm["mismatch/ratio_p95"][1] < 1.01
+    assert vllm["correction/changed_fraction"][1] == 0.0  # nothing near the cap of 2
     types = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
-    assert "engine_started" in types and types[-1] == "succeeded"
+    assert "engine_started" in types and "engine_restarted" not in types and types[-1] == "succeeded"
     assert _engine_processes(procs.env["GRPO_DATA_DIR"]) == []  # the server ended with its job
     engines = Path(procs.env["GRPO_DATA_DIR"]) / "engines"
     assert [p.name for p in engines.glob("*/*")] == ["vllm.log"]  # and its copy of the weights
-    r = c.post("/v1/jobs", json=TINY_JOB)  # the same worker goes on with the next job
+    r = c.post("/v1/jobs", json={**VLLM_JOB, "name": "e2e-hf", "rollout": {"engine": "hf"}})  # the same worker next
     assert r.status_code == 201, r.text
-    check_finished_job(c, wait_job(c, r.json()["id"], procs))
+    hf_job = wait_job(c, r.json()["id"], procs, timeout=400)
+    assert hf_job["status"] == "succeeded", (hf_job, procs.logs())
+    hf = _series(c, hf_job["id"], "eval/accuracy,mismatch/logp_abs_max")
+    # greedy evaluation of the same weights: the same answers from either engine
+    assert vllm["eval/accuracy"][0] == hf["eval/accuracy"][0]
+    assert abs(vllm["eval/accuracy"][2] - hf["eval/accuracy"][2]) <= 0.25, (vllm["eval/accuracy"], hf["eval/accuracy"])
+    assert not hf.get("mismatch/logp_abs_max")  # generate samples with the trainer's own weights: nothing to measure

@@ -96,8 +96,8 @@ def test_healthz_answers_while_a_bomb_is_parsed(sqlite_api):
     api = sqlite_api
     done = threading.Event()
 
-    def flood():
-        for _ in range(20):
+    def flood():  # long enough (about 6 s here) that one answer's wait behind the GIL is a small part of it
+        for _ in range(60):
             api.post("/v1/specs/validate", content=("- 1\n" * 262_000).encode(),
                      headers={"Content-Type": "application/yaml"})
         done.set()

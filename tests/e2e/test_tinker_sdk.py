@@ -196,6 +196,13 @@ def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, 
         client.forward_backward([huge], "cross_entropy").result()
     # the run goes on after a refused operation
     assert client.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
+    # another owner cannot sample what the run saved, by its tinker:// path, nor list or download it
+    path = client.save_weights_for_sampler("mine").result().path
+    with httpx.Client(base_url=base, timeout=30) as c:
+        ask = {"session_id": "theirs", "model_path": path}
+        assert c.post("/api/v1/create_sampling_session", json=ask, headers=theirs).status_code == 404
+        assert c.post("/api/v1/create_sampling_session", json=ask, headers=mine).status_code == 200
+        assert c.get(f"/api/v1/training_runs/{client.model_id}/checkpoints", headers=theirs).status_code == 404
 
 
 def test_sampling_from_snapshots_of_the_trained_weights(dev):

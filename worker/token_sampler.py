@@ -1,6 +1,6 @@
 """Sampling token ids from token ids, as the tinker SDK's `sample` asks: n completions of a prompt,
-each token's log-prob under the sampling distribution, the prompt's own log-probs, stop tokens and
-stop strings.
+each token's log-prob under the sampling distribution (and, when asked, the k likeliest tokens at each
+position), stop tokens and stop strings. What a request asks of its prompt is worker.prompt_scoring's.
 
 Several requests (different prompts, parameters and seeds) run as one batch: prompts are padded on
 the left, with the attention mask and position ids that make each row compute what it would alone,
@@ -25,6 +25,8 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" (a stop token or string) | "length" (max_tokens)
+    topk_ids: np.ndarray | None = None  # [T, k] int32: the k likeliest tokens at each position, when asked
+    topk_logprobs: np.ndarray | None = None  # [T, k] float32: their log-probs, as `logprobs` scores
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Params:
     seed: int | None = None
     stop_tokens: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    topk_logprobs: int = 0  # the k likeliest tokens at each sampled position, with their log-probs
 
 
 @dataclass(frozen=True)
@@ -77,15 +80,8 @@ def sample_many(model: torch.nn.Module, requests: list[Request],
         spans.append(slice(start, start + r.n))
         start += r.n
     prompts = [r.prompt for r in requests for _ in range(r.n)]
-    width = max(len(x) for x in prompts)
-    ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts], device=device)  # [R, P] padded on the left
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=device)  # [R, P]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [R, P]: each row's tokens at 0.. as if alone
-    gens = []
-    for r in requests:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(r.params.seed if r.params.seed is not None else int(torch.seed() % 2**63))
-        gens.append(gen)
+    ids, mask, positions = _left_padded(prompts, device)  # [R, P] each
+    gens = [generator(r.params.seed, device) for r in requests]
     # per row: greedy rows score tokens under the plain logits (temperature 1), as a single request does
     temperature = torch.tensor([r.params.temperature or 1.0 for r in requests for _ in range(r.n)],
                                device=device)[:, None]  # [R, 1]
@@ -97,9 +93,14 @@ def sample_many(model: torch.nn.Module, requests: list[Request],
     logps: list[list[float]] = [[] for _ in range(rows)]
     reason = ["length"] * rows
     live = [p.max_tokens > 0 for p in params]
+    k = min(max(p.topk_logprobs for p in params), logits.shape[-1])
+    tops: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(rows)]  # per row: (ids, log-probs) [k]
     while any(live):
         scaled = logits / temperature
         logp = torch.log_softmax(scaled, -1)  # [R, V]
+        if k:
+            top = torch.topk(logp, k, dim=-1)
+            top_i, top_v = top.indices.cpu().numpy().astype(np.int32), top.values.cpu().numpy()  # [R, k]
         chosen = torch.empty(rows, 1, dtype=torch.long, device=device)  # [R, 1]
         for r, span, gen in zip(requests, spans, gens, strict=True):
             if r.params.temperature == 0:
@@ -114,6 +115,8 @@ def sample_many(model: torch.nn.Module, requests: list[Request],
             p = params[i]
             tokens[i].append(tok)
             logps[i].append(chosen_logp[i])
+            if p.topk_logprobs:
+                tops[i].append((top_i[i, :p.topk_logprobs], top_v[i, :p.topk_logprobs]))
             if tok in p.stop_tokens or (p.stop_strings and decode is not None
                                         and any(s in decode(tokens[i]) for s in p.stop_strings)):
                 live[i], reason[i] = False, "stop"
@@ -125,16 +128,31 @@ def sample_many(model: torch.nn.Module, requests: list[Request],
         positions = positions[:, -1:] + 1
         out = model(input_ids=chosen, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         cache, logits = out.cache, out.logits[:, -1].float()
-    done = [Sampled(tokens[i], logps[i], reason[i]) for i in range(rows)]
+    done = [Sampled(tokens[i], logps[i], reason[i], *_stacked(tops[i], params[i].topk_logprobs))
+            for i in range(rows)]
     return [done[span] for span in spans]
 
 
-@torch.no_grad()
-def prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> np.ndarray:
-    """[P] float32: the log-prob of each prompt token given the ones before it; NaN for the first,
-    which has no context."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt], device=device)
-    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)  # [P-1, V]
-    picked = logp.gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-    return np.concatenate([[np.nan], picked]).astype(np.float32)
+def _left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and position ids [R, P] of prompts padded on the left, each row's
+    tokens at positions 0.. as if alone."""
+    width = max(len(x) for x in prompts)
+    ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def generator(seed: int | None, device) -> torch.Generator:
+    """A request's own random stream: from its seed, or a fresh one."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+    return gen
+
+
+def _stacked(tops: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A row's per-position top-k as [T, k] matrices; (None, None) when not asked."""
+    if not k:
+        return None, None
+    if not tops:
+        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+    return np.stack([t[0] for t in tops]), np.stack([t[1] for t in tops])

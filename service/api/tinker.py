@@ -30,6 +30,7 @@ from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
+from service.core.tinker_sampling import MAX_CELLS, MAX_K, check_widths, target_ids
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
@@ -180,6 +181,16 @@ class SamplingParamsIn(_Wire):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
+class TensorIn(_Wire):
+    """A tensor as the SDK's JSON sends it (`TensorData`): flat values, dense or sparse CSR."""
+
+    data: list[float] = Field(max_length=MAX_CELLS)
+    dtype: str = Field(max_length=20)
+    shape: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=8)
+    sparse_crow_indices: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=131073)
+    sparse_col_indices: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=MAX_CELLS)
+
+
 class SampleIn(_Wire):
     sampling_session_id: str = Field(max_length=100)
     seq_id: int | None = Field(None, ge=0, le=2**62)
@@ -187,11 +198,15 @@ class SampleIn(_Wire):
     prompt: PromptIn
     sampling_params: SamplingParamsIn
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = Field(0, ge=0, le=0, description="Not supported here yet: 0.")
-    topk_sample_logprobs: int = Field(0, ge=0, le=0, description="Not supported here yet: 0.")
-    prompt_alt_tokens_k: int = Field(0, ge=0, le=0, description="Not supported here yet: 0.")
-    target_prompt_logprobs: None = Field(None, description="Not supported here yet.")
-    prompt_logprobs_last_n: int | None = Field(None, ge=1)
+    topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_K, description="The k likeliest tokens at each prompt position.")
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_K, description="The k likeliest tokens at each sampled "
+                                      "position.")
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_K, description="Tokens drawn at each prompt position after "
+                                     "the first.")
+    target_prompt_logprobs: TensorIn | None = Field(None, description="Token ids to score, [len(prompt) - 1, K], "
+                                                    "-1 for none; dense or sparse CSR.")
+    prompt_logprobs_last_n: int | None = Field(None, ge=1, le=131072, description="Score only the last n prompt "
+                                               "tokens.")
 
 
 class SamplerOut(BaseModel):
@@ -622,8 +637,16 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
         return _refused("prompt.chunks", "only text chunks (token ids) are supported here, not images or audio")
     if sum(len(c.tokens) for c in body.prompt.chunks) == 0:
         return _refused("prompt", "no tokens")
-    if body.prompt_logprobs_last_n is not None:
-        return _refused("prompt_logprobs_last_n", "not supported here yet: every prompt token is scored")
+    prompt_len = sum(len(c.tokens) for c in body.prompt.chunks)
+    try:
+        check_widths(prompt_len=prompt_len, n=body.num_samples, max_tokens=body.sampling_params.max_tokens or 16,
+                     topk_prompt=body.topk_prompt_logprobs, topk_sample=body.topk_sample_logprobs,
+                     alt_k=body.prompt_alt_tokens_k, last_n=body.prompt_logprobs_last_n,
+                     prompt_logprobs=bool(body.prompt_logprobs))
+        if body.target_prompt_logprobs is not None:
+            target_ids(body.target_prompt_logprobs.model_dump(), prompt_len=prompt_len)
+    except WireError as exc:
+        return _refused(exc.field, exc.message)
     with session_scope(settings.store_url) as session:
         job = _sampler_run(session, sampling_session_id=body.sampling_session_id, owner=owner)
         future = _submit_op(settings, session, job=job, kind="sample", body=body.model_dump_json().encode(), seq=None)

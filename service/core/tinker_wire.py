@@ -220,28 +220,6 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
 
 
 @dataclass(frozen=True)
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str  # "stop" | "length"
-
-
-def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: np.ndarray | None) -> bytes:
-    """`SampleResponse` as the SDK decodes it: int32 tokens, float32 log-probs; a prompt log-prob of NaN
-    reads as None (the first token's)."""
-    p = pb()
-    out = p.SampleResponse()
-    for s in sequences:
-        seq = out.sequences.add()
-        seq.stop_reason = p.STOP_REASON_STOP if s.stop_reason == "stop" else p.STOP_REASON_LENGTH
-        seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
-        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
-    return out.SerializeToString()
-
-
-@dataclass(frozen=True)
 class SamplerRef:
     """What a sampling session samples: a run's weights at a version (`<model_id>:v<n>`, a snapshot
     taken by save_weights_for_sampler) or as saved at a step (`<model_id>:s<n>`, a checkpoint named by

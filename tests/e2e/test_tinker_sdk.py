@@ -189,6 +189,17 @@ def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, 
                    headers={**mine, **proto})
         assert r.status_code == 400 and r.json()["detail"][0]["field"] == "data.0.loss_fn_inputs.target_tokens"
         assert c.post("/api/v1/forward_backward", content=b"\xff" * 40, headers={**mine, **proto}).status_code == 400
+        sampler_id = f"{client.model_id}:v0"
+        ask = {"sampling_session_id": sampler_id, "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
+               "sampling_params": {"max_tokens": 2}}
+        for extra, status, field in (
+                ({"prompt_logprobs_last_n": 2}, 400, "prompt_logprobs_last_n"),
+                ({"prompt_logprobs": True, "prompt_logprobs_last_n": 3}, 400, "prompt_logprobs_last_n"),
+                ({"topk_prompt_logprobs": 65}, 422, "topk_prompt_logprobs"),
+                ({"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [1, 2]}}, 400,
+                 "target_prompt_logprobs.shape")):
+            r = c.post("/api/v1/asample", json=ask | extra, headers=mine)
+            assert r.status_code == status and r.json()["detail"][0]["field"] == field, (extra, r.text)
     # a token beyond the vocabulary: the worker knows the vocabulary, the future fails naming the field
     huge = types.Datum(model_input=types.ModelInput.from_ints([1, 10**6]),
                        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
@@ -203,6 +214,46 @@ def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, 
         assert c.post("/api/v1/create_sampling_session", json=ask, headers=theirs).status_code == 404
         assert c.post("/api/v1/create_sampling_session", json=ask, headers=mine).status_code == 200
         assert c.get(f"/api/v1/training_runs/{client.model_id}/checkpoints", headers=theirs).status_code == 404
+
+
+def check_prompt_scoring(sampler, model) -> None:
+    """What a request can ask of its prompt and its completion, through the SDK, against a hand
+    computation on the same weights."""
+    prompt = [5, 9, 14, 3, 22, 8, 1, 40]
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], -1)  # [P-1, V]: row i, position i + 1
+    picked = full.gather(-1, ids[1:, None])[:, 0].numpy()
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3).result()
+    assert scored[:5] == [None] * 5
+    np.testing.assert_allclose(scored[5:], picked[4:], atol=1e-4)
+    named = torch.full((7, 3), -1, dtype=torch.int64)
+    named[2, :2], named[6, 2] = torch.tensor([4, 100]), 17
+    params = types.SamplingParams(max_tokens=3, temperature=0.7, seed=11, stop=[])
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 1, params, include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3, topk_sample_logprobs=2, prompt_logprobs_last_n=5,
+                         target_prompt_logprobs=types.TensorData.from_torch_sparse(named, pad_value=-1),
+                         prompt_alt_tokens_k=4).result()
+    top = torch.topk(full, 3, -1)
+    assert out.prompt_logprobs[:3] == [None] * 3 and out.topk_prompt_logprobs[:3] == [None] * 3
+    np.testing.assert_allclose(out.prompt_logprobs[3:], picked[2:], atol=1e-4)
+    for i in range(3, 8):
+        assert [t for t, _ in out.topk_prompt_logprobs[i]] == top.indices[i - 1].tolist()
+        np.testing.assert_allclose([lp for _, lp in out.topk_prompt_logprobs[i]], top.values[i - 1], atol=1e-4)
+    want = torch.zeros(7, 3)
+    want[2, :2], want[6, 2] = full[2, [4, 100]], full[6, 17]
+    assert out.target_prompt_logprobs.sparse_crow_indices is not None  # answered sparse, as sent
+    np.testing.assert_allclose(out.target_prompt_logprobs.to_torch(), want, atol=1e-4)
+    alt = out.prompt_alt_tokens.tokens.to_torch()  # [P-1, 4], drawn at temperature 0.7
+    assert alt.shape == (7, 4)
+    np.testing.assert_allclose(out.prompt_alt_tokens.logprobs.to_torch(),
+                               torch.log_softmax(full / 0.7, -1).gather(-1, alt), atol=1e-4)
+    seq = out.sequences[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(prompt + seq.tokens)[None]).logits[0, len(prompt) - 1:-1] / 0.7
+    top = torch.topk(torch.log_softmax(logits, -1), 2, -1)
+    assert [[t for t, _ in row] for row in seq.topk_logprobs] == top.indices.tolist()
+    np.testing.assert_allclose([[lp for _, lp in row] for row in seq.topk_logprobs], top.values, atol=1e-4)
 
 
 def test_sampling_from_snapshots_of_the_trained_weights(dev):
@@ -227,6 +278,7 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
     first = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
         max_tokens=6, temperature=0.0, stop=[greedy])).result().sequences[0]
     assert first.tokens == [greedy] and first.stop_reason == "stop"
+    check_prompt_scoring(sampler, model)
     # train a step: the earlier sampler still samples the weights it was made from, a new one the new weights
     d = types.Datum(model_input=types.ModelInput.from_ints(prompt),
                     loss_fn_inputs={"target_tokens": prompt[1:] + [7], "weights": [1.0] * 4})
@@ -271,12 +323,12 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
                    if j["uid"] == client.model_id)
         rows = c.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 1000}).json()
     by_step = {step: [r for r in rows if r["step"] == step] for step in (0, 1)}
-    assert len(rows) == 4 + 22 and [len(by_step[0]), len(by_step[1])] == [4, 22]  # 3 + 1; 3 + 3 + 4 x 2 x 2
+    assert len(rows) == 6 + 22 and [len(by_step[0]), len(by_step[1])] == [6, 22]  # 3 + 1 + 2; 3 + 3 + 4 x 2 x 2
     for step_rows in by_step.values():
         assert sorted(r["index"] for r in step_rows) == list(range(len(step_rows)))
     assert all(r["reward"] is None and r["advantage"] is None for r in rows)
-    assert [r["extra"]["tokens"] for r in by_step[0]] == [6, 6, 6, 1]
-    assert [r["extra"]["stop_reason"] for r in by_step[0]] == ["length"] * 3 + ["stop"]
+    assert [r["extra"]["tokens"] for r in by_step[0]][:4] == [6, 6, 6, 1]  # then the prompt scoring's two
+    assert [r["extra"]["stop_reason"] for r in by_step[0]][:4] == ["length"] * 3 + ["stop"]
     assert by_step[0][0]["extra"]["logprob"] == pytest.approx(sum(out.sequences[0].logprobs), abs=1e-4)
 
 

@@ -19,17 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from service.core.records import OpResult, PendingOp, SampleRow, Samples
-from service.core.tinker_wire import (
-    SampledSequence,
-    SamplerRef,
-    WireError,
-    encode_sample_response,
-    parse_sampler_id,
-    sampler_id,
-)
+from service.core.tinker_sampling import SampledSequence, TopK, check_widths, encode_sample_response, target_ids
+from service.core.tinker_wire import SamplerRef, WireError, parse_sampler_id, sampler_id
 from worker import token_sampler
 from worker.checkpoints import load_weights
 from worker.loops.session_state import Session
+from worker.prompt_scoring import PromptAsk, score_prompt
 from worker.reporting import Operations, Reporter
 from worker.sampling import eos_token_ids
 from worker.training import eval_mode
@@ -100,7 +95,7 @@ class SampleCall:
     sampler: str  # the sampling session id, recorded with the samples
     ref: SamplerRef
     request: token_sampler.Request
-    prompt_logprobs: bool
+    prompt: PromptAsk  # what it asks of its prompt
 
 
 def parse_sample(s: Session, body: bytes) -> SampleCall:
@@ -121,13 +116,23 @@ def parse_sample(s: Session, body: bytes) -> SampleCall:
         stop_strings = tuple(stop)
     p = token_sampler.Params(max_tokens=params.get("max_tokens") or 16, temperature=params.get("temperature", 1.0),
                              top_k=params.get("top_k", -1), top_p=params.get("top_p", 1.0), seed=params.get("seed"),
-                             stop_tokens=stop_tokens, stop_strings=stop_strings)
+                             stop_tokens=stop_tokens, stop_strings=stop_strings,
+                             topk_logprobs=req.get("topk_sample_logprobs", 0))
+    n = req.get("num_samples", 1)
+    check_widths(prompt_len=len(prompt), n=n, max_tokens=p.max_tokens, topk_prompt=req.get("topk_prompt_logprobs", 0),
+                 topk_sample=p.topk_logprobs, alt_k=req.get("prompt_alt_tokens_k", 0),
+                 last_n=req.get("prompt_logprobs_last_n"), prompt_logprobs=bool(req.get("prompt_logprobs")))
+    targets = req.get("target_prompt_logprobs")
+    ask = PromptAsk(logprobs=bool(req.get("prompt_logprobs")), topk=req.get("topk_prompt_logprobs", 0),
+                    last_n=req.get("prompt_logprobs_last_n"), alt_k=req.get("prompt_alt_tokens_k", 0),
+                    targets=None if targets is None else target_ids(targets, prompt_len=len(prompt),
+                                                                     vocab_size=s.vocab_size),
+                    temperature=p.temperature, seed=p.seed)
     ref = parse_sampler_id(req["sampling_session_id"])
     if ref.source == "v" and ref.number != s.version and ref.key not in s.snapshots:
         raise WireError("sampling_session_id", f"the weights of version {ref.number} are no longer kept (the "
                         f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
-    return SampleCall(req["sampling_session_id"], ref, token_sampler.Request(prompt, req.get("num_samples", 1), p),
-                      bool(req.get("prompt_logprobs")))
+    return SampleCall(req["sampling_session_id"], ref, token_sampler.Request(prompt, n, p), ask)
 
 
 SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch (rows of several pending sample requests)
@@ -154,9 +159,11 @@ def sample(s: Session, calls: list[SampleCall], reporter: Reporter) -> list[Samp
                 sampled = token_sampler.sample_many(model, [calls[i].request for i in batch], s.tokenizer.decode)
                 for i, rows_of_call in zip(batch, sampled, strict=True):
                     c = calls[i]
-                    prompt_lp = token_sampler.prompt_logprobs(model, c.request.prompt) if c.prompt_logprobs else None
+                    scores = score_prompt(model, c.request.prompt, c.prompt) if c.prompt.anything else None
                     response = encode_sample_response(
-                        [SampledSequence(r.tokens, r.logprobs, r.stop_reason) for r in rows_of_call], prompt_lp)
+                        [SampledSequence(r.tokens, r.logprobs, r.stop_reason,
+                                         None if r.topk_ids is None else TopK(r.topk_ids, r.topk_logprobs))
+                         for r in rows_of_call], scores, c.prompt.targets)
                     results[i] = SampleResult(response, sample_rows(s, c, rows_of_call))
     return results
 

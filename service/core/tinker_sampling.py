@@ -1,0 +1,178 @@
+"""The tinker SDK's `sample` on the wire: what a request asks of its prompt and its completions, and
+the protobuf `SampleResponse` that answers it. Numpy only, so the API checks a request with the same
+code the worker runs it with.
+
+A request can ask, besides the completions and each sampled token's log-prob:
+- `prompt_logprobs`: each prompt token's log-prob given the tokens before it ([P], NaN where not
+  scored: the first token, and those before the last `prompt_logprobs_last_n`);
+- `topk_prompt_logprobs` / `topk_sample_logprobs`: the k most likely tokens at each prompt or sampled
+  position, with their log-probs ([L, k]; unscored rows hold the SDK's sentinel);
+- `target_prompt_logprobs`: the log-probs of named token ids, [P-1, K], cell [i, j] scored at prompt
+  position i + 1, -1 naming nothing; dense or sparse CSR, answered in the same layout;
+- `prompt_alt_tokens_k`: k draws, with replacement and at the request's temperature, at every prompt
+  position after the first, with their log-probs ([P-1, k]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.core.tinker_wire import WireError, pb
+
+MAX_K = 64  # widest top-k and most alternative draws a position gets
+MAX_CELLS = 1 << 21  # largest [positions, k] answer a field may hold (8 MiB of float32)
+MASK_LOGPROB = -99999.0  # the SDK's sentinel for a top-k row with nothing in it (token id 0)
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The k most likely tokens at each of L positions."""
+
+    ids: np.ndarray  # [L, k] int32; 0 in rows not scored
+    logprobs: np.ndarray  # [L, k] float32; MASK_LOGPROB in rows not scored
+
+
+@dataclass(frozen=True)
+class TargetIds:
+    """`target_prompt_logprobs` as asked: dense ids, and the CSR layout when it came sparse (the
+    answer goes back in the layout it came in)."""
+
+    ids: np.ndarray  # [P-1, K] int64; -1: nothing asked
+    crow: np.ndarray | None = None  # [P] int64, CSR row pointers
+    col: np.ndarray | None = None  # [nnz] int64, CSR column indices
+
+    @property
+    def first_row(self) -> int:
+        """The first row that names an id: rows before it need no scoring."""
+        return int(np.flatnonzero((self.ids >= 0).any(axis=1))[0])
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """What the prompt's forward pass answered; None where it was not asked."""
+
+    logprobs: np.ndarray | None = None  # [P] float32, NaN where not scored
+    topk: TopK | None = None  # [P, k]
+    targets: np.ndarray | None = None  # [P-1, K] float32, 0.0 where nothing was asked
+    alt_ids: np.ndarray | None = None  # [P-1, k] int64
+    alt_logprobs: np.ndarray | None = None  # [P-1, k] float32
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+    topk: TopK | None = None  # [T, k] when topk_sample_logprobs was asked
+
+
+def target_ids(sent: dict, *, prompt_len: int, vocab_size: int | None = None) -> TargetIds:
+    """`target_prompt_logprobs` as the SDK sends it in JSON (`data`, `dtype`, `shape`, and for CSR
+    `sparse_crow_indices` / `sparse_col_indices`), checked against the prompt and the vocabulary."""
+    where = "target_prompt_logprobs"
+    if sent.get("dtype") != "int64":
+        raise WireError(f"{where}.dtype", "must be int64: token ids")
+    shape = sent.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2:
+        raise WireError(f"{where}.shape", f"must be 2-D, [len(prompt) - 1, K] = [{prompt_len - 1}, K]")
+    rows, k = shape
+    if rows != prompt_len - 1 or not 1 <= k or prompt_len * k > MAX_CELLS:
+        raise WireError(f"{where}.shape", f"{shape}: must be [len(prompt) - 1, K] = [{prompt_len - 1}, K], K >= 1, "
+                        f"len(prompt) * K at most {MAX_CELLS}")
+    raw = np.asarray(sent.get("data") or [], dtype=np.float64)
+    if not (np.isfinite(raw) & (raw == np.round(raw))).all():
+        raise WireError(f"{where}.data", "token ids must be whole numbers")
+    data = raw.astype(np.int64)
+    crow, col = sent.get("sparse_crow_indices"), sent.get("sparse_col_indices")
+    if (crow is None) != (col is None):
+        raise WireError(f"{where}.sparse_col_indices", "sparse_crow_indices and sparse_col_indices go together")
+    if crow is None:
+        if data.size != rows * k:
+            raise WireError(f"{where}.data", f"{data.size} values for shape {shape}")
+        ids = data.reshape(rows, k)
+    else:
+        crow, col = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+        if (crow.size != rows + 1 or crow[0] != 0 or (np.diff(crow) < 0).any() or crow[-1] != col.size
+                or col.size != data.size or ((col < 0) | (col >= k)).any()):
+            raise WireError(f"{where}.sparse_crow_indices", f"not a CSR layout of shape {shape} with {data.size} "
+                            "values")
+        ids = np.full((rows, k), -1, dtype=np.int64)
+        ids[np.repeat(np.arange(rows), np.diff(crow)), col] = data
+    if (bad := ids[(ids < -1) | (ids >= (vocab_size or np.iinfo(np.int64).max))]).size:
+        raise WireError(f"{where}.data", f"token id {int(bad[0])} is outside the model's vocabulary"
+                        + (f" [0, {vocab_size})" if vocab_size else " (-1 names nothing)"))
+    if not (ids >= 0).any():
+        raise WireError(f"{where}.data", "names no token id (every cell is -1)")
+    return TargetIds(ids, crow, col)
+
+
+def check_widths(*, prompt_len: int, n: int, max_tokens: int, topk_prompt: int, topk_sample: int,
+                 alt_k: int, last_n: int | None, prompt_logprobs: bool) -> None:
+    """The sizes a sample request asks for, within what one answer may hold."""
+    for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample),
+                    ("prompt_alt_tokens_k", alt_k)):
+        if k > MAX_K:
+            raise WireError(name, f"{k}: at most {MAX_K}")
+    if prompt_len * max(topk_prompt, alt_k) > MAX_CELLS:
+        raise WireError("topk_prompt_logprobs" if topk_prompt > alt_k else "prompt_alt_tokens_k",
+                        f"len(prompt) * k is {prompt_len * max(topk_prompt, alt_k)}: at most {MAX_CELLS}")
+    if n * max_tokens * topk_sample > MAX_CELLS:
+        raise WireError("topk_sample_logprobs", f"num_samples * max_tokens * k is {n * max_tokens * topk_sample}: "
+                        f"at most {MAX_CELLS}")
+    if last_n is not None:
+        if not prompt_logprobs:
+            raise WireError("prompt_logprobs_last_n", "applies to prompt log-probs: set prompt_logprobs")
+        if not 1 <= last_n <= prompt_len - 1:
+            raise WireError("prompt_logprobs_last_n", f"{last_n}: must be between 1 and len(prompt) - 1 = "
+                            f"{prompt_len - 1}")
+
+
+def _topk(msg, topk: TopK) -> None:
+    msg.length, msg.k = topk.ids.shape
+    msg.token_ids = np.ascontiguousarray(topk.ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes()
+
+
+def _tensor(msg, values: np.ndarray, dtype: int) -> None:
+    msg.dtype = dtype
+    msg.shape.extend(values.shape)
+    msg.dense = np.ascontiguousarray(values).tobytes()
+
+
+def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScores | None = None,
+                           targets_as: TargetIds | None = None) -> bytes:
+    """`SampleResponse` as the SDK decodes it: int32 tokens, float32 log-probs; a prompt log-prob of NaN
+    reads as None. `targets_as`: the request's target ids, whose layout (dense or CSR) the answer keeps."""
+    p = pb()
+    out = p.SampleResponse()
+    for s in sequences:
+        seq = out.sequences.add()
+        seq.stop_reason = p.STOP_REASON_STOP if s.stop_reason == "stop" else p.STOP_REASON_LENGTH
+        seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+        if s.topk is not None:
+            _topk(seq.topk_sampled_logprobs, s.topk)
+    if prompt is None:
+        return out.SerializeToString()
+    if prompt.logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt.logprobs, dtype=np.float32).tobytes()
+    if prompt.topk is not None:
+        _topk(out.topk_prompt_logprobs, prompt.topk)
+    if prompt.targets is not None:
+        values = prompt.targets.astype(np.float32)
+        if targets_as is not None and targets_as.crow is not None:
+            rows = np.repeat(np.arange(values.shape[0]), np.diff(targets_as.crow))
+            t = out.target_prompt_logprobs
+            t.dtype = p.DTYPE_FLOAT32
+            t.shape.extend(values.shape)
+            t.sparse_csr.values = np.ascontiguousarray(values[rows, targets_as.col]).tobytes()
+            t.sparse_csr.crow_indices = targets_as.crow.astype(np.int64).tobytes()
+            t.sparse_csr.col_indices = targets_as.col.astype(np.int64).tobytes()
+        else:
+            _tensor(out.target_prompt_logprobs, values, p.DTYPE_FLOAT32)
+    if prompt.alt_ids is not None:
+        _tensor(out.prompt_alt_tokens.tokens, prompt.alt_ids.astype(np.int64), p.DTYPE_INT64)
+        _tensor(out.prompt_alt_tokens.logprobs, prompt.alt_logprobs.astype(np.float32), p.DTYPE_FLOAT32)
+    return out.SerializeToString()

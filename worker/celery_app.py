@@ -3,11 +3,12 @@
 import logging
 
 from celery import Celery
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery.signals import task_prerun, worker_process_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from service.core import queue
 from service.core.settings import get_settings
 from service.store.db import dispose_engines
+from worker import stopping
 
 app = Celery("grpo_jobs", include=["worker.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
@@ -21,6 +22,23 @@ def _forget_parent_connections(**_kwargs) -> None:
     sweep's). Sharing one socket between processes corrupts both sessions (on PostgreSQL:
     'prepared statement "_pg3_0" already exists'), so the child drops them unclosed."""
     dispose_engines(close=False)
+
+
+@worker_process_init.connect
+def _deaf_until_a_job_runs(**_kwargs) -> None:
+    stopping.deaf()
+
+
+@task_prerun.connect
+def _listen_for_stop(**_kwargs) -> None:
+    stopping.listen()
+
+
+@worker_shutting_down.connect
+def _tell_pool(how: str = "", **_kwargs) -> None:
+    """A warm shutdown waits for the running jobs: a session run among them hands itself back."""
+    if how == "Warm":
+        stopping.tell_pool()
 
 
 @worker_ready.connect

@@ -20,9 +20,10 @@ from service.core.records import OpResult, PendingOp, SampleRow, SelectionRecord
 class LoopResult:
     """What a loop returns to the runner: how it ended, at which step, and its last evaluation."""
 
-    status: Literal["succeeded", "cancelled", "idle"]  # idle: a session run with nothing to do
+    status: Literal["succeeded", "cancelled", "idle"]  # idle: a session run handing its worker back
     step: int  # the last step whose update was made
     eval: dict[str, float] = field(default_factory=dict)
+    why: str = ""  # idle: why the run hands its worker back
 
 
 class Operations(Protocol):

@@ -171,16 +171,16 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         reporter.finish("failed", message, error=message, data={"error_type": type(exc).__name__})
         return "failed"
     if result.status == "idle":
-        return _release_idle(lease, reporter, settings, result.step)
+        return _release_idle(lease, reporter, settings, result)
     reporter.finish(result.status, f"job {result.status} at step {result.step}",
                     data={"step": result.step, **result.eval})
     return result.status
 
 
-def _release_idle(lease: leases.Lease, reporter: SqlReporter, settings: Settings, step: int) -> Outcome:
-    """A session run with nothing to do gives its worker back; one whose operation arrived meanwhile is
-    queued again at once."""
-    message = f"no operation for a while: state saved at step {step}; the next operation brings the run back"
+def _release_idle(lease: leases.Lease, reporter: SqlReporter, settings: Settings, result: LoopResult) -> Outcome:
+    """A session run that gives its worker back (nothing to do, or the worker is stopping): idle, or queued
+    again at once when operations are pending."""
+    message = f"{result.why}: state saved at step {result.step}"
     given = session_ops.give_back(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
     if given is None:
         raise LeaseLost(f"job {lease.job_id}: lease lost")

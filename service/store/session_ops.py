@@ -156,8 +156,8 @@ def fail_pending(url: str, *, job_id: int, error: str, category: str) -> int:
 
 
 def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None:
-    """A run's worker is done with it for now: `idle` while nothing is pending, else `queued` (an
-    operation arrived as it stopped: enqueue the returned uid). The lease goes, and so does the attempt
+    """A run's worker is done with it for now (`message`: why, and the state it saved): `idle` while
+    nothing is pending, else `queued` (enqueue the returned uid). The lease goes, and so does the attempt
     it took: giving a run back is not a failed attempt. None when the lease was no longer `holder`'s."""
     pending = exists().where(SessionOp.job_id == job_id, SessionOp.status == "pending")
     with session_scope(url) as session:
@@ -168,8 +168,9 @@ def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None
             .returning(Job.status, Job.uid).execution_options(synchronize_session=False)).first()
         if row is None:
             return None
-        session.add(JobEvent(job_id=job_id, type=row.status, message=message if row.status == Status.idle else
-                             "an operation arrived as the run was given back: queued again"))
+        session.add(JobEvent(job_id=job_id, type=row.status, message=message + (
+            "; the next operation brings the run back" if row.status == Status.idle else
+            "; operations are pending: queued again at once")))
     return "idle" if row.status == Status.idle else row.uid
 
 

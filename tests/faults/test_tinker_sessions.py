@@ -4,6 +4,8 @@ worker from its last saved state, and two runs in a row on one worker; tinker-co
 through the same, resumed from its own save; its RL loop, learning as on the embedded default."""
 
 import json
+import signal
+import time
 
 import pytest
 
@@ -52,6 +54,39 @@ def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its
     with cluster.client() as c:
         wait_for(lambda: c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]["step"] == 1,
                  "the second run's step", cluster)
+
+
+def test_a_stopping_worker_hands_its_session_run_back_at_the_next_clean_point(cluster):
+    """SIGTERM (a warm shutdown, as a deploy sends) to the worker holding a run: once no gradient waits
+    for its optim_step, the run's state is saved and the run given back, far sooner than its idle timeout
+    (120 s here); another worker takes it from that state, as the same attempt, with nothing failed."""
+    cluster.serve()
+    w1 = cluster.worker("w1")
+    service = tinker.ServiceClient(base_url=cluster.base, api_key=cluster.key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
+    losses = [step(client)]
+    losses.append(client.forward_backward(CE, "cross_entropy").result().metrics["loss:sum"])
+    w1.send_signal(signal.SIGTERM)
+    time.sleep(2)
+    assert w1.poll() is None, cluster.logs()  # the gradient would be lost: the run is not handed back yet
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    stopped = time.monotonic()
+    assert w1.wait(timeout=60) == 0, cluster.logs()
+    took = time.monotonic() - stopped
+    pending = client.forward_backward(CE, "cross_entropy")  # sent with no worker up: it waits
+    cluster.worker("w2")
+    losses.append(pending.result().metrics["loss:sum"])
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert losses[2] < losses[1] < losses[0] and took < 30, (losses, took)
+    with cluster.client() as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        assert job["step"] == 3 and job["attempt"] == 1, cluster.logs()
+        events = c.get(f"/v1/jobs/{job['id']}/events").json()
+        handed = [e for e in events if e["type"] == "idle"]
+        assert handed and handed[0]["message"].startswith("its worker is stopping: state saved at step 2")
+        assert "resumed" in [e["type"] for e in events] and "resumed_after_failure" not in [e["type"] for e in events]
+        series = c.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total"}).json()["series"][0]
+        assert [p["step"] for p in series["points"]] == [1, 2, 3]
 
 
 def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_is_killed(

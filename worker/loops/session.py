@@ -21,13 +21,16 @@ the client polls:
 Every optim_step is a step of the run: it records `loss/total` (the sum of its forward_backwards'
 losses), `tokens`, `lr`, `grad_norm` and `time/step_s`. With no operation for
 `session.idle_timeout_s` the run's state (weights and optimizer) is saved and the worker gives the run
-back (status idle); the next operation queues it again and a worker restores that state. Gradients
+back (status idle); the next operation queues it again and a worker restores that state. A worker told
+to stop (worker.stopping) does the same at the run's next clean point (no gradient waiting for its
+optim_step), and the run is queued again at once if operations are pending. Gradients
 accumulated by a forward_backward whose optim_step has not come yet are not part of the saved state, nor
 are the in-memory snapshots of older weights: a sampler of the current weights samples on, one of older
 weights is told they are no longer kept.
 
 A run create_sampling_session made for a base model, or for a path whose run has ended
-(`session.sampling_only`), only samples those weights (the path's through `model.init_from`). Snapshots and sampling: worker.loops.session_sampling.
+(`session.sampling_only`), only samples those weights (the path's through `model.init_from`).
+Snapshots and sampling: worker.loops.session_sampling.
 
 Run it from the SDK: README, "Use grpo-jobs from the tinker SDK".
 """
@@ -58,6 +61,7 @@ from worker.loops.setup import init_weights
 from worker.models import load_policy
 from worker.reporting import LoopResult, Reporter
 from worker.sql_reporter import LeaseLost
+from worker.stopping import stopping
 from worker.training import grad_norm, trainable
 
 log = logging.getLogger(__name__)
@@ -159,6 +163,8 @@ def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
 # After a worker is lost, the run's weight versions go on from its saved one plus this: the versions
 # the lost worker handed out since (fewer than this many weight changes) are never named again.
 VERSION_GAP = 1 << 20
+
+
 def save_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
     req = json.loads(body)
     save_state(s, reporter, f"saved as {req['kind']}/{req['name']}")
@@ -258,11 +264,14 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
             save_state(s, reporter, "cancelled")
             ops.fail_pending("the run was cancelled", "user")
             return LoopResult(status="cancelled", step=s.step)
+        if stopping() and not s.pending["tokens"]:  # at a clean point: no gradient waits for its optim_step
+            save_state(s, reporter, "the worker is stopping")
+            return LoopResult(status="idle", step=s.step, why="its worker is stopping")
         op = ops.next()
         if op is None:
             if time.monotonic() - last_op > spec.session.idle_timeout_s:
                 save_state(s, reporter, f"no operation for {spec.session.idle_timeout_s:g} s")
-                return LoopResult(status="idle", step=s.step)
+                return LoopResult(status="idle", step=s.step, why="no operation for a while")
             time.sleep(POLL_BUSY_S if time.monotonic() - last_op < BUSY_FOR_S else POLL_IDLE_S)
             continue
         if op.kind == "sample":

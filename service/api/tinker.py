@@ -30,7 +30,7 @@ from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_sampling import MAX_CELLS, MAX_K, check_widths, target_ids
+from service.core.tinker_sampling import MAX_CELLS, MAX_K, check_request
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
@@ -635,16 +635,11 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """Completions of one prompt from a snapshot of a run's weights, run by the run's worker."""
     if any(c.type != "encoded_text" for c in body.prompt.chunks):
         return _refused("prompt.chunks", "only text chunks (token ids) are supported here, not images or audio")
-    if sum(len(c.tokens) for c in body.prompt.chunks) == 0:
-        return _refused("prompt", "no tokens")
     prompt_len = sum(len(c.tokens) for c in body.prompt.chunks)
+    if prompt_len == 0:
+        return _refused("prompt", "no tokens")
     try:
-        check_widths(prompt_len=prompt_len, n=body.num_samples, max_tokens=body.sampling_params.max_tokens or 16,
-                     topk_prompt=body.topk_prompt_logprobs, topk_sample=body.topk_sample_logprobs,
-                     alt_k=body.prompt_alt_tokens_k, last_n=body.prompt_logprobs_last_n,
-                     prompt_logprobs=bool(body.prompt_logprobs))
-        if body.target_prompt_logprobs is not None:
-            target_ids(body.target_prompt_logprobs.model_dump(), prompt_len=prompt_len)
+        check_request(body.model_dump(), prompt_len=prompt_len)
     except WireError as exc:
         return _refused(exc.field, exc.message)
     with session_scope(settings.store_url) as session:

@@ -21,6 +21,7 @@ import numpy as np
 
 from service.core.tinker_wire import WireError, pb
 
+DEFAULT_MAX_TOKENS = 16  # a completion's length when sampling_params.max_tokens is not sent
 MAX_K = 64  # widest top-k and most alternative draws a position gets
 MAX_CELLS = 1 << 21  # largest [positions, k] answer a field may hold (8 MiB of float32)
 MASK_LOGPROB = -99999.0  # the SDK's sentinel for a top-k row with nothing in it (token id 0)
@@ -127,6 +128,18 @@ def check_widths(*, prompt_len: int, n: int, max_tokens: int, topk_prompt: int, 
         if not 1 <= last_n <= prompt_len - 1:
             raise WireError("prompt_logprobs_last_n", f"{last_n}: must be between 1 and len(prompt) - 1 = "
                             f"{prompt_len - 1}")
+
+
+def check_request(req: dict, *, prompt_len: int, vocab_size: int | None = None) -> TargetIds | None:
+    """A sample request (its JSON body) checked for what it asks of its prompt and completions; its
+    target ids, when it names any. The API checks it without the vocabulary, the worker with it."""
+    check_widths(prompt_len=prompt_len, n=req.get("num_samples") or 1,
+                 max_tokens=(req.get("sampling_params") or {}).get("max_tokens") or DEFAULT_MAX_TOKENS,
+                 topk_prompt=req.get("topk_prompt_logprobs") or 0, topk_sample=req.get("topk_sample_logprobs") or 0,
+                 alt_k=req.get("prompt_alt_tokens_k") or 0, last_n=req.get("prompt_logprobs_last_n"),
+                 prompt_logprobs=bool(req.get("prompt_logprobs")))
+    targets = req.get("target_prompt_logprobs")
+    return None if targets is None else target_ids(targets, prompt_len=prompt_len, vocab_size=vocab_size)
 
 
 def _topk(msg, topk: TopK) -> None:

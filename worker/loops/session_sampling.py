@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from service.core.records import OpResult, PendingOp, SampleRow, Samples
-from service.core.tinker_sampling import SampledSequence, TopK, check_widths, encode_sample_response, target_ids
+from service.core.tinker_sampling import (
+    DEFAULT_MAX_TOKENS,
+    SampledSequence,
+    TopK,
+    check_request,
+    encode_sample_response,
+)
 from service.core.tinker_wire import SamplerRef, WireError, parse_sampler_id, sampler_id
 from worker import token_sampler
 from worker.checkpoints import load_weights
@@ -114,25 +120,21 @@ def parse_sample(s: Session, body: bytes) -> SampleCall:
         stop_tokens = frozenset(stop)
     else:
         stop_strings = tuple(stop)
-    p = token_sampler.Params(max_tokens=params.get("max_tokens") or 16, temperature=params.get("temperature", 1.0),
-                             top_k=params.get("top_k", -1), top_p=params.get("top_p", 1.0), seed=params.get("seed"),
+    p = token_sampler.Params(max_tokens=params.get("max_tokens") or DEFAULT_MAX_TOKENS,
+                             temperature=params.get("temperature", 1.0), top_k=params.get("top_k", -1),
+                             top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                              stop_tokens=stop_tokens, stop_strings=stop_strings,
                              topk_logprobs=req.get("topk_sample_logprobs", 0))
-    n = req.get("num_samples", 1)
-    check_widths(prompt_len=len(prompt), n=n, max_tokens=p.max_tokens, topk_prompt=req.get("topk_prompt_logprobs", 0),
-                 topk_sample=p.topk_logprobs, alt_k=req.get("prompt_alt_tokens_k", 0),
-                 last_n=req.get("prompt_logprobs_last_n"), prompt_logprobs=bool(req.get("prompt_logprobs")))
-    targets = req.get("target_prompt_logprobs")
     ask = PromptAsk(logprobs=bool(req.get("prompt_logprobs")), topk=req.get("topk_prompt_logprobs", 0),
                     last_n=req.get("prompt_logprobs_last_n"), alt_k=req.get("prompt_alt_tokens_k", 0),
-                    targets=None if targets is None else target_ids(targets, prompt_len=len(prompt),
-                                                                     vocab_size=s.vocab_size),
+                    targets=check_request(req, prompt_len=len(prompt), vocab_size=s.vocab_size),
                     temperature=p.temperature, seed=p.seed)
     ref = parse_sampler_id(req["sampling_session_id"])
     if ref.source == "v" and ref.number != s.version and ref.key not in s.snapshots:
         raise WireError("sampling_session_id", f"the weights of version {ref.number} are no longer kept (the "
                         f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
-    return SampleCall(req["sampling_session_id"], ref, token_sampler.Request(prompt, n, p), ask)
+    return SampleCall(req["sampling_session_id"], ref, token_sampler.Request(prompt, req.get("num_samples", 1), p),
+                      ask)
 
 
 SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch (rows of several pending sample requests)

@@ -6,6 +6,7 @@ from service.core.tinker_sampling import (
     PromptScores,
     SampledSequence,
     TopK,
+    check_request,
     check_widths,
     encode_sample_response,
     target_ids,
@@ -79,6 +80,19 @@ def test_widths_beyond_an_answer_are_refused(kw, field):
 def test_widths_within_an_answer_pass():
     check_widths(prompt_len=5, n=4, max_tokens=256, topk_prompt=MAX_K, topk_sample=20, alt_k=MAX_K, last_n=4,
                  prompt_logprobs=True)
+
+
+def test_a_request_body_is_checked_as_a_whole():
+    body = {"num_samples": 2, "sampling_params": {"max_tokens": None}, "prompt_logprobs": True,
+            "prompt_logprobs_last_n": 3, "topk_prompt_logprobs": 5, "topk_sample_logprobs": 0,
+            "prompt_alt_tokens_k": 0, "target_prompt_logprobs": {"data": IDS.ravel().tolist(), "dtype": "int64",
+                                                                  "shape": [4, 3]}}
+    np.testing.assert_array_equal(check_request(body, prompt_len=5).ids, IDS)
+    assert check_request(body | {"target_prompt_logprobs": None}, prompt_len=5) is None
+    with pytest.raises(WireError, match="prompt_logprobs_last_n: 3: must be between 1 and len"):
+        check_request(body, prompt_len=3)
+    with pytest.raises(WireError, match="outside the model's vocabulary"):
+        check_request(body, prompt_len=5, vocab_size=3)
 
 
 def test_the_sdk_reads_every_answer_back_in_the_layout_asked():

@@ -153,9 +153,10 @@ class Cluster:
         self.procs[name] = p
         return p
 
-    def serve(self, *, ready: bool = True, **env: str) -> None:
-        """Start `serve`; with `ready`, wait until its background migration check is done (/readyz)."""
-        port = free_port()
+    def serve(self, *, ready: bool = True, port: int | None = None, **env: str) -> None:
+        """Start `serve` (on `port`, else a free one); with `ready`, wait until its background migration
+        check is done (/readyz)."""
+        port = port or free_port()
         self.start("api", "serve", "--port", str(port), **env)
         self.base = f"http://127.0.0.1:{port}"
         wait_http(f"{self.base}/{'readyz' if ready else 'healthz'}", self)

@@ -4,6 +4,7 @@ worker from its last saved state, and two runs in a row on one worker; tinker-co
 through the same, resumed from its own save; its RL loop, learning as on the embedded default."""
 
 import json
+import os
 import signal
 import time
 
@@ -56,10 +57,11 @@ def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its
                  "the second run's step", cluster)
 
 
-def test_a_stopping_worker_hands_its_session_run_back_at_the_next_clean_point(cluster):
+def test_a_stopping_worker_hands_its_session_run_back_and_an_api_restart_loses_no_future(cluster):
     """SIGTERM (a warm shutdown, as a deploy sends) to the worker holding a run: once no gradient waits
     for its optim_step, the run's state is saved and the run given back, far sooner than its idle timeout
-    (120 s here); another worker takes it from that state, as the same attempt, with nothing failed."""
+    (120 s here); another worker takes it from that state, as the same attempt, with nothing failed.
+    Then the API is killed with a future pending and started again: the SDK gets the future's result."""
     cluster.serve()
     w1 = cluster.worker("w1")
     service = tinker.ServiceClient(base_url=cluster.base, api_key=cluster.key)
@@ -74,7 +76,7 @@ def test_a_stopping_worker_hands_its_session_run_back_at_the_next_clean_point(cl
     assert w1.wait(timeout=60) == 0, cluster.logs()
     took = time.monotonic() - stopped
     pending = client.forward_backward(CE, "cross_entropy")  # sent with no worker up: it waits
-    cluster.worker("w2")
+    w2 = cluster.worker("w2")
     losses.append(pending.result().metrics["loss:sum"])
     client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[2] < losses[1] < losses[0] and took < 30, (losses, took)
@@ -87,6 +89,16 @@ def test_a_stopping_worker_hands_its_session_run_back_at_the_next_clean_point(cl
         assert "resumed" in [e["type"] for e in events] and "resumed_after_failure" not in [e["type"] for e in events]
         series = c.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total"}).json()["series"][0]
         assert [p["step"] for p in series["points"]] == [1, 2, 3]
+    os.killpg(w2.pid, signal.SIGSTOP)  # the run's worker frozen: the next operation stays pending
+    pending = client.forward_backward(CE, "cross_entropy")
+    time.sleep(1)  # the SDK sends it in the background, then polls its future
+    cluster.kill_group("api")  # kill -9: whatever it held in memory is gone
+    os.killpg(w2.pid, signal.SIGCONT)  # within its lease: the result is written while no API is up
+    cluster.serve(port=int(cluster.base.rsplit(":", 1)[1]))
+    assert pending.result().metrics["loss:sum"] < losses[2]  # the SDK retried through the restart
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    with cluster.client() as c:
+        assert c.get(f"/v1/jobs/{job['id']}").json()["step"] == 4
 
 
 def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_is_killed(

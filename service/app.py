@@ -22,6 +22,7 @@ from service.api import (
     specs,
     stream,
     tinker,
+    tinker_runs,
 )
 from service.api.body_limit import BodySizeLimit
 from service.api.errors import store_unavailable
@@ -32,7 +33,7 @@ from service.core.settings import Settings, get_settings
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 ROUTERS = (health.router, jobs.router, stream.router, series.router, reports.router, rewards.router,
-           specs.router, files.router, tinker.router)
+           specs.router, files.router, tinker.router, tinker_runs.router)
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool = False) -> FastAPI:

@@ -16,7 +16,6 @@ import json
 import re
 import secrets
 import time
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -39,7 +38,6 @@ from service.core.tinker_wire import (
     parse_tinker_path,
     sampler_id,
     saved_sampler_id,
-    tinker_path,
 )
 from service.store import session_ops as ops_q
 from service.store.db import session_scope
@@ -51,28 +49,28 @@ FORWARD_BACKWARD_MAX_BYTES = 8 * 2**20  # decompressed; the SDK's chunks are kep
 RETRIEVE_WAIT_S = 10.0  # retrieve_future holds a pending future this long before answering try_again
 
 
-class _Wire(BaseModel):
+class Wire(BaseModel):
     """A request body as the SDK sends it. Fields a newer SDK adds are ignored, not refused: the SDK,
     not a person, writes these bodies, and it must keep working against this server."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
-class ClientConfigIn(_Wire):
+class ClientConfigIn(Wire):
     sdk_version: str = Field("", max_length=40)
 
 
-class CreateSessionIn(_Wire):
+class CreateSessionIn(Wire):
     tags: list[Annotated[str, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
     user_metadata: dict[str, Any] | None = None
     sdk_version: str = Field("", max_length=40)
 
 
-class SessionIdIn(_Wire):
+class SessionIdIn(Wire):
     session_id: str = Field(max_length=40)
 
 
-class LoraConfigIn(_Wire):
+class LoraConfigIn(Wire):
     rank: int = Field(ge=1, le=1024)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
     train_unembed: bool = True
@@ -80,7 +78,7 @@ class LoraConfigIn(_Wire):
     train_attn: bool = True
 
 
-class CreateModelIn(_Wire):
+class CreateModelIn(Wire):
     session_id: str = Field(max_length=40)
     model_seq_id: int = Field(0, ge=0, le=2**31 - 1)
     base_model: str = Field(max_length=200)
@@ -88,11 +86,11 @@ class CreateModelIn(_Wire):
     user_metadata: dict[str, Any] | None = None
 
 
-class ModelIdIn(_Wire):
+class ModelIdIn(Wire):
     model_id: str = Field(max_length=40)
 
 
-class AdamParamsIn(_Wire):
+class AdamParamsIn(Wire):
     learning_rate: float = Field(1e-4, ge=0, le=10)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -101,13 +99,13 @@ class AdamParamsIn(_Wire):
     grad_clip_norm: float = Field(0.0, ge=0)
 
 
-class OptimStepIn(_Wire):
+class OptimStepIn(Wire):
     model_id: str = Field(max_length=40)
     seq_id: int | None = Field(None, ge=0, le=2**62)
     adam_params: AdamParamsIn
 
 
-class SaveForSamplerIn(_Wire):
+class SaveForSamplerIn(Wire):
     model_id: str = Field(max_length=40)
     path: str | None = Field(None, max_length=200)
     sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1)
@@ -115,13 +113,13 @@ class SaveForSamplerIn(_Wire):
     seq_id: int | None = Field(None, ge=0, le=2**62)
 
 
-class SaveWeightsIn(_Wire):
+class SaveWeightsIn(Wire):
     model_id: str = Field(max_length=100)
     path: str | None = Field(None, max_length=100, description="The checkpoint's name.")
     seq_id: int | None = Field(None, ge=0, le=2**62)
 
 
-class LoadWeightsIn(_Wire):
+class LoadWeightsIn(Wire):
     model_id: str | None = Field(None, max_length=100)
     seq_id: int | None = Field(None, ge=0, le=2**62)
     session_id: str | None = Field(None, max_length=40)
@@ -142,36 +140,23 @@ class SessionInfoOut(BaseModel):
     display_name: str | None = None
 
 
-class CheckpointOut(BaseModel):
-    checkpoint_id: str
-    checkpoint_type: str
-    time: datetime
-    tinker_path: str
-    size_bytes: int | None = None
-    public: bool = False
-
-
-class CheckpointsOut(BaseModel):
-    checkpoints: list[CheckpointOut]
-
-
-class CreateSamplingSessionIn(_Wire):
+class CreateSamplingSessionIn(Wire):
     session_id: str = Field(max_length=40)
     sampling_session_seq_id: int = Field(0, ge=0, le=2**31 - 1)
     base_model: str | None = Field(None, max_length=200)
     model_path: str | None = Field(None, max_length=300)
 
 
-class TextChunkIn(_Wire):
+class TextChunkIn(Wire):
     type: str = Field("encoded_text", max_length=30)
     tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(default_factory=list, max_length=131072)
 
 
-class PromptIn(_Wire):
+class PromptIn(Wire):
     chunks: list[TextChunkIn] = Field(min_length=1, max_length=1024)
 
 
-class SamplingParamsIn(_Wire):
+class SamplingParamsIn(Wire):
     max_tokens: int | None = Field(None, ge=1, le=8192)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[Annotated[str, Field(max_length=200)]] | list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None \
@@ -181,7 +166,7 @@ class SamplingParamsIn(_Wire):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
-class TensorIn(_Wire):
+class TensorIn(Wire):
     """A tensor as the SDK's JSON sends it (`TensorData`): flat values, dense or sparse CSR."""
 
     data: list[float] = Field(max_length=MAX_CELLS)
@@ -191,7 +176,7 @@ class TensorIn(_Wire):
     sparse_col_indices: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=MAX_CELLS)
 
 
-class SampleIn(_Wire):
+class SampleIn(Wire):
     sampling_session_id: str = Field(max_length=100)
     seq_id: int | None = Field(None, ge=0, le=2**62)
     num_samples: int = Field(1, ge=1, le=256)
@@ -216,7 +201,7 @@ class SamplerOut(BaseModel):
     model_path: str | None = None
 
 
-class RetrieveFutureIn(_Wire):
+class RetrieveFutureIn(Wire):
     request_id: str = Field(max_length=40)
     allow_metadata_only: bool = False
 
@@ -302,7 +287,7 @@ def _lora_spec(cfg: LoraConfigIn) -> LoraSpec:
     return LoraSpec(r=cfg.rank, alpha=cfg.rank, target_modules=modules)  # alpha = r: the adapter's scale is 1
 
 
-def _owned_run(session, *, model_id: str, owner: str):
+def owned_run(session, *, model_id: str, owner: str):
     job = ops_q.run_for_model(session, model_id=model_id, owner=owner)
     if job is None:  # another owner's run reads as missing
         raise HTTPException(404, f"model {model_id} not found")
@@ -439,7 +424,7 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
 
 @router.post("/get_info", response_model=InfoOut, responses=error_responses(404))
 def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
-    job = _owned_run(session, model_id=body.model_id, owner=owner)
+    job = owned_run(session, model_id=body.model_id, owner=owner)
     spec = job.job_spec()
     lora = spec.model.lora
     return {"type": "get_info", "model_id": job.uid, "model_name": spec.model.name, "is_lora": lora is not None,
@@ -481,7 +466,7 @@ def _unzstd(body: bytes) -> bytes | None:
 
 def _queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: int | None) -> UntypedFuture:
     with session_scope(settings.store_url) as session:
-        job = _owned_run(session, model_id=model_id, owner=owner)
+        job = owned_run(session, model_id=model_id, owner=owner)
         return _submit_op(settings, session, job=job, kind=kind, body=body, seq=seq)
 
 
@@ -534,7 +519,7 @@ def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, sett
     trained = source.job_spec().model
     load = {"job": source.id, "step": step, "optimizer": body.optimizer, "path": body.path}
     if body.model_id is not None:
-        target = _owned_run(session, model_id=body.model_id, owner=owner)
+        target = owned_run(session, model_id=body.model_id, owner=owner)
         if not _same_shape(target.job_spec().model, trained):
             return _refused("path", f"{body.path} holds weights of {trained.name} with lora "
                             f"{None if trained.lora is None else trained.lora.r}: not the shape of this run")
@@ -548,17 +533,6 @@ def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, sett
                                           seed=source.job_spec().session.seed))
     future = _start_run(settings, session, owner=owner, spec=spec, then=("load_weights", json.dumps(load).encode()))
     return future.model_copy(update={"model_id": f"{body.session_id}:train:{spec.session.model_seq_id}"})
-
-
-@router.get("/training_runs/{model_id}/checkpoints", response_model=CheckpointsOut, responses=error_responses(404))
-def list_checkpoints(model_id: Annotated[str, Path(max_length=100)], owner: OwnerDep, session: SessionDep):
-    """A run's named checkpoints; each is also `GET /v1/jobs/{id}/checkpoints/{step}/archive`."""
-    job = _owned_run(session, model_id=model_id, owner=owner)
-    return {"checkpoints": [
-        {"checkpoint_id": f"{named.kind}/{named.name}", "tinker_path": tinker_path(job.uid, named.kind, named.name),
-         "checkpoint_type": "training" if named.kind == "weights" else "sampler", "time": named.created_at,
-         "size_bytes": None if ckpt is None else ckpt.size_bytes}
-        for named, ckpt in ops_q.named_checkpoints(session, job_id=job.id)]}
 
 
 class SamplingSessionOut(BaseModel):

@@ -186,15 +186,6 @@ def name_checkpoint(url: str, *, job_id: int, kind: str, name: str, step: int) -
             row.step, row.created_at = step, utcnow()
 
 
-def named_checkpoints(session: Session, *, job_id: int) -> list[tuple[SessionCheckpoint, Checkpoint | None]]:
-    """A run's named checkpoints, newest first, each with its step's checkpoint row."""
-    rows = session.execute(select(SessionCheckpoint, Checkpoint).outerjoin(
-        Checkpoint, (Checkpoint.job_id == SessionCheckpoint.job_id) & (Checkpoint.step == SessionCheckpoint.step))
-        .where(SessionCheckpoint.job_id == job_id).order_by(SessionCheckpoint.created_at.desc(),
-                                                             SessionCheckpoint.id.desc())).all()
-    return [(named, step) for named, step in rows]
-
-
 def find_named(session: Session, *, model_id: str, kind: str, name: str, owner: str) -> tuple[Job, int] | None:
     """The run and step a tinker path names, if this owner's."""
     job = run_for_model(session, model_id=model_id, owner=owner)
@@ -204,3 +195,37 @@ def find_named(session: Session, *, model_id: str, kind: str, name: str, owner: 
                                                                SessionCheckpoint.kind == kind,
                                                                SessionCheckpoint.name == name))
     return None if step is None else (job, step)
+
+def owned_runs(session: Session, *, owner: str, limit: int, offset: int) -> tuple[list[Job], int]:
+    """A page of this owner's session runs, newest first, and how many there are."""
+    mine = (Job.owner == owner) & (Job.kind == "session")
+    total = session.scalar(select(func.count()).select_from(Job).where(mine))
+    return list(session.scalars(select(Job).where(mine).order_by(Job.id.desc()).limit(limit).offset(offset))), total
+
+
+NamedCheckpoint = tuple[Job, SessionCheckpoint, Checkpoint | None]  # a name, its run, and its step's row
+
+
+def owned_named(session: Session, *, owner: str, job_ids: list[int] | None = None, limit: int | None = None,
+                offset: int = 0) -> tuple[list[NamedCheckpoint], int]:
+    """This owner's named checkpoints (of `job_ids` only, when given), newest first, and how many."""
+    where = [Job.owner == owner, Job.kind == "session"] + ([Job.id.in_(job_ids)] if job_ids is not None else [])
+    total = session.scalar(select(func.count()).select_from(SessionCheckpoint)
+                           .join(Job, Job.id == SessionCheckpoint.job_id).where(*where))
+    q = (select(Job, SessionCheckpoint, Checkpoint).join(Job, Job.id == SessionCheckpoint.job_id)
+         .outerjoin(Checkpoint, (Checkpoint.job_id == SessionCheckpoint.job_id)
+                    & (Checkpoint.step == SessionCheckpoint.step))
+         .where(*where).order_by(SessionCheckpoint.created_at.desc(), SessionCheckpoint.id.desc())
+         .limit(limit).offset(offset))
+    return [(job, named, step) for job, named, step in session.execute(q).all()], total
+
+
+def drop_name(session: Session, *, job_id: int, kind: str, name: str) -> bool:
+    """`tinker://<run>/<kind>/<name>` names nothing any more; the step's checkpoint stays the run's."""
+    row = session.scalars(select(SessionCheckpoint).where(SessionCheckpoint.job_id == job_id,
+                                                          SessionCheckpoint.kind == kind,
+                                                          SessionCheckpoint.name == name)).first()
+    if row is None:
+        return False
+    session.delete(row)
+    return True

@@ -214,6 +214,13 @@ def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, 
         assert c.post("/api/v1/create_sampling_session", json=ask, headers=theirs).status_code == 404
         assert c.post("/api/v1/create_sampling_session", json=ask, headers=mine).status_code == 200
         assert c.get(f"/api/v1/training_runs/{client.model_id}/checkpoints", headers=theirs).status_code == 404
+        assert c.get(f"/api/v1/training_runs/{client.model_id}", headers=theirs).status_code == 404
+        assert c.get("/api/v1/training_runs", headers=theirs).json()["cursor"]["total_count"] == 0
+        assert c.get("/api/v1/checkpoints", headers=theirs).json()["checkpoints"] == []
+        assert c.post("/api/v1/weights_info", json={"tinker_path": path}, headers=theirs).status_code == 404
+        assert c.delete(f"/api/v1/training_runs/{client.model_id}/checkpoints/sampler_weights/mine",
+                        headers=theirs).status_code == 404
+        assert c.post("/api/v1/weights_info", json={"tinker_path": path}, headers=mine).status_code == 200
 
 
 def check_prompt_scoring(sampler, model) -> None:
@@ -376,6 +383,22 @@ def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
     assert len(sessions) == 1  # this client's session: both runs belong to it
     runs_of_session = rest.get_session(sessions[0]).result().training_run_ids
     assert client.model_id in runs_of_session and len(runs_of_session) == 2
+    # the RestClient's view of runs and their checkpoints
+    runs = rest.list_training_runs().result()
+    assert runs.cursor.total_count == 2 and runs.training_runs[1].training_run_id == client.model_id  # newest first
+    # the SDK names a run made from a state <session>:train:<n>; its training run id is the run's own
+    assert rest.get_training_run(resumed.model_id).result().training_run_id == runs.training_runs[0].training_run_id
+    run = rest.get_training_run(client.model_id).result()
+    assert (run.base_model, run.is_lora, run.lora_rank) == (MODEL, True, RANK)
+    assert run.last_checkpoint.tinker_path == saved and run.last_sampler_checkpoint.tinker_path == to_sample
+    info = rest.get_weights_info_by_tinker_path(saved).result()
+    assert (info.base_model, info.is_lora, info.lora_rank, info.train_unembed) == (MODEL, True, RANK, True)
+    assert {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints} == {saved, to_sample}
+    spare = client.save_state("spare").result().path
+    rest.delete_checkpoint_from_tinker_path(spare).result()
+    assert spare not in {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_weights_info_by_tinker_path(spare).result()
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         runs = c.get("/v1/jobs", params={"kind": "session"}).json()["items"]
         assert len(runs) == 2

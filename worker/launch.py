@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a slow rank (evaluation, a checkpoint)
 # What a rank raises when a peer went away: a consequence, never the cause, of a failed attempt.
 _PEER_GONE = ("DistBackendError", "DistNetworkError", "DistStoreError", "RuntimeError: [")
+PEER_GONE_GRACE_S = 3.0
 
 
 @dataclass  # not frozen: raising sets __traceback__, which a context manager's exit assigns again
@@ -122,6 +124,13 @@ def _rank_main(entry: Callable[..., Any], args: tuple) -> Any:
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     # On an error the group is left to the process's exit: closing it first would let the other
     # ranks fail on the closed connection before this rank's error file says what happened.
-    out = entry(*args, ranks=Ranks(rank, world, device))
+    try:
+        out = entry(*args, ranks=Ranks(rank, world, device))
+    except Exception as exc:
+        if f"{type(exc).__name__}: {exc}".startswith(_PEER_GONE):
+            # a consequence: let the rank that caused it exit first, so the launcher sees its error too
+            # (on a loaded machine this rank could otherwise be the only failure it has seen)
+            time.sleep(PEER_GONE_GRACE_S)
+        raise
     dist.destroy_process_group()
     return out

@@ -23,7 +23,7 @@ COOKBOOK_DEPS ?= tinker==0.38.0 tml-renderers==0.2.1 aiohttp anyio blobfile chz 
 
 CHROMIUM ?= /usr/bin/chromium
 # Test processes (pytest-xdist): many tests wait on leases, sweeps, servers and subprocesses, so on two
-# cores a third process fills their waits (fresh clone: 20.6 min with 3, 23.5 min with 2).
+# cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
 .PHONY: install vllm cookbook browser demo dev test bench clean

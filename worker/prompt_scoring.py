@@ -8,30 +8,11 @@ tokens of a long prompt costs the forward pass, not a [P, V] softmax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from service.core.tinker_sampling import MASK_LOGPROB, PromptScores, TargetIds, TopK
+from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, PromptScores, TopK
 from worker.token_sampler import generator
-
-
-@dataclass(frozen=True)
-class PromptAsk:
-    """What one request asks of its prompt (P tokens)."""
-
-    logprobs: bool = False  # each token's log-prob given those before it
-    topk: int = 0  # the k likeliest tokens at each position
-    last_n: int | None = None  # logprobs and topk for the last n tokens only; None: every token after the first
-    targets: TargetIds | None = None  # [P-1, K] token ids whose log-probs to return
-    alt_k: int = 0  # tokens drawn at each position after the first
-    temperature: float = 1.0  # of the alternative draws (0: the argmax, k times)
-    seed: int | None = None  # of the alternative draws
-
-    @property
-    def anything(self) -> bool:
-        return self.logprobs or self.topk > 0 or self.targets is not None or self.alt_k > 0
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.core.tinker_sampling import TopK
+
 
 @dataclass(frozen=True)
 class Sampled:
@@ -25,8 +27,8 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" (a stop token or string) | "length" (max_tokens)
-    topk_ids: np.ndarray | None = None  # [T, k] int32: the k likeliest tokens at each position, when asked
-    topk_logprobs: np.ndarray | None = None  # [T, k] float32: their log-probs, as `logprobs` scores
+    topk: TopK | None = None  # [T, k]: the k likeliest tokens at each position and their log-probs (as
+    # `logprobs` scores them), when asked
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def sample_many(model: torch.nn.Module, requests: list[Request],
         positions = positions[:, -1:] + 1
         out = model(input_ids=chosen, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         cache, logits = out.cache, out.logits[:, -1].float()
-    done = [Sampled(tokens[i], logps[i], reason[i], *_stacked(tops[i], params[i].topk_logprobs))
+    done = [Sampled(tokens[i], logps[i], reason[i], _stacked(tops[i], params[i].topk_logprobs))
             for i in range(rows)]
     return [done[span] for span in spans]
 
@@ -149,10 +151,10 @@ def generator(seed: int | None, device) -> torch.Generator:
     return gen
 
 
-def _stacked(tops: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """A row's per-position top-k as [T, k] matrices; (None, None) when not asked."""
+def _stacked(tops: list[tuple[np.ndarray, np.ndarray]], k: int) -> TopK | None:
+    """A row's per-position top-k as [T, k] matrices; None when not asked."""
     if not k:
-        return None, None
+        return None
     if not tops:
-        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
-    return np.stack([t[0] for t in tops]), np.stack([t[1] for t in tops])
+        return TopK(np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+    return TopK(np.stack([t[0] for t in tops]), np.stack([t[1] for t in tops]))

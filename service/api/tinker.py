@@ -29,7 +29,7 @@ from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_sampling import MAX_CELLS, MAX_K, check_request
+from service.core.tinker_sampling import MAX_CELLS, MAX_K, prompt_ask
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
@@ -613,7 +613,7 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     if prompt_len == 0:
         return _refused("prompt", "no tokens")
     try:
-        check_request(body.model_dump(), prompt_len=prompt_len)
+        prompt_ask(body.model_dump(), prompt_len=prompt_len)
     except WireError as exc:
         return _refused(exc.field, exc.message)
     with session_scope(settings.store_url) as session:

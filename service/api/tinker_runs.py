@@ -103,7 +103,7 @@ def _weights(job: Job) -> WeightsInfoOut:
 
 def _runs(session, jobs: list[Job], owner: str) -> list[TrainingRunOut]:
     newest: dict[tuple[int, str], CheckpointOut] = {}
-    for named in ops_q.owned_named(session, owner=owner, job_ids=[j.id for j in jobs])[0]:  # newest first
+    for named in ops_q.owned_named(session, owner=owner, job_ids=[j.id for j in jobs]):  # newest first
         newest.setdefault((named[0].id, named[1].kind), _checkpoint(named))
     out = []
     for job in jobs:
@@ -137,16 +137,16 @@ def list_checkpoints(model_id: RunId, owner: OwnerDep, session: SessionDep):
     """A run's named checkpoints, newest first; each is also `GET /v1/jobs/{id}/checkpoints/{step}/archive`."""
     job = owned_run(session, model_id=model_id, owner=owner)
     return CheckpointsOut(checkpoints=[_checkpoint(n) for n in ops_q.owned_named(session, owner=owner,
-                                                                                  job_ids=[job.id])[0]])
+                                                                                  job_ids=[job.id])])
 
 
 @router.get("/checkpoints", response_model=CheckpointsOut)
 def list_user_checkpoints(owner: OwnerDep, session: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                           offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0):
     """Every named checkpoint of this owner's runs, newest first."""
-    named, total = ops_q.owned_named(session, owner=owner, limit=limit, offset=offset)
-    return CheckpointsOut(checkpoints=[_checkpoint(n) for n in named],
-                          cursor=CursorOut(offset=offset, limit=limit, total_count=total))
+    named = ops_q.owned_named(session, owner=owner, limit=limit, offset=offset)
+    return CheckpointsOut(checkpoints=[_checkpoint(n) for n in named], cursor=CursorOut(
+        offset=offset, limit=limit, total_count=ops_q.count_named(session, owner=owner)))
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{kind}/{name}", status_code=204, response_class=Response,

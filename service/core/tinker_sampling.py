@@ -45,6 +45,11 @@ class TargetIds:
     col: np.ndarray | None = None  # [nnz] int64, CSR column indices
 
     @property
+    def rows(self) -> np.ndarray:
+        """[nnz] the row of each CSR value (CSR only)."""
+        return np.repeat(np.arange(self.ids.shape[0]), np.diff(self.crow))
+
+    @property
     def first_row(self) -> int:
         """The first row that names an id: rows before it need no scoring."""
         return int(np.flatnonzero((self.ids >= 0).any(axis=1))[0])
@@ -59,6 +64,23 @@ class PromptScores:
     targets: np.ndarray | None = None  # [P-1, K] float32, 0.0 where nothing was asked
     alt_ids: np.ndarray | None = None  # [P-1, k] int64
     alt_logprobs: np.ndarray | None = None  # [P-1, k] float32
+
+
+@dataclass(frozen=True)
+class PromptAsk:
+    """What one request asks of its prompt (P tokens)."""
+
+    logprobs: bool = False  # each token's log-prob given those before it
+    topk: int = 0  # the k likeliest tokens at each position
+    last_n: int | None = None  # logprobs and topk for the last n tokens only; None: every token after the first
+    targets: TargetIds | None = None  # [P-1, K] token ids whose log-probs to return
+    alt_k: int = 0  # tokens drawn at each position after the first
+    temperature: float = 1.0  # of the alternative draws (0: the argmax, k times)
+    seed: int | None = None  # of the alternative draws
+
+    @property
+    def anything(self) -> bool:
+        return self.logprobs or self.topk > 0 or self.targets is not None or self.alt_k > 0
 
 
 @dataclass(frozen=True)
@@ -100,7 +122,7 @@ def target_ids(sent: dict, *, prompt_len: int, vocab_size: int | None = None) ->
             raise WireError(f"{where}.sparse_crow_indices", f"not a CSR layout of shape {shape} with {data.size} "
                             "values")
         ids = np.full((rows, k), -1, dtype=np.int64)
-        ids[np.repeat(np.arange(rows), np.diff(crow)), col] = data
+        ids[TargetIds(ids, crow, col).rows, col] = data
     if (bad := ids[(ids < -1) | (ids >= (vocab_size or np.iinfo(np.int64).max))]).size:
         raise WireError(f"{where}.data", f"token id {int(bad[0])} is outside the model's vocabulary"
                         + (f" [0, {vocab_size})" if vocab_size else " (-1 names nothing)"))
@@ -130,16 +152,21 @@ def check_widths(*, prompt_len: int, n: int, max_tokens: int, topk_prompt: int, 
                             f"{prompt_len - 1}")
 
 
-def check_request(req: dict, *, prompt_len: int, vocab_size: int | None = None) -> TargetIds | None:
-    """A sample request (its JSON body) checked for what it asks of its prompt and completions; its
-    target ids, when it names any. The API checks it without the vocabulary, the worker with it."""
+def prompt_ask(req: dict, *, prompt_len: int, vocab_size: int | None = None) -> PromptAsk:
+    """What a sample request (its JSON body) asks of its prompt, checked with the sizes it asks for
+    itself. The API checks it without the vocabulary, the worker with it."""
+    params = req.get("sampling_params") or {}
     check_widths(prompt_len=prompt_len, n=req.get("num_samples") or 1,
-                 max_tokens=(req.get("sampling_params") or {}).get("max_tokens") or DEFAULT_MAX_TOKENS,
+                 max_tokens=params.get("max_tokens") or DEFAULT_MAX_TOKENS,
                  topk_prompt=req.get("topk_prompt_logprobs") or 0, topk_sample=req.get("topk_sample_logprobs") or 0,
                  alt_k=req.get("prompt_alt_tokens_k") or 0, last_n=req.get("prompt_logprobs_last_n"),
                  prompt_logprobs=bool(req.get("prompt_logprobs")))
     targets = req.get("target_prompt_logprobs")
-    return None if targets is None else target_ids(targets, prompt_len=prompt_len, vocab_size=vocab_size)
+    return PromptAsk(logprobs=bool(req.get("prompt_logprobs")), topk=req.get("topk_prompt_logprobs") or 0,
+                     last_n=req.get("prompt_logprobs_last_n"), alt_k=req.get("prompt_alt_tokens_k") or 0,
+                     targets=None if targets is None else target_ids(targets, prompt_len=prompt_len,
+                                                                     vocab_size=vocab_size),
+                     temperature=params.get("temperature", 1.0), seed=params.get("seed"))
 
 
 def _topk(msg, topk: TopK) -> None:
@@ -176,11 +203,10 @@ def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScore
     if prompt.targets is not None:
         values = prompt.targets.astype(np.float32)
         if targets_as is not None and targets_as.crow is not None:
-            rows = np.repeat(np.arange(values.shape[0]), np.diff(targets_as.crow))
             t = out.target_prompt_logprobs
             t.dtype = p.DTYPE_FLOAT32
             t.shape.extend(values.shape)
-            t.sparse_csr.values = np.ascontiguousarray(values[rows, targets_as.col]).tobytes()
+            t.sparse_csr.values = np.ascontiguousarray(values[targets_as.rows, targets_as.col]).tobytes()
             t.sparse_csr.crow_indices = targets_as.crow.astype(np.int64).tobytes()
             t.sparse_csr.col_indices = targets_as.col.astype(np.int64).tobytes()
         else:

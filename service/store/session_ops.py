@@ -174,12 +174,17 @@ def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None
     return "idle" if row.status == Status.idle else row.uid
 
 
+def _named(session: Session, *, job_id: int, kind: str, name: str) -> SessionCheckpoint | None:
+    """The row of `tinker://<run>/<kind>/<name>`, if the name exists."""
+    return session.scalars(select(SessionCheckpoint).where(SessionCheckpoint.job_id == job_id,
+                                                           SessionCheckpoint.kind == kind,
+                                                           SessionCheckpoint.name == name)).first()
+
+
 def name_checkpoint(url: str, *, job_id: int, kind: str, name: str, step: int) -> None:
     """`tinker://<run>/<kind>/<name>` is now step `step`'s checkpoint (a name saved again moves)."""
     with session_scope(url) as session:
-        row = session.scalars(select(SessionCheckpoint).where(SessionCheckpoint.job_id == job_id,
-                                                              SessionCheckpoint.kind == kind,
-                                                              SessionCheckpoint.name == name)).first()
+        row = _named(session, job_id=job_id, kind=kind, name=name)
         if row is None:
             session.add(SessionCheckpoint(job_id=job_id, kind=kind, name=name, step=step))
         else:
@@ -189,12 +194,17 @@ def name_checkpoint(url: str, *, job_id: int, kind: str, name: str, step: int) -
 def find_named(session: Session, *, model_id: str, kind: str, name: str, owner: str) -> tuple[Job, int] | None:
     """The run and step a tinker path names, if this owner's."""
     job = run_for_model(session, model_id=model_id, owner=owner)
-    if job is None:
-        return None
-    step = session.scalar(select(SessionCheckpoint.step).where(SessionCheckpoint.job_id == job.id,
-                                                               SessionCheckpoint.kind == kind,
-                                                               SessionCheckpoint.name == name))
-    return None if step is None else (job, step)
+    row = None if job is None else _named(session, job_id=job.id, kind=kind, name=name)
+    return None if row is None else (job, row.step)
+
+
+def drop_name(session: Session, *, job_id: int, kind: str, name: str) -> bool:
+    """`tinker://<run>/<kind>/<name>` names nothing any more; the step's checkpoint stays the run's."""
+    row = _named(session, job_id=job_id, kind=kind, name=name)
+    if row is not None:
+        session.delete(row)
+    return row is not None
+
 
 def owned_runs(session: Session, *, owner: str, limit: int, offset: int) -> tuple[list[Job], int]:
     """A page of this owner's session runs, newest first, and how many there are."""
@@ -206,26 +216,24 @@ def owned_runs(session: Session, *, owner: str, limit: int, offset: int) -> tupl
 NamedCheckpoint = tuple[Job, SessionCheckpoint, Checkpoint | None]  # a name, its run, and its step's row
 
 
+def _owned_names(owner: str, job_ids: list[int] | None) -> list:
+    """The conditions on a name of this owner's runs (of `job_ids` only, when given)."""
+    return [Job.owner == owner, Job.kind == "session"] + ([Job.id.in_(job_ids)] if job_ids is not None else [])
+
+
 def owned_named(session: Session, *, owner: str, job_ids: list[int] | None = None, limit: int | None = None,
-                offset: int = 0) -> tuple[list[NamedCheckpoint], int]:
-    """This owner's named checkpoints (of `job_ids` only, when given), newest first, and how many."""
-    where = [Job.owner == owner, Job.kind == "session"] + ([Job.id.in_(job_ids)] if job_ids is not None else [])
-    total = session.scalar(select(func.count()).select_from(SessionCheckpoint)
-                           .join(Job, Job.id == SessionCheckpoint.job_id).where(*where))
+                offset: int = 0) -> list[NamedCheckpoint]:
+    """This owner's named checkpoints (of `job_ids` only, when given), newest first."""
     q = (select(Job, SessionCheckpoint, Checkpoint).join(Job, Job.id == SessionCheckpoint.job_id)
          .outerjoin(Checkpoint, (Checkpoint.job_id == SessionCheckpoint.job_id)
                     & (Checkpoint.step == SessionCheckpoint.step))
-         .where(*where).order_by(SessionCheckpoint.created_at.desc(), SessionCheckpoint.id.desc())
+         .where(*_owned_names(owner, job_ids))
+         .order_by(SessionCheckpoint.created_at.desc(), SessionCheckpoint.id.desc())
          .limit(limit).offset(offset))
-    return [(job, named, step) for job, named, step in session.execute(q).all()], total
+    return [(job, named, step) for job, named, step in session.execute(q).all()]
 
 
-def drop_name(session: Session, *, job_id: int, kind: str, name: str) -> bool:
-    """`tinker://<run>/<kind>/<name>` names nothing any more; the step's checkpoint stays the run's."""
-    row = session.scalars(select(SessionCheckpoint).where(SessionCheckpoint.job_id == job_id,
-                                                          SessionCheckpoint.kind == kind,
-                                                          SessionCheckpoint.name == name)).first()
-    if row is None:
-        return False
-    session.delete(row)
-    return True
+def count_named(session: Session, *, owner: str) -> int:
+    """How many named checkpoints this owner's runs have."""
+    return session.scalar(select(func.count()).select_from(SessionCheckpoint)
+                          .join(Job, Job.id == SessionCheckpoint.job_id).where(*_owned_names(owner, None)))

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from service.core.specs import LoraSpec, ModelSpec
-from service.core.tinker_sampling import MASK_LOGPROB, TargetIds
+from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, TargetIds
 from worker.models import load_policy
-from worker.prompt_scoring import PromptAsk, score_prompt
+from worker.prompt_scoring import score_prompt
 
 PROMPT = [5, 17, 40, 2, 9, 11, 3, 8]
 

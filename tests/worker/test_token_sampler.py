@@ -70,14 +70,14 @@ def test_the_top_k_of_each_sampled_position_under_the_sampling_distribution(mode
     asks = Request([5, 17, 40], 2, Params(max_tokens=5, temperature=0.8, seed=9, topk_logprobs=3))
     plain = Request([7, 8], 1, Params(max_tokens=4, seed=2))
     rows, others = token_sampler.sample_many(model, [asks, plain])
-    assert others[0].topk_ids is None and others[0].topk_logprobs is None
+    assert others[0].topk is None
     for row in rows:
-        assert row.topk_ids.shape == row.topk_logprobs.shape == (5, 3)
+        assert row.topk.ids.shape == row.topk.logprobs.shape == (5, 3)
         ids = torch.tensor([asks.prompt + row.tokens])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(asks.prompt) - 1:-1].float() / 0.8
         top = torch.topk(torch.log_softmax(logits, -1), 3, -1)
-        np.testing.assert_array_equal(row.topk_ids, top.indices.numpy())
-        np.testing.assert_allclose(row.topk_logprobs, top.values.numpy(), atol=1e-5)
+        np.testing.assert_array_equal(row.topk.ids, top.indices.numpy())
+        np.testing.assert_allclose(row.topk.logprobs, top.values.numpy(), atol=1e-5)
         # the sampled token's log-prob is scored the same way: at most the best of the top-k
-        assert (np.asarray(row.logprobs) <= row.topk_logprobs[:, 0] + 1e-6).all()
+        assert (np.asarray(row.logprobs) <= row.topk.logprobs[:, 0] + 1e-6).all()

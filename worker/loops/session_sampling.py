@@ -21,16 +21,16 @@ import torch
 from service.core.records import OpResult, PendingOp, SampleRow, Samples
 from service.core.tinker_sampling import (
     DEFAULT_MAX_TOKENS,
+    PromptAsk,
     SampledSequence,
-    TopK,
-    check_request,
     encode_sample_response,
+    prompt_ask,
 )
 from service.core.tinker_wire import SamplerRef, WireError, parse_sampler_id, sampler_id
 from worker import token_sampler
 from worker.checkpoints import load_weights
 from worker.loops.session_state import Session
-from worker.prompt_scoring import PromptAsk, score_prompt
+from worker.prompt_scoring import score_prompt
 from worker.reporting import Operations, Reporter
 from worker.sampling import eos_token_ids
 from worker.training import eval_mode
@@ -125,10 +125,7 @@ def parse_sample(s: Session, body: bytes) -> SampleCall:
                              top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                              stop_tokens=stop_tokens, stop_strings=stop_strings,
                              topk_logprobs=req.get("topk_sample_logprobs", 0))
-    ask = PromptAsk(logprobs=bool(req.get("prompt_logprobs")), topk=req.get("topk_prompt_logprobs", 0),
-                    last_n=req.get("prompt_logprobs_last_n"), alt_k=req.get("prompt_alt_tokens_k", 0),
-                    targets=check_request(req, prompt_len=len(prompt), vocab_size=s.vocab_size),
-                    temperature=p.temperature, seed=p.seed)
+    ask = prompt_ask(req, prompt_len=len(prompt), vocab_size=s.vocab_size)
     ref = parse_sampler_id(req["sampling_session_id"])
     if ref.source == "v" and ref.number != s.version and ref.key not in s.snapshots:
         raise WireError("sampling_session_id", f"the weights of version {ref.number} are no longer kept (the "
@@ -163,9 +160,8 @@ def sample(s: Session, calls: list[SampleCall], reporter: Reporter) -> list[Samp
                     c = calls[i]
                     scores = score_prompt(model, c.request.prompt, c.prompt) if c.prompt.anything else None
                     response = encode_sample_response(
-                        [SampledSequence(r.tokens, r.logprobs, r.stop_reason,
-                                         None if r.topk_ids is None else TopK(r.topk_ids, r.topk_logprobs))
-                         for r in rows_of_call], scores, c.prompt.targets)
+                        [SampledSequence(r.tokens, r.logprobs, r.stop_reason, r.topk) for r in rows_of_call],
+                        scores, c.prompt.targets)
                     results[i] = SampleResult(response, sample_rows(s, c, rows_of_call))
     return results
 

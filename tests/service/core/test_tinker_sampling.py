@@ -6,9 +6,9 @@ from service.core.tinker_sampling import (
     PromptScores,
     SampledSequence,
     TopK,
-    check_request,
     check_widths,
     encode_sample_response,
+    prompt_ask,
     target_ids,
 )
 from service.core.tinker_wire import WireError
@@ -87,12 +87,14 @@ def test_a_request_body_is_checked_as_a_whole():
             "prompt_logprobs_last_n": 3, "topk_prompt_logprobs": 5, "topk_sample_logprobs": 0,
             "prompt_alt_tokens_k": 0, "target_prompt_logprobs": {"data": IDS.ravel().tolist(), "dtype": "int64",
                                                                   "shape": [4, 3]}}
-    np.testing.assert_array_equal(check_request(body, prompt_len=5).ids, IDS)
-    assert check_request(body | {"target_prompt_logprobs": None}, prompt_len=5) is None
+    ask = prompt_ask(body, prompt_len=5)
+    np.testing.assert_array_equal(ask.targets.ids, IDS)
+    assert (ask.logprobs, ask.topk, ask.last_n, ask.alt_k) == (True, 5, 3, 0)
+    assert prompt_ask(body | {"target_prompt_logprobs": None}, prompt_len=5).targets is None
     with pytest.raises(WireError, match="prompt_logprobs_last_n: 3: must be between 1 and len"):
-        check_request(body, prompt_len=3)
+        prompt_ask(body, prompt_len=3)
     with pytest.raises(WireError, match="outside the model's vocabulary"):
-        check_request(body, prompt_len=5, vocab_size=3)
+        prompt_ask(body, prompt_len=5, vocab_size=3)
 
 
 def test_the_sdk_reads_every_answer_back_in_the_layout_asked():

@@ -26,7 +26,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook browser demo dev test bench clean
+.PHONY: install vllm cookbook browser demo dev test test-numerics bench clean
 
 install: $(VENV)/.installed
 
@@ -83,6 +83,11 @@ test: install browser vllm cookbook
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
 	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial
+
+# The float-heavy tests under every CPU kernel set and thread count, 20 seeds each (scripts/test-numerics);
+# CI runs one pass under a kernel set other than the machine's own: RUNS=1 CAPS=foreign
+test-numerics: install
+	scripts/test-numerics
 
 bench: install vllm
 	$(PY) bench/step.py

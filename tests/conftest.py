@@ -314,3 +314,36 @@ def store_settings(request) -> dict:
     if request.param == "folder":
         return {}
     return request.getfixturevalue("s3_server").settings(f"b-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(autouse=True)
+def _same_numbers_every_run():
+    """Each test draws the same random numbers on every run (GRPO_TEST_SEED picks others): a failure
+    reproduces. A test that seeds a stream of its own keeps its numbers."""
+    from tests.numerics import SEED
+
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.manual_seed(SEED)
+    if (np := sys.modules.get("numpy")) is not None:
+        np.random.seed(SEED)
+
+
+@pytest.fixture
+def tinker_service():
+    """`tinker_service(base_url, api_key)`: a tinker.ServiceClient closed when the test ends, so its
+    session's heartbeat stops with it (an open one logs 'Session heartbeat failed' for as long as the
+    test process lives once its server is gone)."""
+    import tinker
+
+    made: list = []
+
+    def make(base_url: str, api_key: str):
+        made.append(tinker.ServiceClient(base_url=base_url, api_key=api_key))
+        return made[-1]
+
+    yield make
+    for client in made:
+        try:  # finishes the session where its server still runs; stops the heartbeat either way
+            client.close("success").result(timeout=10)
+        except Exception:
+            pass

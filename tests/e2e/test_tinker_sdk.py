@@ -89,9 +89,9 @@ def datum(d: dict, loss: str) -> types.Datum:
                        loss_fn_inputs={k: d[k] for k in names})
 
 
-def test_every_builtin_loss_matches_a_hand_computation(dev):
+def test_every_builtin_loss_matches_a_hand_computation(dev, tinker_service):
     base, key = dev
-    service = tinker.ServiceClient(base_url=base, api_key=key)
+    service = tinker_service(base, key)
     client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
     model = reference_model()
     data = make_data(model, np.random.default_rng(0))
@@ -123,9 +123,9 @@ def test_every_builtin_loss_matches_a_hand_computation(dev):
                                                                  "grad_norm": len(LOSS_CONFIGS)}
 
 
-def test_a_session_run_gives_its_worker_back_and_resumes_from_its_state(dev):
+def test_a_session_run_gives_its_worker_back_and_resumes_from_its_state(dev, tinker_service):
     base, key = dev
-    service = tinker.ServiceClient(base_url=base, api_key=key)
+    service = tinker_service(base, key)
     client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 60, size=12).tolist()
@@ -154,12 +154,12 @@ def test_a_session_run_gives_its_worker_back_and_resumes_from_its_state(dev):
     assert after == pytest.approx(before, rel=1e-6)  # the trained weights came back, not the base model's
 
 
-def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, procs):
+def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, procs, tinker_service):
     base, key = dev
     other = subprocess.run([str(BIN), "keys", "create", "--owner", "mallory"], env=procs.env, capture_output=True,
                            text=True, check=True).stdout.strip().split()[-1]
     assert other.startswith("tml-")
-    service = tinker.ServiceClient(base_url=base, api_key=key)
+    service = tinker_service(base, key)
     client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
     d = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                     loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
@@ -263,9 +263,9 @@ def check_prompt_scoring(sampler, model) -> None:
     np.testing.assert_allclose([[lp for _, lp in row] for row in seq.topk_logprobs], top.values, atol=1e-4)
 
 
-def test_sampling_from_snapshots_of_the_trained_weights(dev):
+def test_sampling_from_snapshots_of_the_trained_weights(dev, tinker_service):
     base, key = dev
-    service = tinker.ServiceClient(base_url=base, api_key=key)
+    service = tinker_service(base, key)
     client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
     model = reference_model()
     prompt = [5, 9, 14, 3]
@@ -339,9 +339,9 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev):
     assert by_step[0][0]["extra"]["logprob"] == pytest.approx(sum(out.sequences[0].logprobs), abs=1e-4)
 
 
-def test_save_state_and_load_it_into_this_run_or_a_new_one(dev):
+def test_save_state_and_load_it_into_this_run_or_a_new_one(dev, tinker_service):
     base, key = dev
-    service = tinker.ServiceClient(base_url=base, api_key=key)
+    service = tinker_service(base, key)
     client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()
     ce = [types.Datum(model_input=types.ModelInput.from_ints([5, 9, 14, 3, 22]),
                       loss_fn_inputs={"target_tokens": [9, 14, 3, 22, 7], "weights": [1.0] * 5})]

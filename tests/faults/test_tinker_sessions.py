@@ -28,10 +28,11 @@ def step(client) -> float:
     return loss
 
 
-def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its_saved_state(cluster):
+def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its_saved_state(cluster,
+                                                                                            tinker_service):
     cluster.serve(GRPO_SESSION_IDLE_S="3")  # an idle run gives its worker back after 3 s
     cluster.worker("w1", GRPO_SESSION_SAVE_EVERY_S="0")  # state saved at every optim_step
-    service = tinker.ServiceClient(base_url=cluster.base, api_key=cluster.key)
+    service = tinker_service(cluster.base, cluster.key)
     client = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
     losses = [step(client), step(client)]
     client.forward_backward(CE, "cross_entropy").result()  # gradients on w1 only
@@ -57,14 +58,14 @@ def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its
                  "the second run's step", cluster)
 
 
-def test_a_stopping_worker_hands_its_session_run_back_and_an_api_restart_loses_no_future(cluster):
+def test_a_stopping_worker_hands_its_session_run_back_and_an_api_restart_loses_no_future(cluster, tinker_service):
     """SIGTERM (a warm shutdown, as a deploy sends) to the worker holding a run: once no gradient waits
     for its optim_step, the run's state is saved and the run given back, far sooner than its idle timeout
     (120 s here); another worker takes it from that state, as the same attempt, with nothing failed.
     Then the API is killed with a future pending and started again: the SDK gets the future's result."""
     cluster.serve()
     w1 = cluster.worker("w1")
-    service = tinker.ServiceClient(base_url=cluster.base, api_key=cluster.key)
+    service = tinker_service(cluster.base, cluster.key)
     client = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
     losses = [step(client)]
     losses.append(client.forward_backward(CE, "cross_entropy").result().metrics["loss:sum"])

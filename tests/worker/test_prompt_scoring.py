@@ -7,6 +7,8 @@ from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, TargetIds
 from worker.models import load_policy
 from worker.prompt_scoring import score_prompt
 
+from tests.numerics import assert_close
+
 PROMPT = [5, 17, 40, 2, 9, 11, 3, 8]
 
 
@@ -29,14 +31,14 @@ def test_logprobs_and_topk_of_the_whole_prompt_or_its_last_tokens(model, full):
     top = torch.topk(full, 5, -1)
     whole = score_prompt(model, PROMPT, PromptAsk(logprobs=True, topk=5))
     assert np.isnan(whole.logprobs[0])
-    np.testing.assert_allclose(whole.logprobs[1:], picked, atol=1e-5)
+    assert_close(whole.logprobs[1:], picked, terms=model.config.hidden_size)
     assert whole.topk.ids.shape == (8, 5) and whole.topk.ids.dtype == np.int32
     assert (whole.topk.ids[0] == 0).all() and (whole.topk.logprobs[0] == MASK_LOGPROB).all()  # no context
     np.testing.assert_array_equal(whole.topk.ids[1:], top.indices.numpy())
-    np.testing.assert_allclose(whole.topk.logprobs[1:], top.values.numpy(), atol=1e-5)
+    assert_close(whole.topk.logprobs[1:], top.values, terms=model.config.hidden_size)
     last = score_prompt(model, PROMPT, PromptAsk(logprobs=True, topk=5, last_n=3))
     assert np.isnan(last.logprobs[:5]).all() and (last.topk.logprobs[:5] == MASK_LOGPROB).all()
-    np.testing.assert_allclose(last.logprobs[5:], picked[4:], atol=1e-5)
+    assert_close(last.logprobs[5:], picked[4:], terms=model.config.hidden_size)
     np.testing.assert_array_equal(last.topk.ids[5:], top.indices[4:].numpy())
     assert last.targets is None and last.alt_ids is None
 
@@ -49,7 +51,7 @@ def test_target_ids_score_where_named_and_zero_elsewhere(model, full):
     want = np.zeros((7, 3), dtype=np.float32)
     want[2, :2] = full[2, [4, 100]].numpy()
     want[6, 2] = full[6, 17].item()
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_close(got, want, terms=model.config.hidden_size)
 
 
 def test_alternative_draws_follow_the_seed_and_the_temperature(model, full):
@@ -60,7 +62,7 @@ def test_alternative_draws_follow_the_seed_and_the_temperature(model, full):
     assert not np.array_equal(a.alt_ids, score_prompt(model, PROMPT, PromptAsk(alt_k=6, temperature=0.7,
                                                                                seed=4)).alt_ids)
     scaled = torch.log_softmax(full / 0.7, -1)  # the distribution they are drawn from, and scored under
-    np.testing.assert_allclose(a.alt_logprobs, scaled.gather(-1, torch.from_numpy(a.alt_ids)).numpy(), atol=1e-5)
+    assert_close(a.alt_logprobs, scaled.gather(-1, torch.from_numpy(a.alt_ids)), terms=model.config.hidden_size)
     greedy = score_prompt(model, PROMPT, PromptAsk(alt_k=2, temperature=0.0))
     np.testing.assert_array_equal(greedy.alt_ids, full.argmax(-1, keepdim=True).expand(-1, 2).numpy())
     one = score_prompt(model, PROMPT[:1], PromptAsk(logprobs=True, alt_k=2))

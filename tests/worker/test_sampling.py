@@ -6,6 +6,8 @@ from worker.models import load_policy
 from worker import sampling
 from worker.sampling import RolloutEngine, SamplingParams, sequence_logprobs
 
+from tests.numerics import assert_close
+
 
 def _policy(tmp_path, lora=True):
     spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, dropout=0.0) if lora else None)
@@ -161,10 +163,12 @@ def test_logprobs_without_full_logits_equal_the_full_logits_path(tmp_path, name,
     kw["position_ids"] = (kw["attention_mask"].cumsum(1) - 1).clamp(min=0)
     old = run(lambda: _logprobs_from_logits(model, b, {**kw, "use_cache": False}, 0.7, True))
     assert new[0].shape == old[0].shape == batch.completion_ids.shape
-    torch.testing.assert_close(new[0], old[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(new[1], old[1], rtol=1e-4, atol=1e-4)
-    for a, c in zip(new[2], old[2], strict=True):
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
+    # the head's matmul over the hidden size, then a reduction over the vocabulary, in other chunks
+    terms = model.config.hidden_size
+    assert_close(new[0], old[0], terms=terms)
+    assert_close(new[1], old[1], terms=model.config.vocab_size)  # entropy: a sum over the vocabulary
+    for a, c in zip(new[2], old[2], strict=True):  # LoRA gradients: sums over the batch's tokens too
+        assert_close(a, c, terms=terms * batch.completion_ids.numel())
 
 
 def test_trimming_drops_only_columns_of_padding(tmp_path):

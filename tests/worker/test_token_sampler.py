@@ -7,6 +7,8 @@ from worker import token_sampler
 from worker.models import load_policy
 from worker.token_sampler import Params, Request
 
+from tests.numerics import approx, assert_close
+
 
 @pytest.fixture(scope="module")
 def model(models_root):
@@ -35,10 +37,10 @@ def test_a_batched_request_samples_what_it_samples_alone(model):
         assert [x.tokens for x in rows] == [x.tokens for x in alone]
         assert [len(x.tokens) for x in rows] == [r.params.max_tokens] * r.n  # no stop asked: max_tokens each
         for x, y in zip(rows, alone, strict=True):
-            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+            assert x.logprobs == approx(y.logprobs, terms=model.config.hidden_size)
             # the log-probs are those the trainer computes on the unpadded sequence
-            assert x.logprobs == pytest.approx(_scored(model, r.prompt, x.tokens, r.params.temperature or 1.0),
-                                               abs=1e-5)
+            assert x.logprobs == approx(_scored(model, r.prompt, x.tokens, r.params.temperature or 1.0),
+                                        terms=model.config.hidden_size)
 
 
 def test_stops_end_rows_one_by_one(model):
@@ -78,6 +80,6 @@ def test_the_top_k_of_each_sampled_position_under_the_sampling_distribution(mode
             logits = model(input_ids=ids).logits[0, len(asks.prompt) - 1:-1].float() / 0.8
         top = torch.topk(torch.log_softmax(logits, -1), 3, -1)
         np.testing.assert_array_equal(row.topk.ids, top.indices.numpy())
-        np.testing.assert_allclose(row.topk.logprobs, top.values.numpy(), atol=1e-5)
+        assert_close(row.topk.logprobs, top.values, terms=model.config.hidden_size)
         # the sampled token's log-prob is scored the same way: at most the best of the top-k
         assert (np.asarray(row.logprobs) <= row.topk.logprobs[:, 0] + 1e-6).all()

@@ -6,13 +6,16 @@ from worker.algos.influence import GhostHooks, influence_scores
 from worker.algos.lora import lora_layers
 from worker.models import load_policy
 
+from tests.numerics import SEED, assert_close
+
 
 def _model(tmp_path, dropout=0.0, targets="all-linear"):
     spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, alpha=12, dropout=dropout, target_modules=targets))
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
+    gen = torch.Generator().manual_seed(SEED)  # the same numbers on every run: a failure reproduces
     with torch.no_grad():  # LoRA B starts at zero; give it values so both A and B gradients are non-trivial
         for layer in lora_layers(model):
-            layer.b.weight.normal_(0, 0.05)
+            layer.b.weight.normal_(0, 0.05, generator=gen)
     return model, tok
 
 
@@ -61,7 +64,8 @@ def test_scores_equal_naive_per_sample_autograd(tmp_path, dropout, targets):
     ghost = influence_scores(model, train_fn, val_fn)
     naive = _naive(model, train_fn, val_fn)
     assert ghost.shape == (4,)
-    torch.testing.assert_close(ghost, naive, rtol=1e-4, atol=1e-10)
+    # float32 gradients summed over the batch's tokens in another order (the naive side sums them in float64)
+    assert_close(ghost, naive, dtype=torch.float32, terms=train[0].numel())
     assert ghost[3] == 0.0  # zero advantage: zero influence
     assert all(p.grad is None for p in model.parameters())
 
@@ -88,7 +92,7 @@ def test_recovered_subset_gradient_equals_fresh_backward(tmp_path):
     (2.5 * _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum()).backward()
     for layer in lora_layers(model):
         for p in (layer.a.weight, layer.b.weight):
-            torch.testing.assert_close(recovered[p], p.grad, rtol=1e-4, atol=1e-7)
+            assert_close(recovered[p], p.grad, terms=train[0].numel())  # the same sum over tokens, in another order
 
 
 def _hooked_train_pass(model, tok, *, fold_each_micro_batch: bool):
@@ -120,12 +124,12 @@ def test_factor_scores_equal_naive_and_streamed_fold_equals_batch_fold(tmp_path)
     val = _batch(tok, ["Question: 2+2?", "ok"])
     naive = _naive(model, lambda: _per_sample_losses(model, *train, w),
                    lambda: _per_sample_losses(model, *val, torch.tensor([1.0, -0.6])).sum())
-    torch.testing.assert_close(scores, naive, rtol=1e-4, atol=1e-10)  # scores from the kept factors
+    assert_close(scores, naive, dtype=torch.float32, terms=train[0].numel())  # scores from the kept factors
     torch.testing.assert_close(streamed_scores, scores)
     keep = scores > 0
     assert 0 < int(keep.sum()) < 6, "the batch should have helpful and harmful samples"
     _per_sample_losses(model, *(t[keep] for t in train), w[keep]).sum().backward()
     for layer in lora_layers(model):
         for p in (layer.a.weight, layer.b.weight):
-            torch.testing.assert_close(streamed[p], whole[p], rtol=1e-5, atol=1e-8)
-            torch.testing.assert_close(streamed[p], p.grad, rtol=1e-4, atol=1e-7)
+            assert_close(streamed[p], whole[p], terms=train[0].numel())
+            assert_close(streamed[p], p.grad, terms=train[0].numel())

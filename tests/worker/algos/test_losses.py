@@ -12,6 +12,8 @@ from worker.algos.losses import (
     sample_losses,
 )
 
+from tests.numerics import approx, assert_close
+
 
 def _t(x):
     return torch.tensor(x, dtype=torch.float32)
@@ -103,7 +105,7 @@ def test_entropy_matches_definition():
 
     logits = torch.randn(3, 5, 11)
     p = torch.softmax(logits, -1)
-    torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+    assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1), terms=logits.shape[-1])
 
 
 # -- one definition: per-sample shares add up to the batch loss -------------------------------------
@@ -166,9 +168,10 @@ def test_micro_batch_accumulation_equals_the_whole_batch(agg, kl_coef):
         parts.loss.sum().backward()
         total += float(parts.loss.detach().sum())
         policy += float(parts.policy.sum())
-    assert total == pytest.approx(loss.item(), rel=1e-6)
-    assert policy == pytest.approx(st["loss/policy"], rel=1e-6)
-    torch.testing.assert_close(split.grad, whole.grad)
+    # the same B * T terms summed in another grouping
+    assert total == approx(loss.item(), terms=B * T)
+    assert policy == approx(st["loss/policy"], terms=B * T)
+    assert_close(split.grad, whole.grad, terms=B * T)
 
 
 def test_unknown_aggregation_is_named():
@@ -185,10 +188,10 @@ def test_gspo_uses_the_length_normalised_sequence_ratio():
     # sequence 1: s = exp(0.05) = 1.051, A < 0: -min(-1.051, -1.051) = 1.051 on 2 tokens (the padded 9.0 is ignored)
     s0, s1 = math.exp(0.2 / 3), math.exp(0.05)
     loss, st = policy_loss(logp, old, adv, mask, loss="gspo", agg="seq_mean")
-    assert loss.item() == pytest.approx((-s0 + s1) / 2, rel=1e-6)
+    assert loss.item() == approx((-s0 + s1) / 2, terms=3)
     loss, st = policy_loss(logp, old, adv, mask, loss="gspo", agg="token_mean")
-    assert loss.item() == pytest.approx((-3 * s0 + 2 * s1) / 5, rel=1e-6)
-    assert st["ratio/mean"] == pytest.approx((3 * s0 + 2 * s1) / 5, rel=1e-6)
+    assert loss.item() == approx((-3 * s0 + 2 * s1) / 5, terms=5)
+    assert st["ratio/mean"] == approx((3 * s0 + 2 * s1) / 5, terms=5)
     assert st["clip_ratio/region_mean"] == 0.0
 
 
@@ -212,11 +215,11 @@ def test_cispo_weights_are_clipped_and_carry_no_gradient():
     loss, st = policy_loss(logp, old, adv, torch.ones(1, 3), loss="cispo")
     w = [1.2, 0.8, math.exp(0.1)]  # clip(r, 0.8, 1.2)
     # -sg(w) A logp, token mean
-    assert loss.item() == pytest.approx(-sum(wi * 2.0 * li for wi, li in zip(w, [0.5, -0.5, 0.1])) / 3, rel=1e-6)
+    assert loss.item() == approx(-sum(wi * 2.0 * li for wi, li in zip(w, [0.5, -0.5, 0.1])) / 3, terms=3)
     assert st["clip_ratio/region_mean"] == pytest.approx(2 / 3)
     loss.backward()
     # clipped tokens still train: d/dlogp_t = -w_t A / 3 for every token
-    assert logp.grad[0].tolist() == pytest.approx([-wi * 2.0 / 3 for wi in w], rel=1e-6)
+    assert logp.grad[0].tolist() == approx([-wi * 2.0 / 3 for wi in w])
 
 
 @pytest.mark.parametrize("variant", ["grpo", "gspo", "cispo"])
@@ -232,7 +235,7 @@ def test_every_variant_splits_into_samples_that_add_up(variant, agg):
     norm = Normaliser.of(mask, agg)
     parts = [sample_losses(logp[r], old[r], adv[r], mask[r], norm, loss=variant, weights=w[r]).loss.sum()
              for r in ([0, 3], [1, 2, 4])]
-    assert float(sum(parts)) == pytest.approx(float(loss), rel=1e-6)
+    assert float(sum(parts)) == approx(float(loss), terms=logp.numel())
 
 
 def test_weights_multiply_each_tokens_surrogate():

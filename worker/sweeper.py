@@ -15,8 +15,8 @@ import threading
 
 from service.core import queue
 from service.core.settings import Settings
-from service.store import leases
-from service.store.db import dispose_engines
+from service.store import leases, session_ops
+from service.store.db import dispose_engines, session_scope
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,16 @@ log = logging.getLogger(__name__)
 def sweep_once(settings: Settings) -> leases.Swept:
     swept = leases.sweep(settings.store_url, lease_timeout_s=settings.lease_timeout_s,
                          requeue_queued_after_s=settings.requeue_queued_after_s)
+    unsent = []
     for job in swept.requeue:
-        queue.enqueue(job.job_id, job.uid, broker_url=settings.broker)
+        try:
+            queue.enqueue(job.job_id, job.uid, broker_url=settings.broker)
+        except Exception as exc:  # the broker is down: a session run goes back to idle, woken at the next sweep
+            with session_scope(settings.store_url) as session:
+                session_ops.unwake(session, job_id=job.job_id, why=f"the broker was unreachable ({type(exc).__name__})")
+            unsent.append(job.job_id)
+    if unsent:
+        log.warning("sweep: the broker is unreachable; jobs %s wait for the next sweep", unsent)
     if swept.requeue or swept.cancelled:
         log.warning("sweep: requeued jobs %s, cancelled stranded jobs %s",
                     [j.job_id for j in swept.requeue], swept.cancelled)

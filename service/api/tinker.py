@@ -297,12 +297,27 @@ def owned_run(session, *, model_id: str, owner: str):
 def _submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | None) -> UntypedFuture:
     """The operation, and an idle run woken, in one transaction on the caller's one connection (a second
     connection taken while holding one starves the pool under concurrent requests)."""
+    if job.status in TERMINAL:  # nothing will ever run it: refused, never stored as a future that cannot end
+        raise HTTPException(409, f"model {job.uid} has ended ({job.status}): start a new training client",
+                            headers={"x-should-retry": "false"})  # the SDK retries a 409 unless told not to
     op = ops_q.add_op(session, job=job, kind=kind, body=body, seq=seq)
     uid = ops_q.wake(session, job_id=job.id)
     session.commit()  # both exist before a worker is told
     if uid is not None:
-        queue.enqueue(job.id, uid, broker_url=settings.broker)
+        _enqueue(settings, session, job_id=job.id, uid=uid)
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
+
+
+def _enqueue(settings, session, *, job_id: int, uid: str) -> None:
+    """Tell a worker, once the run and its operation are committed. With the broker down the answer is still
+    the stored operation's future, never a 5xx: the SDK retries a 5xx, and a retry would store the operation
+    (or the run) again. The run goes back to idle and the sweep queues it once the broker answers."""
+    try:
+        queue.enqueue(job_id, uid, broker_url=settings.broker)
+    except Exception as exc:  # any transport error: the operation is stored, the sweep delivers it
+        ops_q.unwake(session, job_id=job_id, why=f"the broker was unreachable ({type(exc).__name__})")
+        session.commit()
+
 
 
 def _start_run(settings, session, *, owner: str, spec: SessionJob,
@@ -314,7 +329,7 @@ def _start_run(settings, session, *, owner: str, spec: SessionJob,
     if then is not None:
         op = ops_q.add_op(session, job=job, kind=then[0], body=then[1], seq=1)
     session.commit()  # the run and its operations exist before a worker is told
-    queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+    _enqueue(settings, session, job_id=job.id, uid=job.uid)
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
 
 
@@ -432,7 +447,7 @@ def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
             "model_data": {"model_name": spec.model.name, "arch": None, "tokenizer_id": None}}
 
 
-@router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 413) | REFUSED,
+@router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 409, 413) | REFUSED,
              openapi_extra={"requestBody": {"required": True, "content": {PROTOBUF: {"schema": {
                  "type": "string", "format": "binary"}}}}})
 async def forward_backward(request: Request, owner: ReleasedOwnerDep, settings: SettingsDep):
@@ -470,12 +485,12 @@ def _queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: 
         return _submit_op(settings, session, job=job, kind=kind, body=body, seq=seq)
 
 
-@router.post("/optim_step", responses=error_responses(404))
+@router.post("/optim_step", responses=error_responses(404, 409))
 def optim_step(body: OptimStepIn, owner: ReleasedOwnerDep, settings: SettingsDep) -> UntypedFuture:
     return _queue_op(settings, owner, body.model_id, "optim_step", body.model_dump_json().encode(), body.seq_id)
 
 
-@router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+@router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
 def save_weights_for_sampler(body: SaveForSamplerIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """A snapshot of the run's weights to sample from (`save_weights_and_get_sampling_client`)."""
     if body.path is not None:  # a named checkpoint to sample from later
@@ -492,7 +507,7 @@ def _save_named(settings, owner: str, model_id: str, kind: str, name: str | None
     return _queue_op(settings, owner, model_id, "save_weights", body, seq_id)
 
 
-@router.post("/save_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+@router.post("/save_weights", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
 def save_weights(body: SaveWeightsIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """The run's state (weights and optimizer) as `tinker://<model_id>/weights/<name>` (`save_state`)."""
     return _save_named(settings, owner, body.model_id, "weights", body.path, body.seq_id)
@@ -504,7 +519,7 @@ def _same_shape(a: ModelSpec, b: ModelSpec) -> bool:
     return shape(a) == shape(b)
 
 
-@router.post("/load_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+@router.post("/load_weights", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
 def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     """A saved checkpoint into a run (`load_state`), or into a new run of this session
     (`create_training_client_from_state`), with its optimizer state when asked."""
@@ -604,7 +619,7 @@ def get_sampler(sampling_session_id: Annotated[str, Path(max_length=100)], owner
     return {"sampler_id": sampling_session_id, "base_model": job.job_spec().model.name, "model_path": None}
 
 
-@router.post("/asample", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
+@router.post("/asample", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
 def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """Completions of one prompt from a snapshot of a run's weights, run by the run's worker."""
     if any(c.type != "encoded_text" for c in body.prompt.chunks):

@@ -9,6 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.core.specs import TERMINAL, Status
+from service.store import session_ops
 from service.store.models import (
     Checkpoint,
     Job,
@@ -86,6 +87,7 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
     ).rowcount == 1:
         session.add(JobEvent(job_id=job.id, type="cancelled",
                              message="cancelled; its worker had stopped (lease expired)"))
+        session_ops.fail_pending_in(session, job_ids=[job.id], error="the run was cancelled", category="user")
         session.flush()
         session.refresh(job)
         return job
@@ -94,6 +96,7 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
         job.status = Status.cancelled
         job.finished_at = utcnow()
         session.add(JobEvent(job_id=job.id, type="cancelled", message=message))
+        session_ops.fail_pending_in(session, job_ids=[job.id], error=f"the run was {message}", category="user")
     elif job.status == Status.running and not job.cancel_requested:
         job.cancel_requested = True
         session.add(JobEvent(job_id=job.id, type="cancel_requested",

@@ -110,6 +110,8 @@ def finish_job(url: str, *, job_id: int, holder: str | None, status: str, messag
             return False
         session.add(JobEvent(job_id=job_id, type=status, message=message, data=data,
                              level=level or ("error" if status == Status.failed else "info")))
+        session_ops.fail_pending_in(session, job_ids=[job_id], error=f"the run ended ({status}): {message}",
+                                    category="user" if status == Status.cancelled else "server")
     return True
 
 
@@ -168,6 +170,8 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
                                    ).rowcount == 1:
                     session.add(JobEvent(job_id=job_id, type="cancelled",
                                          message="cancelled: its worker had stopped (lease expired)"))
+                    session_ops.fail_pending_in(session, job_ids=[job_id], error="the run was cancelled",
+                                                category="user")
                     cancelled.append(job_id)
                 continue
             row = session.execute(claim.values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=now)
@@ -190,4 +194,5 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
             requeue.append(Requeued(job_id, row.uid))
     # an operation that reached an idle session run as its worker gave the run back
     requeue += [Requeued(job_id, uid) for job_id, uid in session_ops.wake_stranded(url, older_than_s=5.0)]
+    session_ops.fail_orphaned(url)
     return Swept(requeue=requeue, cancelled=cancelled)

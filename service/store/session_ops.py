@@ -18,7 +18,7 @@ from sqlalchemy import case, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from service.core.records import OpResult, PendingOp
-from service.core.specs import SessionJob, Status
+from service.core.specs import TERMINAL, SessionJob, Status
 from service.store import records
 from service.store.db import session_scope
 from service.store.models import Checkpoint, Job, JobEvent, SessionCheckpoint, SessionOp, TinkerSession, utcnow
@@ -102,6 +102,21 @@ def wake(session: Session, *, job_id: int) -> str | None:
     return None if row is None else row.uid
 
 
+def unwake(session: Session, *, job_id: int, why: str) -> bool:
+    """queued -> idle, for a run whose message could not be sent (the broker is down): its operations stay
+    pending, stored once, and the sweep wakes it again once the broker answers (`wake_stranded`). False
+    when the run was no longer queued (a worker took it through another message)."""
+    moved = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.queued,
+                                              Job.lease_owner.is_(None), Job.kind == "session")
+                            .values(status=Status.idle, updated_at=utcnow())
+                            .execution_options(synchronize_session=False)).rowcount == 1
+    if moved:
+        session.add(JobEvent(job_id=job_id, type="idle", level="warning",
+                             message=f"not queued: {why}; its operations are kept and it is queued again once "
+                             "the broker answers"))
+    return moved
+
+
 def wake_stranded(url: str, *, older_than_s: float) -> list[tuple[int, str]]:
     """Idle runs that have a pending operation older than `older_than_s` (the sweep's safety net)."""
     cutoff = utcnow() - timedelta(seconds=older_than_s)
@@ -150,9 +165,26 @@ def fail_op(url: str, *, op_id: int, error: str, category: str) -> None:
 def fail_pending(url: str, *, job_id: int, error: str, category: str) -> int:
     """Every pending operation of a run that ended: its futures fail instead of waiting forever."""
     with session_scope(url) as session:
-        return session.execute(update(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending")
-                               .values(status="failed", error=error, category=category, finished_at=utcnow())
-                               ).rowcount
+        return fail_pending_in(session, job_ids=[job_id], error=error, category=category)
+
+
+def fail_pending_in(session: Session, *, job_ids: list[int], error: str, category: str) -> int:
+    """`fail_pending` in the caller's transaction: the run's terminal status and its failed futures commit
+    together (every transition to a terminal status calls it)."""
+    return session.execute(update(SessionOp).where(SessionOp.job_id.in_(job_ids), SessionOp.status == "pending")
+                           .values(status="failed", error=error, category=category, finished_at=utcnow())
+                           .execution_options(synchronize_session=False)).rowcount
+
+
+def fail_orphaned(url: str) -> int:
+    """Pending operations of runs that have ended (one stored in the instant its run ended): failed, naming
+    the run's status. The sweep's safety net; the transitions themselves fail what is pending then."""
+    with session_scope(url) as session:
+        rows = session.execute(select(Job.id, Job.status).join(SessionOp, SessionOp.job_id == Job.id)
+                               .where(SessionOp.status == "pending", Job.status.in_(TERMINAL)).distinct()).all()
+        return sum(fail_pending_in(session, job_ids=[job_id], error=f"the run has ended ({status})",
+                                   category="user" if status == Status.cancelled else "server")
+                   for job_id, status in rows)
 
 
 def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None:

@@ -1,0 +1,75 @@
+"""The tinker-compatible routes' edges, over HTTP on the embedded store and on PostgreSQL: an operation is
+stored once whatever the broker does, and every future ends (the SDK drives the same routes in
+tests/e2e/test_tinker_sdk.py and, through a real broker outage, tests/faults/test_tinker_sessions.py)."""
+
+import pytest
+from sqlalchemy import func, select
+
+from service.store import session_ops
+from service.store.db import session_scope
+from service.store.models import Job, JobEvent, SessionOp
+from tests.conftest import Api, free_port
+
+MODEL = {"base_model": "tiny-random-llama", "lora_config": {"rank": 4, "seed": 0}}
+STEP = {"adam_params": {"learning_rate": 0.01}}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def down(request, settings_factory):
+    """An API whose broker does not answer (nothing listens on its port)."""
+    url = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    return Api(settings_factory(database_url=url, broker_url=f"redis://127.0.0.1:{free_port()}/0"))
+
+
+def _counts(api) -> tuple[int, int]:
+    with session_scope(api.settings.store_url) as s:
+        return (s.scalar(select(func.count()).select_from(Job).where(Job.kind == "session")),
+                s.scalar(select(func.count()).select_from(SessionOp)))
+
+
+def _run(api, session_id: str) -> dict:
+    r = api.post("/api/v1/create_model", json={"session_id": session_id, **MODEL})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_with_the_broker_down_an_operation_is_stored_once_and_delivered_by_the_sweep(down):
+    session_id = down.post("/api/v1/create_session", json={}).json()["session_id"]
+    future = _run(down, session_id)  # answered, not a 5xx: the SDK would retry a 5xx into a second run
+    assert _counts(down) == (1, 1)
+    r = down.post("/api/v1/optim_step", json={"model_id": future["model_id"], **STEP})
+    assert r.status_code == 200, r.text
+    assert _counts(down) == (1, 2)  # one run, two operations: nothing stored twice
+    with session_scope(down.settings.store_url) as s:
+        job = s.scalars(select(Job)).one()
+        assert job.status == "idle"  # not queued without a message: the sweep wakes it
+        assert [e.message for e in s.scalars(select(JobEvent).where(JobEvent.type == "idle"))][0].startswith(
+            "not queued: the broker was unreachable")
+    woken = session_ops.wake_stranded(down.settings.store_url, older_than_s=0)  # the broker is back
+    assert woken == [(job.id, job.uid)]  # queued for the sweep to enqueue, its operations pending
+
+
+def test_a_cancelled_run_fails_its_futures_and_refuses_new_operations(api):
+    session_id = api.post("/api/v1/create_session", json={}).json()["session_id"]
+    future = _run(api, session_id)
+    job = api.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+    assert job["status"] == "queued"
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+    ended = api.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
+    assert ended == {"error": "the run was cancelled before it started", "category": "user"}
+    before = _counts(api)
+    r = api.post("/api/v1/optim_step", json={"model_id": future["model_id"], **STEP})
+    assert r.status_code == 409 and r.headers["x-should-retry"] == "false"  # the SDK raises at once
+    assert "has ended (cancelled)" in r.json()["detail"]
+    assert _counts(api) == before  # refused: nothing stored
+
+
+def test_a_pending_operation_of_a_run_that_ended_is_failed_by_the_sweep(api):
+    """The instant between a route's status check and its commit: the sweep's safety net."""
+    session_id = api.post("/api/v1/create_session", json={}).json()["session_id"]
+    future = _run(api, session_id)
+    with session_scope(api.settings.store_url) as s:  # ended without the transition failing its futures
+        s.scalars(select(Job)).one().status = "failed"
+    assert session_ops.fail_orphaned(api.settings.store_url) == 1
+    ended = api.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
+    assert ended == {"error": "the run has ended (failed)", "category": "server"}

@@ -7,11 +7,13 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.cookbook.harness import check_rl_learning, output, recipe_env, recipe_metrics, start_recipe
 from tests.faults.conftest import wait_for
+from tests.numerics import approx
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -56,6 +58,37 @@ def test_a_killed_workers_session_fails_its_pending_futures_and_resumes_from_its
     with cluster.client() as c:
         wait_for(lambda: c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]["step"] == 1,
                  "the second run's step", cluster)
+
+
+def test_through_a_broker_outage_each_sdk_call_is_one_operation_and_one_run(cluster, redis_server, tinker_service):
+    """Redis killed for 20 s while SDK calls that must queue a run arrive: a forward_backward to a run that
+    went idle, and a new training client. Each is stored once (answered with its future, not a 5xx the SDK
+    would retry into a copy), and once Redis is back the sweep delivers them: the gradient is one call's
+    (two copies would double the next step's gradient norm), and there is one run per create_model."""
+    cluster.serve(GRPO_SESSION_IDLE_S="2")
+    cluster.worker("w1")
+    service = tinker_service(cluster.base, cluster.key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
+    once = client.forward_backward(CE, "cross_entropy").result().metrics["loss:sum"]
+    norm = client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"]  # lr 0: same weights
+    with cluster.client() as c:
+        run = lambda: c.get("/v1/jobs", params={"kind": "session"}).json()["items"]  # noqa: E731
+        wait_for(lambda: run()[0]["status"] == "idle", "the run to go idle", cluster)
+        redis_server.kill()
+        pending = client.forward_backward(CE, "cross_entropy")  # wakes the idle run: no broker to tell
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(lambda: service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result())
+            time.sleep(20)
+            assert not second.done() and len(run()) == 2, cluster.logs()  # stored once, waiting for the broker
+            redis_server.start()
+            assert pending.result().metrics["loss:sum"] == approx(once, terms=len(CE[0].model_input.to_ints()))
+            stepped = client.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm:mean"]
+            assert stepped == approx(norm, terms=64), (stepped, norm)  # one gradient, not two
+            assert second.result(timeout=120).forward_backward(CE, "cross_entropy").result().metrics["loss:sum"] > 0
+        runs = run()
+        assert len(runs) == 2, runs
+        events = c.get(f"/v1/jobs/{runs[1]['id']}/events").json()
+        assert any(e["message"].startswith("not queued: the broker was unreachable") for e in events), events
 
 
 def test_a_stopping_worker_hands_its_session_run_back_and_an_api_restart_loses_no_future(cluster, tinker_service):

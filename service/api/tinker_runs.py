@@ -36,7 +36,7 @@ class CursorOut(BaseModel):
     total_count: int
 
 
-class CheckpointOut(BaseModel):
+class TinkerCheckpointOut(BaseModel):
     checkpoint_id: str  # <kind>/<name>
     checkpoint_type: Literal["training", "sampler"]
     time: datetime
@@ -46,7 +46,7 @@ class CheckpointOut(BaseModel):
 
 
 class CheckpointsOut(BaseModel):
-    checkpoints: list[CheckpointOut]
+    checkpoints: list[TinkerCheckpointOut]
     cursor: CursorOut | None = None
 
 
@@ -58,8 +58,8 @@ class TrainingRunOut(BaseModel):
     corrupted: bool = False
     lora_rank: int | None = None
     last_request_time: datetime
-    last_checkpoint: CheckpointOut | None = None
-    last_sampler_checkpoint: CheckpointOut | None = None
+    last_checkpoint: TinkerCheckpointOut | None = None
+    last_sampler_checkpoint: TinkerCheckpointOut | None = None
     user_metadata: dict[str, str] | None = None
 
 
@@ -82,9 +82,9 @@ class WeightsInfoOut(BaseModel):
     train_attn: bool | None = None
 
 
-def _checkpoint(named: ops_q.NamedCheckpoint) -> CheckpointOut:
+def _checkpoint(named: ops_q.NamedCheckpoint) -> TinkerCheckpointOut:
     job, name, step = named
-    return CheckpointOut(checkpoint_id=f"{name.kind}/{name.name}", time=name.created_at,
+    return TinkerCheckpointOut(checkpoint_id=f"{name.kind}/{name.name}", time=name.created_at,
                          checkpoint_type="training" if name.kind == "weights" else "sampler",
                          tinker_path=tinker_path(job.uid, name.kind, name.name),
                          size_bytes=None if step is None else step.size_bytes)
@@ -102,7 +102,7 @@ def _weights(job: Job) -> WeightsInfoOut:
 
 
 def _runs(session, jobs: list[Job], owner: str) -> list[TrainingRunOut]:
-    newest: dict[tuple[int, str], CheckpointOut] = {}
+    newest: dict[tuple[int, str], TinkerCheckpointOut] = {}
     for named in ops_q.owned_named(session, owner=owner, job_ids=[j.id for j in jobs]):  # newest first
         newest.setdefault((named[0].id, named[1].kind), _checkpoint(named))
     out = []

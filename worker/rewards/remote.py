@@ -110,11 +110,17 @@ class HttpGrader:
         self.failed_steps: list[int] = []  # the steps in a row, up to now, with a failed request
 
     def _read(self, r: httpx.Response) -> bytes:
+        """The answer's bytes as sent, counted as they arrive. An encoded answer is refused, not decoded: it
+        was asked for as identity, and a few KB of zstd or gzip can expand to GBs before a cap is checked."""
+        encoding = r.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise GraderError(f"answered with Content-Encoding {encoding!r}: graders are asked for identity "
+                              "(an encoded answer is not decoded)")
         declared = r.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
             raise GraderError(f"answered {int(declared)} bytes, over {self.max_bytes} (GRPO_REWARD_MAX_RESPONSE_BYTES)")
         body = bytearray()
-        for chunk in r.iter_bytes():
+        for chunk in r.iter_raw():  # raw: httpx would decode a Content-Encoding despite Accept-Encoding
             body += chunk
             if len(body) > self.max_bytes:
                 raise GraderError(f"answered more than {self.max_bytes} bytes (GRPO_REWARD_MAX_RESPONSE_BYTES)")

@@ -208,6 +208,17 @@ def test_an_answer_past_the_cap_is_not_read(grader, tmp_path, path, words):
     assert time.perf_counter() - t0 < 5  # stopped reading, not a 50 MB download
 
 
+def test_a_compressed_answer_is_refused_not_decoded(grader, tmp_path):
+    """32 KB of zstd that would decode to 1 GiB: refused by its Content-Encoding, before a byte is decoded."""
+    import resource
+
+    g = _grader(grader, "bomb", tmp_path, max_retries=0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = Scorer([g]).score(ITEMS, step=1)
+    assert "answered with Content-Encoding 'zstd'" in out.failures[0].error
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing expanded
+
+
 def test_non_finite_scores_exclude_their_items_only(grader, tmp_path):
     g = _grader(grader, "nonfinite", tmp_path, max_failed_steps=1)
     for step in (1, 2):  # not a failed step: the limit of one is never reached

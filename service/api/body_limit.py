@@ -9,6 +9,12 @@ class _TooLarge(Exception):
     pass
 
 
+def _too_large(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(_TooLarge) is not None
+    return isinstance(exc, _TooLarge)
+
+
 class BodySizeLimit:
     """413 for bodies over the limit, whether or not the client sent Content-Length.
 
@@ -76,7 +82,9 @@ class BodySizeLimit:
 
         try:
             await self.app(scope, counted, sending)
-        except _TooLarge:
+        except Exception as exc:  # a middleware's task group may wrap it in an ExceptionGroup
+            if not _too_large(exc):
+                raise
             if not started:
                 await self._reject(send, limit)
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.deps import OwnerDep, ReleasedOwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
@@ -423,8 +423,18 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
     if ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
         raise HTTPException(404, f"session {body.session_id} not found")
     name = _model_name(body.base_model)
-    lora = None if body.lora_config is None else _lora_spec(body.lora_config)
-    spec = SessionJob(name=f"tinker {name}", model=ModelSpec(name=name, lora=lora, dtype="float32"),
+    if (why := model_unavailable(name, settings, owner=owner)) is not None:
+        return _refused("base_model", why)
+    if body.lora_config is not None and not (body.lora_config.train_attn or body.lora_config.train_mlp
+                                             or body.lora_config.train_unembed):
+        return _refused("lora_config", "train_attn, train_mlp and train_unembed are all false: nothing to train")
+    try:
+        lora = None if body.lora_config is None else _lora_spec(body.lora_config)
+        model = ModelSpec(name=name, lora=lora, dtype="float32")
+    except ValidationError as exc:  # a combination the model cannot take (no module to train): named, not a 500
+        where = "base_model" if "name" in exc.errors()[0]["loc"] else "lora_config"
+        return _refused(where, exc.errors()[0]["msg"])
+    spec = SessionJob(name=f"tinker {name}", model=model,
                       session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
                                           model_seq_id=body.model_seq_id,
                                           # chosen here when not sent: a run from its saved state builds the same
@@ -432,8 +442,6 @@ def create_model(body: CreateModelIn, owner: OwnerDep, session: SessionDep, sett
                                           seed=secrets.randbelow(2**32) if body.lora_config is None
                                           or body.lora_config.seed is None else body.lora_config.seed,
                                           idle_timeout_s=settings.session_idle_s))
-    if (why := model_unavailable(name, settings, owner=owner)) is not None:
-        return _refused("base_model", why)
     return _start_run(settings, session, owner=owner, spec=spec)
 
 

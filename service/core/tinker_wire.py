@@ -153,10 +153,12 @@ def _config(msg, loss: LossDef) -> dict[str, float]:
     return config
 
 
-def _datum(d, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None) -> Datum:
+def _datum(d, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None, context: int | None) -> Datum:
     tokens = _tokens(d.model_input, f"{where}.model_input.chunks")
     if tokens.size == 0:
         raise WireError(f"{where}.model_input", "no tokens")
+    if context is not None and tokens.size > context:  # refused before its forward pass, whose cost is quadratic
+        raise WireError(f"{where}.model_input", f"{tokens.size} tokens, over the model's context of {context}")
     inputs = {}
     for name, tensor in sorted(d.loss_fn_inputs.items()):  # a map: in a fixed order, errors are reproducible
         if name not in loss.required + loss.optional:
@@ -166,6 +168,9 @@ def _datum(d, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None) -
         if values.size != tokens.size:
             raise WireError(f"{where}.loss_fn_inputs.{name}", f"{values.size} values for {tokens.size} input "
                             "tokens: one per input token")
+        if name == "target_tokens" and values.dtype.kind != "i":
+            raise WireError(f"{where}.loss_fn_inputs.{name}", f"token ids are integers (int64 or int32), not "
+                            f"{values.dtype}")
         if values.dtype.kind == "f" and not np.isfinite(values).all():
             raise WireError(f"{where}.loss_fn_inputs.{name}", "holds a NaN or an infinity")
         inputs[name] = values
@@ -179,9 +184,11 @@ def _datum(d, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None) -
     return Datum(tokens=tokens, inputs=inputs)
 
 
-def decode_forward_backward(body: bytes, *, vocab_size: int | None = None) -> ForwardBackward:
+def decode_forward_backward(body: bytes, *, vocab_size: int | None = None,
+                            context: int | None = None) -> ForwardBackward:
     """The request a body holds, checked: the loss exists and gets what it reads, every input has one
-    value per input token, token ids are in the vocabulary (when `vocab_size` is known)."""
+    value per input token, token ids are integers in the vocabulary (when `vocab_size` is known), and no
+    datum is longer than the model's context (when `context` is known)."""
     msg = pb().ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -195,7 +202,7 @@ def decode_forward_backward(body: bytes, *, vocab_size: int | None = None) -> Fo
     config = _config(msg, loss)
     if not msg.data:
         raise WireError("data", "no data: send at least one datum")
-    data = [_datum(d, f"data.{i}", msg.loss_fn, loss, vocab_size) for i, d in enumerate(msg.data)]
+    data = [_datum(d, f"data.{i}", msg.loss_fn, loss, vocab_size, context) for i, d in enumerate(msg.data)]
     return ForwardBackward(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn, config=config,
                            forward_only=bool(msg.forward_only), data=data)
 

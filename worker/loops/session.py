@@ -105,7 +105,7 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def forward_backward(s: Session, body: bytes) -> bytes:
-    request = decode_forward_backward(body, vocab_size=s.vocab_size)
+    request = decode_forward_backward(body, vocab_size=s.vocab_size, context=s.context)
     device = next(s.model.parameters()).device
     logps: list[np.ndarray | None] = [None] * len(request.data)
     total = 0.0
@@ -215,7 +215,8 @@ def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
     init_weights(model, spec.model.init_from, reporter)  # a sampler of a path whose run has ended
     params = trainable(model)
     s = Session(model=model, tokenizer=tokenizer, optimizer=torch.optim.AdamW(params, lr=1e-4), params=params,
-                vocab_size=model.get_input_embeddings().num_embeddings, trains=not spec.session.sampling_only)
+                vocab_size=model.get_input_embeddings().num_embeddings, trains=not spec.session.sampling_only,
+                context=getattr(model.config, "max_position_embeddings", None))
     if (path := reporter.resume_from()) is not None:
         restored = load_checkpoint(path, s.trainables())
         s.step = s.saved_step = restored.step

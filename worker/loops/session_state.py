@@ -20,6 +20,7 @@ class Session:
     optimizer: torch.optim.AdamW
     params: list[torch.nn.Parameter]
     vocab_size: int
+    context: int | None = None  # the model's longest sequence (max_position_embeddings), when it has one
     step: int = 0  # optim_steps taken: the run's step
     version: int = 0  # changes with the weights (optim_step, load_weights): what a sampling snapshot names;
     # saved with the state, so it goes on across idle releases

@@ -73,3 +73,19 @@ def test_a_pending_operation_of_a_run_that_ended_is_failed_by_the_sweep(api):
     assert session_ops.fail_orphaned(api.settings.store_url) == 1
     ended = api.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
     assert ended == {"error": "the run has ended (failed)", "category": "server"}
+
+
+def test_bad_input_is_a_4xx_naming_the_field(api):
+    session_id = api.post("/api/v1/create_session", json={}).json()["session_id"]
+    lora = {"rank": 1, "seed": 0, "train_unembed": True, "train_mlp": True, "train_attn": 0}
+    r = api.post("/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0.0, "base_model": "",
+                                               "lora_config": lora, "user_metadata": None})  # found by schemathesis
+    assert r.status_code == 400 and r.json()["detail"][0]["field"] == "base_model"
+    nothing = {"rank": 4, "train_unembed": False, "train_mlp": False, "train_attn": False}
+    r = api.post("/api/v1/create_model", json={"session_id": session_id, "base_model": "tiny-random-llama",
+                                               "lora_config": nothing})
+    assert r.status_code == 400 and r.json()["detail"][0]["field"] == "lora_config"
+    r = api.post("/api/v1/forward_backward", content=iter([b"\0" * 2**20] * 9),  # chunked: no Content-Length
+                 headers={"content-type": "application/x-protobuf"})
+    assert r.status_code == 413, r.text
+    assert _counts(api) == (0, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from typing import Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -17,8 +18,13 @@ from service.store.db import ping
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+class Liveness(BaseModel):
+    status: Literal["ok"]
+
+
+@router.get("/healthz", response_model=Liveness)
 def healthz():
+    """The process answers (nothing else is checked: /readyz does)."""
     return {"status": "ok"}
 
 

@@ -128,7 +128,8 @@ def _stream_owner(url: str, job_id: int, key: str | None, token: str | None) -> 
 
 
 @router.get("/{job_id}/stream", response_class=EventSourceResponse,
-            responses={200: {"content": {"text/event-stream": {}}}})
+            responses={200: {"description": "Server-sent events: `status`, `metrics`, `event`, then `end` once the job "
+                             "has ended.", "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
 async def stream_job(
     job_id: JobId, settings: SettingsDep, request: Request,
     from_step: Annotated[int, Query(ge=-1, le=MAX_INT, description="Send metrics of steps after this one.")] = -1,

@@ -25,15 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.deps import OwnerDep, ReleasedOwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
-from service.api.schemas import ErrorOut, ValidationErrorOut, error_responses
+from service.api.schemas import OCTET_STREAM, ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_sampling import MAX_CELLS, MAX_K, prompt_ask
+from service.core.tinker_sampling import MAX_CELLS, MAX_K, prompt_ask, sample_response_json
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
     decode_forward_backward,
+    forward_backward_output_json,
     parse_sampler_id,
     parse_tinker_path,
     sampler_id,
@@ -456,8 +457,8 @@ def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
 
 
 @router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 409, 413) | REFUSED,
-             openapi_extra={"requestBody": {"required": True, "content": {PROTOBUF: {"schema": {
-                 "type": "string", "format": "binary"}}}}})
+             openapi_extra={"requestBody": {"required": True, "content": {m: {"schema": {
+                 "type": "string", "format": "binary"}} for m in (PROTOBUF, OCTET_STREAM)}}})
 async def forward_backward(request: Request, owner: ReleasedOwnerDep, settings: SettingsDep):
     body = await request.body()
     if request.headers.get("content-encoding", "") == "zstd":
@@ -647,11 +648,13 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
 
 
 @router.post("/retrieve_future", response_class=Response, responses=error_responses(404) | {200: {
-    "description": "The result: protobuf for forward_backward, JSON for the others; `{error, category}` when the "
-    "operation failed; `{type: try_again}` while it is still pending.",
+    "description": "The result as JSON: `{error, category}` when the operation failed, `{type: try_again}` while "
+    "it is pending. A forward_backward or sample result is protobuf (`ForwardBackwardOutput`, `SampleResponse`) "
+    "only when the request's Accept header asks for application/x-protobuf (the tinker SDK does), JSON otherwise.",
     "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}, "application/json": {"schema": {
         "type": "object"}}}}})
-async def retrieve_future(body: RetrieveFutureIn, owner: ReleasedOwnerDep, settings: SettingsDep) -> Response:
+async def retrieve_future(body: RetrieveFutureIn, request: Request, owner: ReleasedOwnerDep,
+                          settings: SettingsDep) -> Response:
     """The operation's result once its worker wrote it: protobuf for forward_backward, JSON otherwise;
     `{error, category}` when it failed; `try_again` while it is pending after a wait of up to
     RETRIEVE_WAIT_S, polled without holding a thread or a connection."""
@@ -660,9 +663,14 @@ async def retrieve_future(body: RetrieveFutureIn, owner: ReleasedOwnerDep, setti
         op = await run_in_threadpool(_op_state, settings, body.request_id, owner)
         if op is None:
             raise HTTPException(404, f"request {body.request_id} not found")
-        status, result, fmt, error, category = op
+        status, result, fmt, error, category, kind = op
         if status == "done":
-            return Response(result, media_type=PROTOBUF if fmt == "proto" else "application/json")
+            if fmt != "proto":
+                return Response(result, media_type="application/json")
+            if PROTOBUF in request.headers.get("accept", ""):
+                return Response(result, media_type=PROTOBUF)
+            as_json = sample_response_json if kind == "sample" else forward_backward_output_json
+            return JSONResponse(await run_in_threadpool(as_json, result))
         if status == "failed":
             return JSONResponse({"error": error, "category": category})
         if time.monotonic() >= deadline:
@@ -674,5 +682,5 @@ async def retrieve_future(body: RetrieveFutureIn, owner: ReleasedOwnerDep, setti
 def _op_state(settings, request_id: str, owner: str):
     with session_scope(settings.store_url, read_only=True) as session:
         op = ops_q.op_for(session, request_id=request_id, owner=owner)
-        return None if op is None else (op.status, op.result, op.result_format, op.error, op.category)
+        return None if op is None else (op.status, op.result, op.result_format, op.error, op.category, op.kind)
 

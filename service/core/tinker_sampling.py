@@ -215,3 +215,53 @@ def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScore
         _tensor(out.prompt_alt_tokens.tokens, prompt.alt_ids.astype(np.int64), p.DTYPE_INT64)
         _tensor(out.prompt_alt_tokens.logprobs, prompt.alt_logprobs.astype(np.float32), p.DTYPE_FLOAT32)
     return out.SerializeToString()
+
+
+def _topk_json(msg) -> list[list[list[float]] | None] | None:
+    """[length][k] of [token id, log-prob] (the SDK's JSON form), a position with none (all MASK_LOGPROB)
+    as None; None where the answer has none."""
+    if not msg.length:
+        return None
+    ids = np.frombuffer(msg.token_ids, dtype=np.int32).reshape(msg.length, msg.k)
+    logprobs = np.frombuffer(msg.logprobs, dtype=np.float32).reshape(msg.length, msg.k)
+    return [None if (row_lps == MASK_LOGPROB).all() else
+            [[int(i), float(lp)] for i, lp in zip(row_ids, row_lps, strict=True)]
+            for row_ids, row_lps in zip(ids, logprobs, strict=True)]
+
+
+def _tensor_json(msg) -> dict:
+    """A `TensorData` as the SDK's JSON sends it: flat values, dense or sparse CSR."""
+    p = pb()
+    dtype = np.float32 if msg.dtype == p.DTYPE_FLOAT32 else np.int64
+    name = "float32" if dtype is np.float32 else "int64"
+    if msg.HasField("sparse_csr"):
+        return {"data": np.frombuffer(msg.sparse_csr.values, dtype=dtype).tolist(), "dtype": name,
+                "shape": list(msg.shape),
+                "sparse_crow_indices": np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64).tolist(),
+                "sparse_col_indices": np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64).tolist()}
+    return {"data": np.frombuffer(msg.dense, dtype=dtype).tolist(), "dtype": name, "shape": list(msg.shape)}
+
+
+def _floats(raw: bytes) -> list[float | None]:
+    return [None if np.isnan(v) else float(v) for v in np.frombuffer(raw, dtype=np.float32)]
+
+
+def sample_response_json(body: bytes) -> dict:
+    """A stored `SampleResponse` in the SDK's JSON form, for a client that did not ask for protobuf."""
+    p = pb()
+    msg = p.SampleResponse()
+    msg.ParseFromString(body)
+    out: dict = {"type": "sample", "sequences": [
+        {"stop_reason": "stop" if s.stop_reason == p.STOP_REASON_STOP else "length",
+         "tokens": np.frombuffer(s.tokens, dtype=np.int32).tolist(), "logprobs": _floats(s.logprobs),
+         "topk_logprobs": _topk_json(s.topk_sampled_logprobs)} for s in msg.sequences]}
+    if msg.prompt_logprobs:
+        out["prompt_logprobs"] = _floats(msg.prompt_logprobs)
+    if (topk := _topk_json(msg.topk_prompt_logprobs)) is not None:
+        out["topk_prompt_logprobs"] = topk
+    if msg.HasField("target_prompt_logprobs"):
+        out["target_prompt_logprobs"] = _tensor_json(msg.target_prompt_logprobs)
+    if msg.HasField("prompt_alt_tokens"):
+        out["prompt_alt_tokens"] = {"tokens": _tensor_json(msg.prompt_alt_tokens.tokens),
+                                    "logprobs": _tensor_json(msg.prompt_alt_tokens.logprobs)}
+    return out

@@ -226,6 +226,26 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
     return out.SerializeToString()
 
 
+def forward_backward_output_json(body: bytes) -> dict:
+    """A stored `ForwardBackwardOutput` in the SDK's JSON form (its `ForwardBackwardOutput` type): for a client
+    that did not ask for protobuf. Each datum's fields as `TensorData` (flat float32 values and a shape)."""
+    p = pb()
+    out = p.ForwardBackwardOutput()
+    out.ParseFromString(body)
+    datums: list[dict] = []
+    for record in out.loss_fn_outputs:
+        rows: list[dict] = [{} for _ in range(record.num_datums)]
+        for name, batched in record.fields.items():
+            values = np.frombuffer(batched.data, dtype=np.float32)
+            offsets = np.frombuffer(batched.offsets, dtype=np.int64) // 4
+            for i, row in enumerate(rows):
+                part = values[offsets[i]:offsets[i + 1]]
+                row[name] = {"data": part.tolist(), "dtype": "float32", "shape": [int(part.size)]}
+        datums += rows
+    return {"loss_fn_output_type": out.loss_fn_output_type, "loss_fn_outputs": datums,
+            "metrics": dict(out.metrics)}
+
+
 @dataclass(frozen=True)
 class SamplerRef:
     """What a sampling session samples: a run's weights at a version (`<model_id>:v<n>`, a snapshot

@@ -8,6 +8,7 @@ from service.core.tinker_sampling import (
     TopK,
     check_widths,
     encode_sample_response,
+    sample_response_json,
     prompt_ask,
     target_ids,
 )
@@ -122,6 +123,17 @@ def test_the_sdk_reads_every_answer_back_in_the_layout_asked():
     assert list(got.target_prompt_logprobs.data) == [-2.0, -3.0]
     np.testing.assert_array_equal(got.target_prompt_logprobs.to_torch().numpy(), targets)
     assert got.prompt_alt_tokens.tokens.to_torch().tolist() == np.arange(8).reshape(4, 2).tolist()
+    # the same answer as JSON, for a client that does not ask for protobuf: the values the SDK read
+    as_json = sample_response_json(encode_sample_response(
+        [SampledSequence([1, 2, 3], [-0.1, -0.2, -0.3], "length", top)], scores, sparse))
+    js = as_json["sequences"][0]
+    assert js["tokens"] == seq.tokens and js["logprobs"] == seq.logprobs and js["stop_reason"] == "length"
+    assert [[tuple(p) for p in row] for row in js["topk_logprobs"]] == seq.topk_logprobs
+    assert as_json["prompt_logprobs"] == got.prompt_logprobs
+    assert [None if r is None else [tuple(p) for p in r] for r in as_json["topk_prompt_logprobs"]] \
+        == got.topk_prompt_logprobs
+    assert as_json["target_prompt_logprobs"]["sparse_crow_indices"] == [0, 0, 1, 1, 2]
+    assert as_json["prompt_alt_tokens"]["tokens"]["data"] == list(range(8))
     dense = deserialize_sample_response(encode_sample_response([], scores, target_ids(
         {"data": IDS.ravel().tolist(), "dtype": "int64", "shape": [4, 3]}, prompt_len=5)))
     assert dense.target_prompt_logprobs.sparse_crow_indices is None

@@ -35,3 +35,15 @@ def test_float_target_tokens_are_refused():
     with pytest.raises(WireError, match="token ids are integers") as e:
         decode_forward_backward(body)
     assert e.value.field == "data.0.loss_fn_inputs.target_tokens"
+
+
+def test_a_forward_backward_result_reads_the_same_as_json():
+    """For a client that does not ask for protobuf: the same values, per datum, in the SDK's JSON form."""
+    from service.core.tinker_wire import encode_forward_backward_output, forward_backward_output_json
+
+    per_datum = [{"logprobs": np.array([-1.5, -0.25], dtype=np.float32)},
+                 {"logprobs": np.array([-3.0], dtype=np.float32)}]
+    out = forward_backward_output_json(encode_forward_backward_output(per_datum, {"loss:sum": 4.75}))
+    assert out == {"loss_fn_output_type": "ArrayRecord", "metrics": {"loss:sum": 4.75}, "loss_fn_outputs": [
+        {"logprobs": {"data": [-1.5, -0.25], "dtype": "float32", "shape": [2]}},
+        {"logprobs": {"data": [-3.0], "dtype": "float32", "shape": [1]}}]}

@@ -77,6 +77,7 @@ class Rollouts(Generic[U]):
     keys: list[tuple[int, int, int, int]]  # [N] (round, unit, group in unit, g): a row's place in the whole step
     staleness: torch.Tensor | None = None  # [N] weight versions between each row's sampler and now (vllm)
     ranks: Ranks = SINGLE
+    excluded: torch.Tensor | None = None  # [N] bool: no counted reward could score it (None: every row scored)
 
     def __len__(self) -> int:
         """Rows on this rank."""
@@ -108,8 +109,11 @@ class Rollouts(Generic[U]):
 
     def metrics(self) -> dict[str, float]:
         """Reward, advantage and completion statistics of the whole step (every rank's rows)."""
-        r, lengths = self.rewards.double(), self.batch.completion_mask.sum(1).double()
-        sums = {"n": len(r), "r": float(r.sum()), "r2": float((r * r).sum()), "adv": float(self.advantages.abs().sum()),
+        lengths = self.batch.completion_mask.sum(1).double()
+        # rewards of the scored rows only: an excluded row holds its group's mean, which is not a measurement
+        r = self.rewards.double() if self.excluded is None else self.rewards.double()[~self.excluded]
+        sums = {"n": len(self.rewards), "n_scored": len(r), "r": float(r.sum()), "r2": float((r * r).sum()),
+                "adv": float(self.advantages.abs().sum()),
                 "len": float(lengths.sum()), "trunc": float(self.batch.truncated.sum()), "reward_s": self.reward_s}
         for name, vals in self.per_fn.items():
             finite = [v for v in vals if not math.isnan(v)]
@@ -117,13 +121,14 @@ class Rollouts(Generic[U]):
         if self.staleness is not None:
             sums["stale"] = float(self.staleness.sum())
         t = self.ranks.sum(sums)
-        n = max(t["n"], 1.0)
-        mean = t["r"] / n
-        var = (t["r2"] - n * mean * mean) / (n - 1) if t["n"] > 1 else 0.0
-        m = {"reward/mean": mean, "reward/std": math.sqrt(max(var, 0.0)), "frac_reward_zero_std": self.frac_zero_std,
-             "advantage/abs_mean": t["adv"] / n, "completions/mean_length": t["len"] / n,
+        n, scored = max(t["n"], 1.0), t["n_scored"]
+        m = {"frac_reward_zero_std": self.frac_zero_std, "advantage/abs_mean": t["adv"] / n, "completions/mean_length": t["len"] / n,
              "completions/clipped_ratio": t["trunc"] / n, "rollout/refill_rounds": float(self.refill_rounds),
              "time/reward_s": t["reward_s"] / self.ranks.world}
+        if scored:  # nothing scored: no reward was measured, and none is reported
+            mean = t["r"] / scored
+            var = (t["r2"] - scored * mean * mean) / (scored - 1) if scored > 1 else 0.0
+            m |= {"reward/mean": mean, "reward/std": math.sqrt(max(var, 0.0))}
         for name in self.per_fn:
             if t[f"fn_n/{name}"]:
                 m[f"reward/{name}/mean"] = t[f"fn/{name}"] / t[f"fn_n/{name}"]
@@ -274,7 +279,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
                     groups_per_unit=first.groups_per_unit, group_size=G, rewards=r, advantages=adv, loss_mask=loss_mask,
                     per_fn={name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn},
                     train_rows=train_rows, frac_zero_std=frac_zero or 0.0, refill_rounds=rounds - 1, reward_s=reward_s,
-                    keys=keys, staleness=stale, ranks=s.ranks)
+                    keys=keys, staleness=stale, ranks=s.ranks, excluded=excluded)
 
 
 def submit_train_prompts(s: Setup, step: int) -> Submit[Example]:

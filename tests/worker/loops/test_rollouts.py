@@ -75,3 +75,22 @@ def test_nothing_to_learn_after_the_last_refill_round():
     s = _setup(drop_zero_std_groups=True, max_refill_rounds=2, num_generations=G)
     assert collect_rollouts(s, 1, Reporter(), draw, units=1, group_size=G) is None
     assert calls == [1, 1, 1]
+
+
+def _unscorable_setup() -> SimpleNamespace:
+    """digit_share, except that a completion with an 'x' cannot be scored (the reward returns None)."""
+    def fn(completion, answers):
+        return None if "x" in completion else lookup("digit_share").fn(completion, answers)
+    return SimpleNamespace(spec=SimpleNamespace(grpo=GRPOSpec(num_generations=G)),
+                           scorer=Scorer([FunctionComponent("digits_or_none", 1.0, fn)]),
+                           tokenizer=SimpleNamespace(pad_token_id=0), ranks=SINGLE)
+
+
+@pytest.mark.usefixtures("digit_reward")
+def test_the_reward_mean_counts_scored_completions_only_and_is_absent_when_none_was():
+    draw, _ = _drawer([[["11", "x1"], ["1a", "xx"], ["aa", "x"]]])
+    m = collect_rollouts(_unscorable_setup(), 1, Reporter(), draw, units=1, group_size=G).metrics()
+    assert m["reward/mean"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)  # not the excluded rows' stand-in means
+    draw, _ = _drawer([[["x1", "x"], ["xa", "xx"], ["ax", "x"]]])
+    m = collect_rollouts(_unscorable_setup(), 1, Reporter(), draw, units=1, group_size=G).metrics()
+    assert "reward/mean" not in m and "reward/std" not in m  # nothing was measured

@@ -50,6 +50,9 @@ class Request:
     prompt: list[int]
     n: int
     params: Params
+    # the random stream to draw from (None: one from params.seed): the parts of a request split across batches
+    # share it, so they go on drawing where the part before stopped instead of repeating its draws
+    stream: torch.Generator | None = None
 
 
 def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -83,7 +86,7 @@ def sample_many(model: torch.nn.Module, requests: list[Request],
         start += r.n
     prompts = [r.prompt for r in requests for _ in range(r.n)]
     ids, mask, positions = _left_padded(prompts, device)  # [R, P] each
-    gens = [generator(r.params.seed, device) for r in requests]
+    gens = [r.stream if r.stream is not None else generator(r.params.seed, device) for r in requests]
     # per row: greedy rows score tokens under the plain logits (temperature 1), as a single request does
     temperature = torch.tensor([r.params.temperature or 1.0 for r in requests for _ in range(r.n)],
                                device=device)[:, None]  # [R, 1]

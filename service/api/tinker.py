@@ -29,7 +29,7 @@ from service.api.schemas import OCTET_STREAM, ErrorOut, ValidationErrorOut, erro
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_sampling import MAX_CELLS, MAX_K, prompt_ask, sample_response_json
+from service.core.tinker_sampling import DEFAULT_MAX_TOKENS, MAX_CELLS, MAX_K, prompt_ask, sample_response_json
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
@@ -640,6 +640,11 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
         prompt_ask(body.model_dump(), prompt_len=prompt_len)
     except WireError as exc:
         return _refused(exc.field, exc.message)
+    positions = body.num_samples * (prompt_len + (body.sampling_params.max_tokens or DEFAULT_MAX_TOKENS))
+    if positions > settings.sample_request_tokens:
+        return _refused("num_samples", f"{body.num_samples} samples x ({prompt_len} prompt tokens + max_tokens) = "
+                        f"{positions} token positions, over this server's {settings.sample_request_tokens} a request "
+                        "(GRPO_SAMPLE_REQUEST_TOKENS): send fewer samples or a shorter prompt")
     with session_scope(settings.store_url) as session:
         job = _sampler_run(session, sampling_session_id=body.sampling_session_id, owner=owner)
         future = _submit_op(settings, session, job=job, kind="sample", body=body.model_dump_json().encode(), seq=None)

@@ -173,6 +173,18 @@ class Settings(BaseSettings):
         description="A tinker session run saves its state at the first optim_step this long after its last save "
         "(0: at every optim_step): a killed worker loses at most this much of the run.",
     )
+    sample_request_tokens: int = Field(
+        default=65536, ge=1, validation_alias="GRPO_SAMPLE_REQUEST_TOKENS",
+        description="The most token positions one tinker sample request may ask for: num_samples x (prompt "
+        "tokens + max_tokens); past it the request is a 400 naming num_samples. It bounds one request's work; "
+        "GRPO_SAMPLE_BATCH_TOKENS bounds the memory it takes.",
+    )
+    sample_batch_tokens: int = Field(
+        default=16384, ge=1, validation_alias="GRPO_SAMPLE_BATCH_TOKENS",
+        description="The most token positions a session run samples at once: rows x (longest prompt + "
+        "max_tokens). Larger requests are split into batches of this size (their KV cache is what it bounds: "
+        "about 46 KB a position for SmolLM2-135M in float32), and the memory is handed back after.",
+    )
     requeue_queued_after_s: float = Field(
         default=600.0, validation_alias="GRPO_REQUEUE_QUEUED_AFTER_S",
         description="A job queued this long with no worker taking it is enqueued again, in case its "

@@ -277,7 +277,7 @@ def serve(spec: SessionJob, reporter: Reporter, settings: Settings) -> LoopResul
             continue
         if op.kind == "sample":
             batch = gather_samples(ops, last_batch)
-            run_samples(s, ops, batch, reporter)
+            run_samples(s, ops, batch, reporter, batch_tokens=settings.sample_batch_tokens)
             last_batch = len(batch)
             last_op = time.monotonic()
             continue

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,7 @@ from service.core.tinker_sampling import (
 )
 from service.core.tinker_wire import SamplerRef, WireError, parse_sampler_id, sampler_id
 from worker import token_sampler
+from worker.allocator import release_freed_memory
 from worker.checkpoints import load_weights
 from worker.loops.session_state import Session
 from worker.prompt_scoring import score_prompt
@@ -125,6 +126,9 @@ def parse_sample(s: Session, body: bytes) -> SampleCall:
                              top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                              stop_tokens=stop_tokens, stop_strings=stop_strings,
                              topk_logprobs=req.get("topk_sample_logprobs", 0))
+    if s.context is not None and len(prompt) + p.max_tokens > s.context:  # positions the model has no embedding for
+        raise WireError("sampling_params.max_tokens", f"{len(prompt)} prompt tokens + max_tokens {p.max_tokens} is "
+                        f"over the model's context of {s.context}")
     ask = prompt_ask(req, prompt_len=len(prompt), vocab_size=s.vocab_size)
     ref = parse_sampler_id(req["sampling_session_id"])
     if ref.source == "v" and ref.number != s.version and ref.key not in s.snapshots:
@@ -134,7 +138,7 @@ def parse_sample(s: Session, body: bytes) -> SampleCall:
                       ask)
 
 
-SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch (rows of several pending sample requests)
+SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch at most (rows of several pending sample requests)
 
 
 @dataclass(frozen=True)
@@ -143,26 +147,60 @@ class SampleResult:
     rows: list[SampleRow]  # the completions as text, for the run's samples
 
 
-def sample(s: Session, calls: list[SampleCall], reporter: Reporter) -> list[SampleResult]:
-    """The results of sample calls, in their order: the calls of one snapshot run as batches of up to
-    SAMPLE_BATCH_ROWS completions."""
+@dataclass(frozen=True)
+class Part:
+    """Rows of one call sampled in one batch: a call whose rows do not fit one batch is split in parts."""
+
+    call: int  # its index in the calls
+    request: token_sampler.Request  # n: this part's rows; its stream is the call's, shared by its parts
+
+
+def batches(calls: list[SampleCall], indices: list[int], *, batch_tokens: int) -> list[list[Part]]:
+    """The rows of `calls[indices]`, in order, as batches of at most SAMPLE_BATCH_ROWS rows and
+    `batch_tokens` positions (rows x their longest prompt + max_tokens); a call's rows split across
+    batches where they must (one row at least in each)."""
+    out: list[list[Part]] = []
+    batch: list[Part] = []
+    rows = width = 0
+    for i in indices:
+        r = calls[i].request
+        stream = token_sampler.generator(r.params.seed, "cpu") if r.stream is None else r.stream
+        left, size = r.n, len(r.prompt) + r.params.max_tokens
+        while left:
+            w = max(width, size)
+            fit = min(left, SAMPLE_BATCH_ROWS - rows, batch_tokens // w - rows)
+            if fit <= 0 and batch:  # the batch is full: this call's rows start the next one
+                out.append(batch)
+                batch, rows, width = [], 0, 0
+                continue
+            fit = max(fit, 1)  # a row longer than the budget still runs, alone
+            batch.append(Part(i, replace(r, n=fit, stream=stream)))
+            rows, width, left = rows + fit, w, left - fit
+    if batch:
+        out.append(batch)
+    return out
+
+
+def sample(s: Session, calls: list[SampleCall], reporter: Reporter, *, batch_tokens: int) -> list[SampleResult]:
+    """The results of sample calls, in their order: the calls of one snapshot run as batches (`batches`);
+    what a batch took is handed back to the OS after it."""
     results: list[SampleResult | None] = [None] * len(calls)
     for ref in dict.fromkeys(c.ref for c in calls):
-        todo = deque(i for i, c in enumerate(calls) if c.ref == ref)
+        mine = [i for i, c in enumerate(calls) if c.ref == ref]
+        rows: dict[int, list[token_sampler.Sampled]] = {i: [] for i in mine}
         with weights_of(s, ref, reporter) as model, eval_mode(model):
-            while todo:
-                batch, rows = [], 0
-                while todo and (not batch or rows + calls[todo[0]].request.n <= SAMPLE_BATCH_ROWS):
-                    batch.append(todo.popleft())
-                    rows += calls[batch[-1]].request.n
-                sampled = token_sampler.sample_many(model, [calls[i].request for i in batch], s.tokenizer.decode)
-                for i, rows_of_call in zip(batch, sampled, strict=True):
-                    c = calls[i]
-                    scores = score_prompt(model, c.request.prompt, c.prompt) if c.prompt.anything else None
-                    response = encode_sample_response(
-                        [SampledSequence(r.tokens, r.logprobs, r.stop_reason, r.topk) for r in rows_of_call],
-                        scores, c.prompt.targets)
-                    results[i] = SampleResult(response, sample_rows(s, c, rows_of_call))
+            for batch in batches(calls, mine, batch_tokens=batch_tokens):
+                sampled = token_sampler.sample_many(model, [p.request for p in batch], s.tokenizer.decode)
+                for part, part_rows in zip(batch, sampled, strict=True):
+                    rows[part.call] += part_rows
+                del sampled
+                release_freed_memory()
+            for i in mine:
+                c = calls[i]
+                scores = score_prompt(model, c.request.prompt, c.prompt) if c.prompt.anything else None
+                response = encode_sample_response([SampledSequence(r.tokens, r.logprobs, r.stop_reason, r.topk)
+                                                   for r in rows[i]], scores, c.prompt.targets)
+                results[i] = SampleResult(response, sample_rows(s, c, rows[i]))
     return results
 
 
@@ -198,7 +236,8 @@ def gather_samples(ops: Operations, last_batch: int) -> list[PendingOp]:
     return run
 
 
-def run_samples(s: Session, ops: Operations, pending: list[PendingOp], reporter: Reporter) -> None:
+def run_samples(s: Session, ops: Operations, pending: list[PendingOp], reporter: Reporter, *,
+                batch_tokens: int) -> None:
     """Sample operations, run as batches; one that is malformed fails alone."""
     calls: list[tuple[PendingOp, SampleCall]] = []
     for op in pending:
@@ -207,7 +246,7 @@ def run_samples(s: Session, ops: Operations, pending: list[PendingOp], reporter:
         except WireError as exc:
             ops.fail(op, str(exc), "user")
     try:
-        results = sample(s, [call for _, call in calls], reporter)
+        results = sample(s, [call for _, call in calls], reporter, batch_tokens=batch_tokens)
     except Exception as exc:  # the run goes on; each client sees why its sample failed
         log.exception("session run: sampling %d requests failed", len(calls))
         for op, _ in calls:

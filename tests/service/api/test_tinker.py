@@ -89,3 +89,13 @@ def test_bad_input_is_a_4xx_naming_the_field(api):
                  headers={"content-type": "application/x-protobuf"})
     assert r.status_code == 413, r.text
     assert _counts(api) == (0, 0)
+
+
+def test_a_sample_request_past_the_servers_budget_is_refused(settings_factory):
+    api = Api(settings_factory(GRPO_SAMPLE_REQUEST_TOKENS=1000))
+    ask = {"sampling_session_id": "nope:v0", "prompt": {"chunks": [{"tokens": list(range(90))}]},
+           "sampling_params": {"max_tokens": 10}}
+    r = api.post("/api/v1/asample", json={**ask, "num_samples": 11})  # 11 x (90 + 10) = 1100 positions
+    assert r.status_code == 400 and r.json()["detail"][0]["field"] == "num_samples", r.text
+    assert "GRPO_SAMPLE_REQUEST_TOKENS" in r.json()["detail"][0]["message"]
+    assert api.post("/api/v1/asample", json={**ask, "num_samples": 10}).status_code == 404  # within: no such sampler

@@ -287,3 +287,4 @@ def test_a_stored_spec_this_version_refuses_is_shown_as_stored(api):
         assert r.status_code == 200, r.text
     assert api.get(f"/v1/jobs/{jid}").json()["spec"]["grpo"]["retired_option"] == 1
     assert api.delete(f"/v1/jobs/{jid}").status_code in (204, 409)  # the file and init_from checks read it too
+

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import CI
-from tests.e2e.conftest import TINY_JOB, Procs, free_port, wait_http, wait_job
+from tests.e2e.conftest import TINY_JOB, Procs, embedded_env, free_port, wait_http, wait_job
 
 CHROMIUM = os.environ.get("GRPO_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parents[2] / "test-artifacts" / "dashboard"
@@ -77,11 +77,7 @@ class Service:
 @pytest.fixture(scope="session")
 def service(tmp_path_factory, models_root):
     tmp = tmp_path_factory.mktemp("dashboard")
-    env = {**os.environ, "GRPO_DATA_DIR": str(tmp / "data"), "GRPO_MODELS_ROOT": str(models_root),
-           "GRPO_HEARTBEAT_S": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("DATABASE_URL", None)
-    env.pop("BROKER_URL", None)
-    procs = Procs(env, tmp)
+    procs = Procs(embedded_env(tmp / "data", models_root), tmp)
     (tmp / "data" / "datasets" / "local").mkdir(parents=True)  # the folder of `dev`'s owner, 'local'
     (tmp / "data" / "datasets" / "local" / "digits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DIGITS))
     port = free_port()

@@ -67,13 +67,19 @@ class Procs:
                 p.kill()
 
 
-@pytest.fixture
-def procs(tmp_path, models_root):
-    env = {**os.environ, "GRPO_DATA_DIR": str(tmp_path / "data"), "GRPO_MODELS_ROOT": str(models_root),
+def embedded_env(data_dir: Path, models_root: Path) -> dict:
+    """The environment of `grpo-jobs` processes on the embedded defaults (SQLite store and broker in
+    `data_dir`), whatever DATABASE_URL or BROKER_URL the test run has."""
+    env = {**os.environ, "GRPO_DATA_DIR": str(data_dir), "GRPO_MODELS_ROOT": str(models_root),
            "GRPO_HEARTBEAT_S": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("DATABASE_URL", None)
     env.pop("BROKER_URL", None)
-    p = Procs(env, tmp_path)
+    return env
+
+
+@pytest.fixture
+def procs(tmp_path, models_root):
+    p = Procs(embedded_env(tmp_path / "data", models_root), tmp_path)
     yield p
     p.stop()
 

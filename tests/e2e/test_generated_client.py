@@ -5,7 +5,6 @@ on it, polls it, reads its metrics and downloads its checkpoint."""
 import importlib
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import BIN, Procs, free_port, wait_http
+from tests.e2e.conftest import BIN, Procs, embedded_env, free_port, wait_http
 
 GENERATOR = Path(sys.executable).parent / "openapi-python-client"
 
@@ -27,11 +26,7 @@ def generated(tmp_path_factory, models_root):
     if not GENERATOR.exists():
         pytest.fail("openapi-python-client is not installed: it is in the dev extra (make install)")
     tmp_path = tmp_path_factory.mktemp("generated")
-    env = {**os.environ, "GRPO_DATA_DIR": str(tmp_path / "data"), "GRPO_MODELS_ROOT": str(models_root),
-           "GRPO_HEARTBEAT_S": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("DATABASE_URL", None)
-    env.pop("BROKER_URL", None)
-    procs = Procs(env, tmp_path)
+    procs = Procs(embedded_env(tmp_path / "data", models_root), tmp_path)
     out = tmp_path / "client"
     try:
         port = free_port()

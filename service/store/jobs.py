@@ -9,7 +9,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.core.specs import TERMINAL, Status
-from service.store import session_ops
 from service.store.models import (
     Checkpoint,
     Job,
@@ -87,7 +86,7 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
     ).rowcount == 1:
         session.add(JobEvent(job_id=job.id, type="cancelled",
                              message="cancelled; its worker had stopped (lease expired)"))
-        session_ops.fail_pending_in(session, job_ids=[job.id], error="the run was cancelled", category="user")
+        fail_pending_in(session, job_ids=[job.id], error="the run was cancelled", category="user")
         session.flush()
         session.refresh(job)
         return job
@@ -96,13 +95,22 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
         job.status = Status.cancelled
         job.finished_at = utcnow()
         session.add(JobEvent(job_id=job.id, type="cancelled", message=message))
-        session_ops.fail_pending_in(session, job_ids=[job.id], error=f"the run was {message}", category="user")
+        fail_pending_in(session, job_ids=[job.id], error=f"the run was {message}", category="user")
     elif job.status == Status.running and not job.cancel_requested:
         job.cancel_requested = True
         session.add(JobEvent(job_id=job.id, type="cancel_requested",
                              message="cancel requested; the job stops after its current step"))
     session.flush()
     return job
+
+
+def fail_pending_in(session: Session, *, job_ids: list[int], error: str, category: str) -> int:
+    """The pending tinker operations of runs that have ended, failed with `error` in the caller's
+    transaction: a run's terminal status and its failed futures commit together (every transition to a
+    terminal status calls it), so no future waits for a run that will never run it."""
+    return session.execute(update(SessionOp).where(SessionOp.job_id.in_(job_ids), SessionOp.status == "pending")
+                           .values(status="failed", error=error, category=category, finished_at=utcnow())
+                           .execution_options(synchronize_session=False)).rowcount
 
 
 def active_jobs(session: Session, *, owner: str) -> list[Job]:

@@ -14,7 +14,7 @@ from sqlalchemy import func, or_, select, update
 from service.core.specs import TERMINAL, JobSpec, Status, SubmittedSpec, parse_stored_spec
 from service.store import session_ops
 from service.store.db import session_scope
-from service.store.jobs import create_job
+from service.store.jobs import create_job, fail_pending_in
 from service.store.models import Job, JobEvent, utcnow
 
 
@@ -110,7 +110,7 @@ def finish_job(url: str, *, job_id: int, holder: str | None, status: str, messag
             return False
         session.add(JobEvent(job_id=job_id, type=status, message=message, data=data,
                              level=level or ("error" if status == Status.failed else "info")))
-        session_ops.fail_pending_in(session, job_ids=[job_id], error=f"the run ended ({status}): {message}",
+        fail_pending_in(session, job_ids=[job_id], error=f"the run ended ({status}): {message}",
                                     category="user" if status == Status.cancelled else "server")
     return True
 
@@ -170,7 +170,7 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
                                    ).rowcount == 1:
                     session.add(JobEvent(job_id=job_id, type="cancelled",
                                          message="cancelled: its worker had stopped (lease expired)"))
-                    session_ops.fail_pending_in(session, job_ids=[job_id], error="the run was cancelled",
+                    fail_pending_in(session, job_ids=[job_id], error="the run was cancelled",
                                                 category="user")
                     cancelled.append(job_id)
                 continue

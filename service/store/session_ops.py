@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from service.core.records import OpResult, PendingOp
 from service.core.specs import TERMINAL, SessionJob, Status
+from service.store import jobs as jobs_q
 from service.store import records
 from service.store.db import session_scope
 from service.store.models import Checkpoint, Job, JobEvent, SessionCheckpoint, SessionOp, TinkerSession, utcnow
@@ -165,15 +166,7 @@ def fail_op(url: str, *, op_id: int, error: str, category: str) -> None:
 def fail_pending(url: str, *, job_id: int, error: str, category: str) -> int:
     """Every pending operation of a run that ended: its futures fail instead of waiting forever."""
     with session_scope(url) as session:
-        return fail_pending_in(session, job_ids=[job_id], error=error, category=category)
-
-
-def fail_pending_in(session: Session, *, job_ids: list[int], error: str, category: str) -> int:
-    """`fail_pending` in the caller's transaction: the run's terminal status and its failed futures commit
-    together (every transition to a terminal status calls it)."""
-    return session.execute(update(SessionOp).where(SessionOp.job_id.in_(job_ids), SessionOp.status == "pending")
-                           .values(status="failed", error=error, category=category, finished_at=utcnow())
-                           .execution_options(synchronize_session=False)).rowcount
+        return jobs_q.fail_pending_in(session, job_ids=[job_id], error=error, category=category)
 
 
 def fail_orphaned(url: str) -> int:
@@ -182,7 +175,7 @@ def fail_orphaned(url: str) -> int:
     with session_scope(url) as session:
         rows = session.execute(select(Job.id, Job.status).join(SessionOp, SessionOp.job_id == Job.id)
                                .where(SessionOp.status == "pending", Job.status.in_(TERMINAL)).distinct()).all()
-        return sum(fail_pending_in(session, job_ids=[job_id], error=f"the run has ended ({status})",
+        return sum(jobs_q.fail_pending_in(session, job_ids=[job_id], error=f"the run has ended ({status})",
                                    category="user" if status == Status.cancelled else "server")
                    for job_id, status in rows)
 

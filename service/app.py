@@ -77,7 +77,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
     # an upload may carry a file of max_file_bytes, plus its multipart framing
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        streamed={"/v1/files": settings.max_file_bytes + 64 * 1024,
-                                "/api/v1/forward_backward": tinker.FORWARD_BACKWARD_MAX_BYTES})
+                                "/api/v1/forward_backward": tinker.FORWARD_BACKWARD_MAX_BYTES},
+                       gates={"/v1/files": app.state.upload_slots.receiving})
     errors.install(app)
     for r in ROUTERS:
         app.include_router(r)

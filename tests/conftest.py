@@ -347,3 +347,23 @@ def tinker_service():
             client.close("success").result(timeout=10)
         except Exception:
             pass
+
+
+def _weight(item) -> int:
+    """How long a test is likely to take, in coarse classes: vLLM servers, then fault tests and the tinker
+    cookbook's loops, then the other end-to-end tests (real processes), then the rest marked slow."""
+    path = str(item.path)
+    if item.get_closest_marker("vllm"):
+        return 5
+    if "/tests/faults/" in path or "cookbook" in path:
+        return 4
+    if "/tests/e2e/" in path or "/tests/dashboard/" in path:
+        return 3
+    return 2 if item.get_closest_marker("slow") else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first (a stable sort: the same order in every pytest-xdist process, modules kept
+    together): `--dist worksteal` hands the first process the long ones and the others steal from it once
+    their short ones are done, so no long test starts last and ends the run alone."""
+    items.sort(key=lambda item: -_weight(item))

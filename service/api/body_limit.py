@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -23,8 +27,9 @@ class BodySizeLimit:
     buffered: they stream to the route under their own, larger limit, and going past it ends the
     request with the same 413."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, streamed: dict[str, int] | None = None) -> None:
-        self.app, self.max_bytes, self.streamed = app, max_bytes, streamed or {}
+    def __init__(self, app: ASGIApp, max_bytes: int, streamed: dict[str, int] | None = None,
+                 gates: dict[str, Callable[[], AbstractContextManager[str | None]]] | None = None) -> None:
+        self.app, self.max_bytes, self.streamed, self.gates = app, max_bytes, streamed or {}, gates or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -33,6 +38,11 @@ class BodySizeLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > (limit or self.max_bytes):
             return await self._reject(send, limit or self.max_bytes)
+        if limit is not None and (gate := self.gates.get(scope["path"].rstrip("/"))) is not None:
+            with gate() as refused:  # a slot before the first byte is read: 429 without reading the body
+                if refused is not None:
+                    return await self._reject(send, limit, status=429, detail=refused)
+                return await self._stream(scope, receive, send, limit)
         if limit is not None:
             return await self._stream(scope, receive, send, limit)
         chunks, seen = [], 0
@@ -88,8 +98,10 @@ class BodySizeLimit:
             if not started:
                 await self._reject(send, limit)
 
-    async def _reject(self, send: Send, limit: int) -> None:
-        body = f'{{"detail":"request body larger than {limit} bytes"}}'.encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+    async def _reject(self, send: Send, limit: int, *, status: int = 413, detail: str | None = None) -> None:
+        body = json.dumps({"detail": detail or f"request body larger than {limit} bytes"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        if status == 429:
+            headers.append((b"retry-after", b"2"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

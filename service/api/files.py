@@ -6,8 +6,9 @@ stores nothing. A file belongs to its owner: another owner's id is a 404 here an
 
 The check reads untrusted bytes, so it runs in a child process within the upload budget (rows,
 bytes per row, decoded bytes, memory, time: 413 naming the setting past which it went), and only
-so many run at once, per process and per owner (429): a flood of hostile files costs its sender
-waiting, never the other tenants their API.
+so many run at once (429): per process, a slot taken before the body's first byte is read (so at most
+GRPO_MAX_UPLOADS bodies are ever on the API's disk), and per owner while checking. A flood of hostile
+files costs its sender waiting, never the other tenants their API.
 """
 
 from __future__ import annotations
@@ -59,11 +60,30 @@ MEDIA = {"jsonl": "application/jsonl", "parquet": "application/vnd.apache.parque
 
 
 class UploadSlots:
-    """How many uploads one API process is checking: in all, and per owner."""
+    """How many uploads one API process takes at once: bodies being received (a slot taken before the
+    first byte is read, so no more than `per_process` bodies are ever on this process's disk), and, per
+    owner, uploads being checked."""
 
     def __init__(self, *, per_process: int, per_owner: int) -> None:
         self.per_process, self.per_owner = per_process, per_owner
-        self.lock, self.owners = threading.Lock(), Counter()
+        self.lock, self.owners, self.bodies = threading.Lock(), Counter(), 0
+
+    @contextmanager
+    def receiving(self) -> Iterator[str | None]:
+        """A slot for one upload's body, taken before it is read: None, or why there is none (the middleware
+        answers 429 with it)."""
+        with self.lock:
+            full = self.bodies >= self.per_process
+            if not full:
+                self.bodies += 1
+        if full:
+            yield f"{self.per_process} uploads are being received and checked, the most at once (GRPO_MAX_UPLOADS)"
+            return
+        try:
+            yield None
+        finally:
+            with self.lock:
+                self.bodies -= 1
 
     @contextmanager
     def take(self, owner: str) -> Iterator[None]:
@@ -71,9 +91,6 @@ class UploadSlots:
             if self.owners[owner] >= self.per_owner:
                 raise HTTPException(429, f"{self.owners[owner]} of your uploads are being checked; at most "
                                     f"{self.per_owner} at once (GRPO_MAX_UPLOADS_PER_OWNER)", {"Retry-After": "2"})
-            if self.owners.total() >= self.per_process:
-                raise HTTPException(429, f"{self.per_process} uploads are being checked, the most at once "
-                                    "(GRPO_MAX_UPLOADS)", {"Retry-After": "2"})
             self.owners[owner] += 1
         try:
             yield

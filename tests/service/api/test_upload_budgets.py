@@ -100,11 +100,12 @@ def test_uploads_past_the_concurrency_limits_get_429(sqlite_api):
         assert r.status_code == 429 and "GRPO_MAX_UPLOADS_PER_OWNER" in r.json()["detail"]
         assert r.headers["retry-after"] == "2"
         assert sqlite_api.upload(b'{"prompt": "q", "answer": "1"}\n', key=sqlite_api.bob).status_code == 201
-        with slots.take("carol"), slots.take("dave"):  # four in all: the process's limit
-            r = sqlite_api.upload(b'{"prompt": "q", "answer": "1"}\n', key=sqlite_api.bob)
-            assert r.status_code == 429 and "GRPO_MAX_UPLOADS)" in r.json()["detail"]
+    with slots.receiving(), slots.receiving(), slots.receiving(), slots.receiving():  # four bodies: the limit
+        r = sqlite_api.upload(b'{"prompt": "q", "answer": "1"}\n', key=sqlite_api.bob)  # refused before it is read
+        assert r.status_code == 429 and "GRPO_MAX_UPLOADS)" in r.json()["detail"]
+        assert r.headers["retry-after"] == "2"
     assert sqlite_api.upload(b'{"prompt": "q", "answer": "1"}\n').status_code == 201
-    assert slots.owners.total() == 0
+    assert slots.owners.total() == 0 and slots.bodies == 0
 
 
 def test_slots_are_given_back_when_a_check_fails(sqlite_api):

@@ -209,7 +209,7 @@ def test_an_answer_past_the_cap_is_not_read(grader, tmp_path, path, words):
 
 
 def test_a_compressed_answer_is_refused_not_decoded(grader, tmp_path):
-    """32 KB of zstd that would decode to 1 GiB: refused by its Content-Encoding, before a byte is decoded."""
+    """50 KB of zstd that would decode to 1 GiB: refused by its Content-Encoding, before a byte is decoded."""
     import resource
 
     g = _grader(grader, "bomb", tmp_path, max_retries=0)

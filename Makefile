@@ -23,8 +23,7 @@ COOKBOOK_DEPS ?= tinker==0.38.0 tml-renderers==0.2.1 aiohttp anyio blobfile chz 
 
 CHROMIUM ?= /usr/bin/chromium
 # Test processes (pytest-xdist): many tests wait on leases, sweeps, servers and subprocesses, so on two
-# cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2). Tests go
-# to the next free process, longest first (tests/conftest.py orders them; --dist loadgroup).
+# cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
 .PHONY: install vllm cookbook browser demo dev test test-numerics bench clean
@@ -82,7 +81,7 @@ TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin
 
 test: install browser vllm cookbook
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
-	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30 -m "not serial"
+	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial
 
 # The float-heavy tests under every CPU kernel set and thread count, 20 seeds each (scripts/test-numerics);

@@ -351,21 +351,19 @@ def tinker_service():
 
 def _weight(item) -> int:
     """How long a test is likely to take, in coarse classes: vLLM servers, then fault tests and the tinker
-    cookbook's loops, then the other end-to-end tests (real processes), several processes or the bundled
-    135M model, then the rest marked slow."""
+    cookbook's loops, then the other end-to-end tests (real processes), then the rest marked slow."""
     path = str(item.path)
     if item.get_closest_marker("vllm"):
         return 5
     if "/tests/faults/" in path or "cookbook" in path:
         return 4
-    if "/tests/e2e/" in path or "/tests/dashboard/" in path or "test_distributed" in path or "smollm2" in item.name:
+    if "/tests/e2e/" in path or "/tests/dashboard/" in path:
         return 3
     return 2 if item.get_closest_marker("slow") else 0
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first (a stable sort: the same order in every pytest-xdist process): `--dist
-    loadgroup` hands each test to the next free process in this order, so the long ones start at once on
-    different processes and the short ones fill in after, instead of a long one starting last and ending
-    the run alone (the dashboard's tests share a browser and a service: one group, one process)."""
+    """The longest tests first (a stable sort: the same order in every pytest-xdist process, modules kept
+    together): `--dist worksteal` hands the first process the long ones and the others steal from it once
+    their short ones are done, so no long test starts last and ends the run alone."""
     items.sort(key=lambda item: -_weight(item))

@@ -11,8 +11,7 @@ import pytest
 from tests.dashboard.conftest import SPARSE_JOB, sign_in
 from tests.e2e.conftest import wait_job
 
-# one browser and one `dev` service (session fixtures) for all of them: one test process runs them all
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dashboard")]
+pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 

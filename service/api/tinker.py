@@ -301,6 +301,8 @@ def _submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | Non
     if job.status in TERMINAL:  # nothing will ever run it: refused, never stored as a future that cannot end
         raise HTTPException(409, f"model {job.uid} has ended ({job.status}): start a new training client",
                             headers={"x-should-retry": "false"})  # the SDK retries a 409 unless told not to
+    if seq is not None and (op := ops_q.sent_before(session, job_id=job.id, kind=kind, body=body, seq=seq)):
+        return UntypedFuture(request_id=op.request_id, model_id=job.uid)  # a retry: the same future, stored once
     op = ops_q.add_op(session, job=job, kind=kind, body=body, seq=seq)
     uid = ops_q.wake(session, job_id=job.id)
     session.commit()  # both exist before a worker is told

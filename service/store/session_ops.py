@@ -88,6 +88,17 @@ def add_op(session: Session, *, job: Job, kind: str, body: bytes, seq: int | Non
     return op
 
 
+def sent_before(session: Session, *, job_id: int, kind: str, body: bytes, seq: int) -> SessionOp | None:
+    """The operation a client already sent with this `seq`, kind and body: the same call again (the SDK
+    retries a request whose answer it did not get: a timeout, a reset connection). Its seq numbers are
+    unique per training client, so a match is a retry, never a second call."""
+    for op in session.scalars(select(SessionOp).where(SessionOp.job_id == job_id, SessionOp.seq == seq,
+                                                      SessionOp.kind == kind)):
+        if op.body == body:
+            return op
+    return None
+
+
 def op_for(session: Session, *, request_id: str, owner: str) -> SessionOp | None:
     """An operation by its request id, if its run is this owner's."""
     return session.scalars(select(SessionOp).join(Job, Job.id == SessionOp.job_id)

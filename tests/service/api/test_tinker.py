@@ -99,3 +99,17 @@ def test_a_sample_request_past_the_servers_budget_is_refused(settings_factory):
     assert r.status_code == 400 and r.json()["detail"][0]["field"] == "num_samples", r.text
     assert "GRPO_SAMPLE_REQUEST_TOKENS" in r.json()["detail"][0]["message"]
     assert api.post("/api/v1/asample", json={**ask, "num_samples": 10}).status_code == 404  # within: no such sampler
+
+
+def test_a_retried_operation_is_the_same_future_stored_once(api):
+    """The SDK sends a request again when its answer was lost (a timeout, a reset connection): the same seq,
+    kind and body are the same call, answered with the future already stored."""
+    session_id = api.post("/api/v1/create_session", json={}).json()["session_id"]
+    model_id = _run(api, session_id)["model_id"]
+    step = {"model_id": model_id, "seq_id": 3, **STEP}
+    first = api.post("/api/v1/optim_step", json=step).json()
+    before = _counts(api)
+    assert api.post("/api/v1/optim_step", json=step).json()["request_id"] == first["request_id"]
+    assert _counts(api) == before
+    other = api.post("/api/v1/optim_step", json={**step, "seq_id": 4}).json()  # the next call: its own
+    assert other["request_id"] != first["request_id"] and _counts(api) == (before[0], before[1] + 1)

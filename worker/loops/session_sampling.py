@@ -155,7 +155,8 @@ class Part:
     request: token_sampler.Request  # n: this part's rows; its stream is the call's, shared by its parts
 
 
-def batches(calls: list[SampleCall], indices: list[int], *, batch_tokens: int) -> list[list[Part]]:
+def batches(calls: list[SampleCall], indices: list[int], *, batch_tokens: int,
+            device: torch.device | str = "cpu") -> list[list[Part]]:
     """The rows of `calls[indices]`, in order, as batches of at most SAMPLE_BATCH_ROWS rows and
     `batch_tokens` positions (rows x their longest prompt + max_tokens); a call's rows split across
     batches where they must (one row at least in each)."""
@@ -164,7 +165,8 @@ def batches(calls: list[SampleCall], indices: list[int], *, batch_tokens: int) -
     rows = width = 0
     for i in indices:
         r = calls[i].request
-        stream = token_sampler.generator(r.params.seed, "cpu") if r.stream is None else r.stream
+        # on the model's device: multinomial draws with a generator of the device it samples on
+        stream = token_sampler.generator(r.params.seed, device) if r.stream is None else r.stream
         left, size = r.n, len(r.prompt) + r.params.max_tokens
         while left:
             w = max(width, size)
@@ -189,7 +191,8 @@ def sample(s: Session, calls: list[SampleCall], reporter: Reporter, *, batch_tok
         mine = [i for i, c in enumerate(calls) if c.ref == ref]
         rows: dict[int, list[token_sampler.Sampled]] = {i: [] for i in mine}
         with weights_of(s, ref, reporter) as model, eval_mode(model):
-            for batch in batches(calls, mine, batch_tokens=batch_tokens):
+            device = next(model.parameters()).device
+            for batch in batches(calls, mine, batch_tokens=batch_tokens, device=device):
                 sampled = token_sampler.sample_many(model, [p.request for p in batch], s.tokenizer.decode)
                 for part, part_rows in zip(batch, sampled, strict=True):
                     rows[part.call] += part_rows

@@ -205,6 +205,12 @@ class Settings(BaseSettings):
         "preloaded where the machine has it (its heap does not fragment under a step's activations), "
         "or glibc's (worker/allocator.py).",
     )
+    memory_budget_gb: float | None = Field(
+        default=None, gt=0, validation_alias="GRPO_MEMORY_BUDGET_GB",
+        description="The memory one job's step may plan on, in GB: a job whose spec leaves "
+        "`model.gradient_checkpointing` unset recomputes activations only when a micro-batch's would take more "
+        "than half of it. Unset: what the job's device has free when it starts (MemAvailable on a CPU).",
+    )
     keep_freed_memory: bool = Field(
         default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
         description="Training on a CPU: keep freed memory in the worker for the next step instead of "

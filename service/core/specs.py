@@ -86,8 +86,10 @@ class ModelSpec(_Section):
     gradient_checkpointing: bool | None = Field(
         None, description="Recompute each decoder layer's activations in backward instead of keeping them: a "
         "micro-batch keeps one layer's activations and every layer's input, for one more forward of training "
-        "compute. Unset: on when a micro-batch can hold 256 completion tokens or more (grpo.micro_batch_size x "
-        "grpo.max_new_tokens, at most grpo.micro_batch_tokens), where its activations outgrow the weights.")
+        "compute. Unset: the worker decides when the job starts, on when a micro-batch's activations (estimated "
+        "from the model's shapes, micro_batch_size rows of the longest prompt plus max_new_tokens, at most "
+        "micro_batch_tokens) would take more than half the memory free for it (GRPO_MEMORY_BUDGET_GB, or what "
+        "the device has available); a `memory_plan` event says which and why.")
     init_from: InitFrom | None = Field(
         None, description="Start from the weights of one of your own checkpoints (train on from it): it must be of "
         "the same model.name, and a LoRA adapter of the same r, alpha and target_modules (or full weights for full "
@@ -98,23 +100,6 @@ class ModelSpec(_Section):
     @classmethod
     def _known(cls, v: str) -> str:
         return _check_model_name(v, MODEL_PRESETS, "model")
-
-
-# Completion tokens a micro-batch can hold, from which checkpointing is on by default. A micro-batch's
-# activations count its prompts too: the demo's 16 rows x (about 70 + 24) positions kept 1.5 GB
-# more without it (2.9 against 1.5 GB peak) for 30-40% more training time (10% of its step).
-CHECKPOINT_FROM_TOKENS = 256
-
-
-def wants_checkpointing(model: ModelSpec, grpo: TrainSpec) -> bool:
-    """model.gradient_checkpointing, or when unset, whether a micro-batch can hold CHECKPOINT_FROM_TOKENS
-    completion tokens (the demo's 16 x 24 = 384 can; 8 x 24 cannot)."""
-    if model.gradient_checkpointing is not None:
-        return model.gradient_checkpointing
-    capacity = grpo.micro_batch_size * grpo.max_new_tokens
-    if grpo.micro_batch_tokens is not None:
-        capacity = min(capacity, grpo.micro_batch_tokens)
-    return capacity >= CHECKPOINT_FROM_TOKENS
 
 
 class DatasetSpec(_Section):

@@ -64,3 +64,56 @@ def test_a_twenty_step_job_stays_flat_after_its_second_step(tmp_path, models_roo
     # Seen: 0.3-5 MiB over 18 steps (the heap's fragments). Each step's loss graph held on to
     # added 15-25 MiB a step.
     assert grown < 16, {s: round(v, 1) for s, v in rss.items()}
+
+
+def test_activation_estimate_counts_the_models_shapes():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_hidden_layers=3)
+    # per layer and position: 10 x 8 hidden + 5 x 16 intermediate + 2 x 2 heads x 5 positions = 180 elements
+    assert memory.activation_bytes(config, rows=2, positions=5, dtype=torch.float32) == 2 * 5 * 3 * 180 * 4
+    assert memory.activation_bytes(config, rows=2, positions=5, dtype=torch.bfloat16) == 2 * 5 * 3 * 180 * 2
+
+
+GB = 2**30
+
+
+@pytest.mark.parametrize(("asked", "activations_gb", "budget_gb", "on"), [
+    (None, 2.9, 20.0, False),  # the demo's micro-batch on this 24 GB machine: no second forward to pay for
+    (None, 11.0, 20.0, True),  # over half the budget
+    (None, 5.0, 8.0, True),  # a small machine
+    (None, 50.0, None, False),  # nothing to decide from: the loops' behaviour before there was a choice
+    (True, 0.01, 100.0, True),  # the spec's word stands
+    (False, 50.0, 8.0, False),
+])
+def test_checkpointing_is_chosen_from_the_budget_unless_the_spec_says(asked, activations_gb, budget_gb, on):
+    plan = memory.plan_checkpointing(asked, activations=int(activations_gb * GB), budget_gb=budget_gb)
+    assert plan.checkpointing is on and plan.asked is (asked is not None)
+    assert plan.metrics()["memory/checkpointing"] == float(on)
+    message, data = plan.event()
+    assert message.startswith(f"gradient checkpointing {'on' if on else 'off'}") and data["checkpointing"] is on
+
+
+@pytest.mark.parametrize(("budget_gb", "on"), [(1e-4, True), (1000.0, False)])
+def test_a_job_checkpoints_only_when_its_micro_batch_outgrows_the_budget(tmp_path, settings_factory, digit_reward,
+                                                                      monkeypatch, budget_gb, on):
+    """The worker's budget decides; the choice is an event and a metric, and the model is set up as it says."""
+    from service.core.specs import GRPOJob
+    from worker.loops import grpo, setup
+    from worker.reporting import FileReporter
+
+    built = []
+    monkeypatch.setattr(setup, "enable_checkpointing", lambda model, reentrant: built.append((model, reentrant)))
+    spec = GRPOJob.model_validate({
+        "model": {"name": "tiny-random-llama", "lora": {"r": 4, "dropout": 0.0}},
+        "dataset": {"name": "arith", "num_train": 8, "num_val": 2}, "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 1}})
+    out = tmp_path / "out"
+    grpo.run(spec, FileReporter(out), settings=settings_factory(GRPO_MEMORY_BUDGET_GB=budget_gb))
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    plan = next(e for e in events if e["type"] == "memory_plan")
+    assert plan["data"]["checkpointing"] is on and plan["data"]["budget_gb"] == pytest.approx(budget_gb, rel=1e-3)
+    assert plan["data"]["activations_gb"] > 0 and not plan["data"]["asked"]
+    assert [reentrant for _, reentrant in built] == ([True] if on else [])
+    step = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]["metrics"]
+    assert step["memory/checkpointing"] == float(on)

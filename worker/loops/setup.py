@@ -13,17 +13,17 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from service.core.settings import Settings
-from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob, wants_checkpointing
-from worker import allocator
+from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob
+from worker import allocator, memory
 from worker.algos.lora import is_lora
 from worker.checkpoints import (
     Trainables,
     load_checkpoint,
     load_weights,
 )
-from worker.datasets import TaskData, load_task
+from worker.datasets import TaskData, load_task, render_example
 from worker.distributed import SINGLE, Ranks, shard
-from worker.models import load_policy
+from worker.models import enable_checkpointing, load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.sampling import RolloutEngine, SamplingParams
@@ -52,6 +52,7 @@ class Setup:
     extra_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] = field(default_factory=dict)
     ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/distributed.py)
     sharded: bool = False  # the policy is sharded across the processes (FSDP2)
+    memory_plan: memory.CheckpointPlan | None = None  # whether activations are recomputed, and why
 
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
@@ -76,15 +77,25 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     g = spec.train
     dev = policy_device(spec, ranks)
     device = torch.device(dev)
-    mspec = spec.model.model_copy(update={"gradient_checkpointing": wants_checkpointing(spec.model, g)})
+    # checkpointing is switched on below, once the task's prompts tell how long a micro-batch's rows are
+    mspec = spec.model.model_copy(update={"gradient_checkpointing": False})
     model, tok = load_policy(mspec, models_root=settings.models_dir, device=dev, seed=g.seed,
                              model_roots=settings.model_roots)
     init_weights(model, spec.model.init_from, reporter)
+    entries = spec.reward_specs()
+    if task is None:
+        task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
+                         fetch=reporter.data_file)
+    plan = checkpoint_plan(spec, settings, model, tok, task, device)
+    if plan.checkpointing:  # before sharding: FSDP2 switches it to the non-reentrant kind
+        enable_checkpointing(model.get_base_model() if is_lora(model) else model, reentrant=True)
     malloc = allocator.prepare_for_steps(keep_freed=settings.keep_freed_memory) if device.type == "cpu" else None
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None, "malloc": malloc})
+    message, data = plan.event()
+    reporter.event("memory_plan", message, data=data)
     params = SamplingParams(max_new_tokens=g.max_new_tokens, stop=tuple(g.stop))  # SFT only samples greedily
     if isinstance(g, GRPOSpec):
         params = dataclasses.replace(params, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
@@ -100,16 +111,35 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_step,
                            total=g.steps * g.epochs_per_step)
-    entries = spec.reward_specs()
     scorer = build_scorer(entries, settings=settings, device=dev, job_id=reporter.job_id,
                           on_failures=partial(warn_reward_failures, reporter))
-    if task is None:
-        task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
-                         fetch=reporter.data_file)
     return Setup(spec=spec, model=model, tokenizer=tok, engine=engine, ref_model=ref, optimizer=opt, scheduler=sched,
                  task=task, scorer=scorer, device=device, extra=dict(extra or {}),
                  extra_optimizers=dict(extra_optimizers or {}), extra_schedulers=dict(extra_schedulers or {}),
-                 ranks=ranks, sharded=sharded)
+                 ranks=ranks, sharded=sharded, memory_plan=plan)
+
+
+# The train prompts whose rendered length bounds a micro-batch's rows in the memory estimate.
+PLAN_PROMPTS = 256
+
+
+def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, tok, task: TaskData,
+                    device: torch.device) -> memory.CheckpointPlan:
+    """model.gradient_checkpointing, or when unset, the estimate of what one micro-batch keeps without it
+    (micro_batch_size rows, at most micro_batch_tokens positions, of the longest of the first
+    PLAN_PROMPTS train prompts plus max_new_tokens) against GRPO_MEMORY_BUDGET_GB or what is free."""
+    g = spec.train
+    prompts = [render_example(tok, ex, task.instruction) for ex in task.train[:PLAN_PROMPTS]]
+    longest = max((len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts), default=0)
+    positions = longest + g.max_new_tokens
+    rows = g.micro_batch_size
+    if g.micro_batch_tokens is not None:
+        rows = max(1, min(rows, g.micro_batch_tokens // positions))
+    base = model.get_base_model() if is_lora(model) else model
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # activations in at least float32
+    activations = memory.activation_bytes(base.config, rows=rows, positions=positions, dtype=dtype)
+    budget = settings.memory_budget_gb if settings.memory_budget_gb is not None else memory.available_gb(device)
+    return memory.plan_checkpointing(spec.model.gradient_checkpointing, activations=activations, budget_gb=budget)
 
 
 def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok, dev: str,

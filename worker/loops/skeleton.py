@@ -122,6 +122,12 @@ def evaluate_if_due(run: Run, step: int) -> dict[str, float]:
     return {}
 
 
+def memory_metrics(run: Run) -> dict[str, float]:
+    """The step's memory (memory/rss_gb, memory/peak_rss_gb, ...) and the job's checkpointing choice."""
+    plan = run.s.memory_plan.metrics() if run.s.memory_plan is not None else {}
+    return {**memory.measure(run.s.device).metrics(), **plan}
+
+
 def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer: StepTimer,
               samples: Sequence[SampleRow] = ()) -> None:
     """A step with nothing to learn from: no update, a warning event, what was measured, and the
@@ -129,7 +135,7 @@ def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer
     run.reporter.event("skipped", f"step {step}: {why}; no update", level="warning")
     metrics = {**metrics, **evaluate_if_due(run, step)}
     run.reporter.metrics(step, {**metrics, "time/rollout_s": timer.rollout_s, "time/step_s": timer.elapsed(),
-                                **memory.measure(run.s.device).metrics()})
+                                **memory_metrics(run)})
     if samples:
         run.reporter.samples(step, list(samples))
     run.reporter.progress(step)
@@ -147,7 +153,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
     metrics.update(evaluate_if_due(run, step))
     dt = timer.elapsed()
     metrics.update({"time/rollout_s": timer.rollout_s, "time/train_s": timer.train_s, "time/sync_s": timer.sync_s,
-                    "time/step_s": dt, "throughput/tokens_per_s": tokens / dt, **memory.measure(run.s.device).metrics()})
+                    "time/step_s": dt, "throughput/tokens_per_s": tokens / dt, **memory_metrics(run)})
     if not metrics.get("rollout/staleness"):  # rows sampled during the last step: the clock saw only the wait
         metrics["throughput/rollout_tokens_per_s"] = tokens / max(timer.rollout_s - timer.sync_s, 1e-9)
     run.reporter.metrics(step, metrics)

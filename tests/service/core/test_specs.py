@@ -82,18 +82,3 @@ def test_names_known_to_the_worker():
 
     assert set(PRESETS) == set(MODEL_PRESETS)
     assert set(DATASETS) == {"arith", "file", "jsonl", "persona-facts"}
-
-
-@pytest.mark.parametrize(("model", "grpo", "on"), [
-    ({}, {"micro_batch_size": 16, "max_new_tokens": 24}, True),  # the demo: 384 completion tokens a micro-batch
-    ({}, {"micro_batch_size": 8, "max_new_tokens": 32}, True),  # 256: from here on
-    ({}, {"micro_batch_size": 8, "max_new_tokens": 24}, False),  # 192
-    ({}, {"micro_batch_size": 16, "max_new_tokens": 256, "micro_batch_tokens": 200}, False),  # the budget holds less
-    ({"gradient_checkpointing": False}, {"micro_batch_size": 16, "max_new_tokens": 1024}, False),  # asked for
-    ({"gradient_checkpointing": True}, {"micro_batch_size": 1, "max_new_tokens": 8}, True),
-])
-def test_checkpointing_is_on_by_default_where_a_micro_batch_holds_long_completions(model, grpo, on):
-    from service.core.specs import wants_checkpointing
-
-    spec = SPEC.validate_python({"kind": "grpo", "model": model, "grpo": grpo})
-    assert wants_checkpointing(spec.model, spec.grpo) is on

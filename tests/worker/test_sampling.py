@@ -201,3 +201,30 @@ def test_generation_with_a_preallocated_cache_and_chunked_prefill_samples_what_p
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.completion_mask, b.completion_mask)
     assert any(len(c) > 0 for c in static[0].completions)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_prompt_prefilled_once_for_its_group_samples_what_each_row_prefilled_does(tmp_path, monkeypatch, lora):
+    """The G rows of a prompt share its keys and values (computed once, here in chunks of 8 positions,
+    shorter than the prompts): the same tokens as prefilling every row, greedy and sampled, left
+    padding included, and the first epoch's ratio still exactly 1."""
+    model, tok = _policy(tmp_path, lora=lora)
+    prompts = ["Question: what is 12 + 30?\nAnswer:", "Hi", "Question: 7 * 6?\nAnswer:"]
+    params = SamplingParams(max_new_tokens=16, temperature=0.9)
+    monkeypatch.setattr(sampling, "PREFILL_CHUNK", 8)
+    engine = RolloutEngine(model, tok, "cpu", params)
+    made = []
+    real = sampling.shared_prompt_cache
+    monkeypatch.setattr(sampling, "shared_prompt_cache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    shared = engine.generate(prompts, 4, seeds=[1, 2, 3]), engine.generate(prompts, 2, greedy=True)
+    assert len(made) == 2 and all(c is not None for c in made)
+    monkeypatch.setattr(sampling, "shared_prompt_cache", lambda *a, **k: None)
+    each = engine.generate(prompts, 4, seeds=[1, 2, 3]), engine.generate(prompts, 2, greedy=True)
+    for a, b in zip(shared, each, strict=True):
+        assert a.completions == b.completions
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.completion_mask, b.completion_mask)
+    assert len(set(shared[0].completions[:4])) > 1  # a group's rows draw apart from one shared prefix
+    old = engine.logprobs(shared[0], micro_batch_size=12)
+    new, _ = sequence_logprobs(model, shared[0], params.temperature)
+    assert torch.equal(old, new)

@@ -34,6 +34,9 @@ CASES = {
                   "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
                            "loss_agg": "dr_grpo", "checkpoint_every": 2},
                   "sparsity": {"measure_interval": 2}},
+    # a worker short of memory: the plan turns checkpointing on, the same on every rank (FSDP2's non-reentrant kind)
+    "grpo-fsdp-low-memory": {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "sharding": "fsdp",
+                             "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "loss_agg": "dr_grpo"}},
     "tracin-positive": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                         "tracin": {"val_prompts": 3, "val_generations": 4},
                         "grpo": {**STEPS, "learning_rate": 1e-2}},
@@ -51,6 +54,8 @@ CASES = {
                     "seed": 3, "learning_rate": 1e-3, "val_batches": 1, "checkpoint_every": 1},
             "sparsity": {"measure_interval": 1}},
 }
+
+CASE_SETTINGS = {"grpo-fsdp-low-memory": {"GRPO_MEMORY_BUDGET_GB": 1e-4}}
 
 
 def _spec(case: str, processes: int):
@@ -89,10 +94,13 @@ def _lines(path):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin):
-    settings = settings_factory()
+    settings = settings_factory(**CASE_SETTINGS.get(case, {}))
     one, two = tmp_path / "one", tmp_path / "two"
     assert _run(case, one, settings, 1).status == "succeeded"
     assert _run(case, two, settings, 2).status == "succeeded"
+    plans = [e["data"]["checkpointing"] for out in (one, two) for e in _lines(out / "events.jsonl")
+             if e["type"] == "memory_plan"]
+    assert plans == [case in CASE_SETTINGS] * 2  # rank 0 reports the plan every rank follows
 
     # The same weights after 3 steps. Two processes sum the same per-sample gradients in another
     # order, so the summed gradient differs from one process's by rounding only (~1e-16 of its size

@@ -86,7 +86,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     if task is None:
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
-    plan = checkpoint_plan(spec, settings, model, tok, task, device)
+    plan = checkpoint_plan(spec, settings, model, tok, task, device, ranks)
     if plan.checkpointing:  # before sharding: FSDP2 switches it to the non-reentrant kind
         enable_checkpointing(model.get_base_model() if is_lora(model) else model, reentrant=True)
     malloc = allocator.prepare_for_steps(keep_freed=settings.keep_freed_memory) if device.type == "cpu" else None
@@ -124,10 +124,11 @@ PLAN_PROMPTS = 256
 
 
 def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, tok, task: TaskData,
-                    device: torch.device) -> memory.CheckpointPlan:
+                    device: torch.device, ranks: Ranks = SINGLE) -> memory.CheckpointPlan:
     """model.gradient_checkpointing, or when unset, the estimate of what one micro-batch keeps without it
     (micro_batch_size rows, at most micro_batch_tokens positions, of the longest of the first
-    PLAN_PROMPTS train prompts plus max_new_tokens) against GRPO_MEMORY_BUDGET_GB or what is free."""
+    PLAN_PROMPTS train prompts plus max_new_tokens) against GRPO_MEMORY_BUDGET_GB or what is free. A job's
+    processes on a CPU share its memory, so each plans on its share; all of them checkpoint if one must."""
     g = spec.train
     prompts = [render_example(tok, ex, task.instruction) for ex in task.train[:PLAN_PROMPTS]]
     longest = max((len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts), default=0)
@@ -139,7 +140,11 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # activations in at least float32
     activations = memory.activation_bytes(base.config, rows=rows, positions=positions, dtype=dtype)
     budget = settings.memory_budget_gb if settings.memory_budget_gb is not None else memory.available_gb(device)
-    return memory.plan_checkpointing(spec.model.gradient_checkpointing, activations=activations, budget_gb=budget)
+    if budget is not None and device.type == "cpu":
+        budget /= ranks.world
+    plan = memory.plan_checkpointing(spec.model.gradient_checkpointing, activations=activations, budget_gb=budget)
+    anyone = ranks.max({"checkpointing": float(plan.checkpointing)})["checkpointing"] > 0
+    return dataclasses.replace(plan, checkpointing=anyone)
 
 
 def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok, dev: str,

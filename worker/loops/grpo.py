@@ -22,7 +22,7 @@ from functools import partial
 from service.core.settings import Settings
 from service.core.specs import GRPOJob
 from worker.distributed import SINGLE, Ranks
-from worker.loops import evaluation, skeleton, update
+from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.rollouts import TrainRollouts
 from worker.loops.setup import build
 from worker.reporting import LoopResult, Reporter
@@ -54,7 +54,10 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings, ranks: Ranks =
         # 5. epochs of clipped-surrogate updates
         train_stats = update.train_epochs(run, ro, old_logp, ref_logp, step)
         timer.train_s = timer.elapsed() - timer.rollout_s
+        metrics = {**ro.metrics(), **train_stats}
+        metrics.update(utilisation.grpo_step(s, ro, metrics, rollout_s=timer.rollout_s, sync_s=timer.sync_s,
+                                             train_s=timer.train_s))  # mfu/*: the share of the machine's peak
 
-        skeleton.finish_step(run, step, {**ro.metrics(), **train_stats}, timer=timer,
+        skeleton.finish_step(run, step, metrics, timer=timer,
                              tokens=float(ro.batch.completion_mask.sum()), samples=ro.sample_rows(g.samples_per_step))
     return skeleton.finish(run)

@@ -100,6 +100,10 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
     for key in ("reward/mean", "loss/total", "kl", "entropy", "grad_norm", "ratio/mean"):
         assert key in step1 and step1[key] == step1[key]  # present and not NaN
     assert step1["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+    # the share of the machine's measured peak each phase reached: a real rate, never past the peak by much
+    # (the peak is one matmul's best of five; a step's own matmuls may catch a faster moment)
+    assert step1["mfu/peak_tflops"] > 0
+    assert 0 < step1["mfu/sampling"] < 1.5 and 0 < step1["mfu/train"] < 1.5, step1
 
 
 def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, digit_reward):

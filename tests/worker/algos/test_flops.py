@@ -1,0 +1,56 @@
+"""Model FLOPs from a decoder's shapes: hand-computed on a one-layer shape, and the projections and
+head against torch's own FLOP counter on a real (tiny) Llama."""
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from worker.algos import flops
+
+# one layer, hidden 2, a gated MLP of 3, one head of 2, vocabulary 5
+S = flops.DecoderShape(layers=1, hidden=2, intermediate=3, heads=1, kv_heads=1, head_dim=2, vocab=5)
+
+
+def test_a_tokens_projections_head_and_attention_by_hand():
+    assert S.linear_per_token() == 2 * (2 * 2 * 2 + 2 * 2 * 2 + 3 * 2 * 3)  # q, o; k, v; gate, up, down = 68
+    assert S.head_per_token() == 2 * 2 * 5
+    assert S.attention(3, 0) == 4 * 1 * 2 * (1 + 2 + 3)  # causal: position i attends to i keys
+    assert S.attention(1, 4) == 4 * 1 * 2 * 5  # one new token against 4 cached and itself
+
+
+def test_a_forward_and_sampling_count_the_same_positions():
+    assert flops.forward(S, 2, 1) == 3 * 68 + 48 + 1 * 20
+    assert flops.prefill(S, 2) == 2 * 68 + 24 + 20  # its logits give the first sampled token
+    assert flops.decode(S, 2, 3) == 2 * (68 + 20) + 24 + 32  # tokens 2 and 3 against 2+1 and 2+2 keys
+    # sampling c tokens computes every position a teacher-forced forward does but the last one's
+    for p, c in [(2, 3), (5, 1), (7, 4)]:
+        assert flops.prefill(S, p) + flops.decode(S, p, c) == (flops.forward(S, p, c) - S.linear_per_token()
+                                                               - S.attention(1, p + c - 1))
+
+
+def test_a_group_prefills_its_prompt_once_and_backward_follows_what_trains():
+    assert flops.sampling(S, [2, 5], [[3, 1], [2]]) == (flops.prefill(S, 2) + flops.decode(S, 2, 3) + flops.decode(S, 2, 1)
+                                                        + flops.prefill(S, 5) + flops.decode(S, 5, 2))
+    assert flops.training(100, frozen_base=True) == 200  # inputs' gradients only
+    assert flops.training(100, frozen_base=False) == 300  # and the weights'
+
+
+def test_projections_head_and_attention_match_torchs_flop_counter():
+    from worker.loops.utilisation import decoder_shape
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=50, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    shape = decoder_shape(model)
+    assert shape == flops.DecoderShape(layers=2, hidden=16, intermediate=24, heads=4, kv_heads=2, head_dim=4, vocab=50)
+    n = 7
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, 50, (1, n)))
+    counted = {name: sum(c.values()) for name, c in counter.get_flop_counts().items()}
+    assert counted["LlamaForCausalLM.lm_head"] == n * shape.head_per_token()
+    projections = sum(v for k, v in counted.items() if k.endswith("_proj"))
+    assert projections == n * shape.linear_per_token()
+    # eager attention multiplies the whole n x n square, the masked half too: model FLOPs count the causal half
+    full_square = 4 * shape.layers * shape.q_dim * n * n
+    assert counted["Global"] == projections + counted["LlamaForCausalLM.lm_head"] + full_square
+    assert shape.attention(n, 0) == 4 * shape.layers * shape.q_dim * n * (n + 1) // 2

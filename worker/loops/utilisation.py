@@ -1,0 +1,105 @@
+"""How much of the machine a step used: model FLOPs of its phases (worker/algos/flops.py) over their
+wall time, against a peak measured on the same device in the same dtype when the job starts.
+
+    mfu/peak_tflops   a large matmul's rate here (the best of a few runs, this process's threads)
+    mfu/sampling      sampling's needed FLOPs (each prompt prefilled once) / (its seconds x the peak)
+    mfu/train         old and reference log-probs and every epoch's forward and backward / (seconds x peak)
+
+A figure near 1 is at the machine's limit; sampling far below it has work to win back. Counted for
+the rows the step trains on (a refilled group's discarded rows are not counted, so the sampling
+figure is a lower bound with refills).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from worker.algos import flops
+from worker.algos.lora import is_lora
+from worker.loops.rollouts import Rollouts
+from worker.loops.setup import Setup
+from worker.sampling import RolloutBatch
+
+PEAK_SIZE = {"cpu": 1024, "cuda": 8192}  # square matmul sides: long enough to reach the rate, short to time
+
+
+def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape:
+    """The shapes that set a model's FLOPs, from its (text) config."""
+    base = model.get_base_model() if is_lora(model) else model
+    c = base.config.get_text_config(decoder=True)
+    heads = c.num_attention_heads
+    return flops.DecoderShape(
+        layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size, heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size)
+
+
+@functools.cache
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square matmul on `device` in `dtype` (at least float32 on a CPU, where half-precision
+    matmuls are emulated): the best of five after a warm-up. Measured once per process."""
+    n = PEAK_SIZE.get(device.type, 1024)
+    if device.type == "cpu":
+        dtype = torch.promote_types(dtype, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first is the warm-up
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _lengths(batch: RolloutBatch, rows: list[int]) -> tuple[list[int], list[int]]:
+    return ([int(x) for x in batch.prompt_mask[rows].sum(1).tolist()],
+            [int(x) for x in batch.completion_mask[rows].sum(1).tolist()])
+
+
+def sampling_flops(shape: flops.DecoderShape, batch: RolloutBatch, group: int) -> int:
+    """The needed FLOPs of sampling `batch` (prompt-major, `group` rows a prompt)."""
+    prompts, completions = _lengths(batch, list(range(len(batch))))
+    firsts = range(0, len(batch), group)
+    return flops.sampling(shape, [prompts[i] for i in firsts], [completions[i:i + group] for i in firsts])
+
+
+def train_flops(shape: flops.DecoderShape, batch: RolloutBatch, rows: list[int], *, epochs: int, frozen_base: bool,
+                old_pass: bool, ref_pass: bool) -> int:
+    """Old log-probs (from the second epoch on), reference log-probs, and `epochs` forwards and backwards
+    over `rows`."""
+    prompts, completions = _lengths(batch, rows)
+    fwd = sum(flops.forward(shape, p, c) for p, c in zip(prompts, completions, strict=True))
+    return epochs * flops.training(fwd, frozen_base=frozen_base) + fwd * (int(old_pass) + int(ref_pass))
+
+
+def step_metrics(*, peak: float, sampling: int | None, sampling_s: float, train: int, train_s: float) -> dict[str, float]:
+    """mfu/* of a step; sampling is left out when it was not measured here (None: another engine, or rows
+    sampled during the last step)."""
+    out = {"mfu/peak_tflops": peak / 1e12}
+    if sampling is not None and sampling_s > 0:
+        out["mfu/sampling"] = sampling / sampling_s / peak
+    if train_s > 0:
+        out["mfu/train"] = train / train_s / peak
+    return out
+
+
+def grpo_step(s: Setup, ro: Rollouts, measured: dict[str, float], *, rollout_s: float, sync_s: float,
+              train_s: float) -> dict[str, float]:
+    """mfu/* of a GRPO step from its batch and its clock (`measured`: the step's metrics so far)."""
+    g = s.spec.grpo
+    shape = decoder_shape(s.model)
+    here = s.spec.rollout.engine == "hf" and not measured.get("rollout/staleness")
+    sampling = sampling_flops(shape, ro.batch, g.num_generations) if here else None
+    train = train_flops(shape, ro.batch, ro.train_rows, epochs=g.epochs_per_rollout_batch, frozen_base=is_lora(s.model),
+                        old_pass=g.epochs_per_rollout_batch > 1, ref_pass=g.with_reference)
+    peak = peak_flops(s.device, next(s.model.parameters()).dtype)
+    return step_metrics(peak=peak, sampling=sampling, sampling_s=rollout_s - sync_s - measured.get("time/reward_s", 0.0),
+                        train=train, train_s=train_s)

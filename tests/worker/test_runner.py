@@ -51,7 +51,7 @@ def test_runs_a_job_and_records_everything(settings_factory):
     job, evs, keys, ckpts, _ = _state(settings, jid)
     assert (job.status, job.step, job.attempt, job.lease_owner) == ("succeeded", 3, 1, None)
     assert [e.type for e in evs if e.type != "groups"] == [
-        "created", "started", "model_loaded", "checkpoint", "checkpoint", "checkpoint", "succeeded"]
+        "created", "started", "model_loaded", "memory_plan", "checkpoint", "checkpoint", "checkpoint", "succeeded"]
     assert {"reward/mean", "loss/total", "entropy", "eval/accuracy", "time/step_s"} <= set(keys)
     assert "kl" not in keys  # kl_coef 0 and no grpo.measure_kl: not measured, so not reported
     assert [c.step for c in ckpts] == [1, 2, 3] and all(c.format == "peft-lora" for c in ckpts)

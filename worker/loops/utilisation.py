@@ -26,15 +26,20 @@ from worker.sampling import RolloutBatch
 PEAK_SIZE = {"cpu": 1024, "cuda": 8192}  # square matmul sides: long enough to reach the rate, short to time
 
 
-def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape:
-    """The shapes that set a model's FLOPs, from its (text) config."""
+def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape | None:
+    """The shapes that set a model's FLOPs, from its (text) config; None for a config that does not name
+    them the way Llama-style decoders do (its steps then report no mfu/*)."""
     base = model.get_base_model() if is_lora(model) else model
     c = base.config.get_text_config(decoder=True)
-    heads = c.num_attention_heads
+    named = {k: getattr(c, k, None) for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                                "num_attention_heads", "vocab_size")}
+    if not all(isinstance(v, int) and v > 0 for v in named.values()):
+        return None
+    heads = named["num_attention_heads"]
     return flops.DecoderShape(
-        layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size, heads=heads,
-        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab=c.vocab_size)
+        layers=named["num_hidden_layers"], hidden=named["hidden_size"], intermediate=named["intermediate_size"],
+        heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or named["hidden_size"] // heads, vocab=named["vocab_size"])
 
 
 @functools.cache
@@ -96,6 +101,8 @@ def grpo_step(s: Setup, ro: Rollouts, measured: dict[str, float], *, rollout_s: 
     """mfu/* of a GRPO step from its batch and its clock (`measured`: the step's metrics so far)."""
     g = s.spec.grpo
     shape = decoder_shape(s.model)
+    if shape is None:
+        return {}
     here = s.spec.rollout.engine == "hf" and not measured.get("rollout/staleness")
     sampling = sampling_flops(shape, ro.batch, g.num_generations) if here else None
     train = train_flops(shape, ro.batch, ro.train_rows, epochs=g.epochs_per_rollout_batch, frozen_base=is_lora(s.model),

@@ -54,3 +54,12 @@ def test_projections_head_and_attention_match_torchs_flop_counter():
     full_square = 4 * shape.layers * shape.q_dim * n * n
     assert counted["Global"] == projections + counted["LlamaForCausalLM.lm_head"] + full_square
     assert shape.attention(n, 0) == 4 * shape.layers * shape.q_dim * n * (n + 1) // 2
+
+
+def test_a_config_that_does_not_name_the_shapes_reports_no_utilisation():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from worker.loops.utilisation import decoder_shape
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, bos_token_id=0, eos_token_id=0))
+    assert decoder_shape(model) is None  # no intermediate_size: mfu/* left out rather than guessed

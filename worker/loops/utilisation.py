@@ -49,8 +49,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     n = PEAK_SIZE.get(device.type, 1024)
     if device.type == "cpu":
         dtype = torch.promote_types(dtype, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    own = torch.Generator(device).manual_seed(0)  # the job's random stream stays untouched
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=own)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=own)
     best = float("inf")
     for i in range(6):
         if device.type == "cuda":

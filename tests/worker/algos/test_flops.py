@@ -63,3 +63,13 @@ def test_a_config_that_does_not_name_the_shapes_reports_no_utilisation():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, bos_token_id=0, eos_token_id=0))
     assert decoder_shape(model) is None  # no intermediate_size: mfu/* left out rather than guessed
+
+
+def test_measuring_the_peak_leaves_the_jobs_random_stream_alone():
+    from worker.loops.utilisation import peak_flops
+
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    assert peak_flops(torch.device("cpu"), torch.float64) > 0
+    assert torch.equal(torch.rand(3), expected)

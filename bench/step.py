@@ -5,7 +5,9 @@ side by side on the same batch, with tokens per second and peak memory.
 
 With one epoch per rollout batch the loop takes old_logp from the first training forward, so
 `step_s` = rollout + training; the separate old-log-prob pass (needed from the second epoch on) is
-timed too, as `old_logp_s`. Ends with: RESULT step_s=... rollout_share=... tokens_per_s=... peak_mem_mb=...
+timed too, as `old_logp_s`. Each phase's model FLOPs (worker/algos/flops.py: a prompt prefilled once
+per group) over its time, against a matmul peak measured here in the model's dtype, is its MFU.
+Ends with: RESULT step_s=... rollout_share=... tokens_per_s=... peak_mem_mb=... mfu_sampling=... mfu_train=...
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.skeleton import Run
 from worker.loops.update import train_epochs
+from worker.loops.utilisation import decoder_shape, forward_flops, peak_flops, sampling_flops, train_flops
 from worker.reporting import Reporter
 
 
@@ -57,6 +60,8 @@ def main() -> None:
     run = Run(s, reporter, evaluate=lambda step: {})
     collect_train_rollouts(s, 0, reporter)  # warm-up: allocator, kernels, tokenizer caches
 
+    shape = decoder_shape(s.model)
+    peak = peak_flops(s.device, next(s.model.parameters()).dtype)
     rows = []
     for step in range(1, args.repeats + 1):
         torch.manual_seed(step)
@@ -69,7 +74,11 @@ def main() -> None:
         train_epochs(run, ro, None, None, step)
         t3 = time.perf_counter()
         tokens = int(ro.batch.completion_mask.sum())
-        rows.append({"rollout": t1 - t0, "old_logp": t2 - t1, "train": t3 - t2, "tokens": tokens})
+        fl = {"sampling": sampling_flops(shape, ro.batch, args.generations),
+              "old_logp": forward_flops(shape, ro.batch, list(range(len(ro.batch)))),
+              "train": train_flops(shape, ro.batch, ro.train_rows, epochs=1, frozen_base=bool(args.lora_r),
+                                   old_pass=False, ref_pass=False)}
+        rows.append({"rollout": t1 - t0, "old_logp": t2 - t1, "train": t3 - t2, "tokens": tokens, "flops": fl})
         print(f"step {step}: rollout {t1 - t0:.2f} s, old log-probs {t2 - t1:.2f} s, train {t3 - t2:.2f} s, "
               f"{tokens} completion tokens")
 
@@ -79,10 +88,15 @@ def main() -> None:
     train = sum(r["train"] for r in rows) / n
     tokens = sum(r["tokens"] for r in rows) / n
     step_s = rollout + train
+    mfu = {phase: sum(r["flops"][phase] for r in rows) / sum(r[key] for r in rows) / peak
+           for phase, key in (("sampling", "rollout"), ("old_logp", "old_logp"), ("train", "train"))}
+    print(f"peak {peak / 1e9:.0f} GFLOP/s (a matmul here); model FLOPs utilisation: sampling {mfu['sampling']:.0%} "
+          f"(with scoring in its time), old log-probs {mfu['old_logp']:.0%}, train {mfu['train']:.0%}")
     print(f"{args.model} on {args.device}, P={args.prompts} G={args.generations}, max_new_tokens={args.max_new_tokens}: "
           f"rollout {rollout:.2f} s, train {train:.2f} s, old_logp_s {old:.2f} s (not in the step at one epoch)")
     print(f"RESULT step_s={step_s:.3f} rollout_share={rollout / step_s:.3f} tokens_per_s={tokens / step_s:.1f} "
-          f"peak_mem_mb={peak_mem_mb(args.device):.0f} old_logp_s={old:.3f}")
+          f"peak_mem_mb={peak_mem_mb(args.device):.0f} old_logp_s={old:.3f} peak_gflops={peak / 1e9:.1f} "
+          f"mfu_sampling={mfu['sampling']:.3f} mfu_old_logp={mfu['old_logp']:.3f} mfu_train={mfu['train']:.3f}")
 
 
 if __name__ == "__main__":

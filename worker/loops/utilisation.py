@@ -77,12 +77,17 @@ def sampling_flops(shape: flops.DecoderShape, batch: RolloutBatch, group: int) -
     return flops.sampling(shape, [prompts[i] for i in firsts], [completions[i:i + group] for i in firsts])
 
 
+def forward_flops(shape: flops.DecoderShape, batch: RolloutBatch, rows: list[int]) -> int:
+    """One teacher-forced forward over `rows` of `batch` (log-probs of their completions)."""
+    prompts, completions = _lengths(batch, rows)
+    return sum(flops.forward(shape, p, c) for p, c in zip(prompts, completions, strict=True))
+
+
 def train_flops(shape: flops.DecoderShape, batch: RolloutBatch, rows: list[int], *, epochs: int, frozen_base: bool,
                 old_pass: bool, ref_pass: bool) -> int:
     """Old log-probs (from the second epoch on), reference log-probs, and `epochs` forwards and backwards
     over `rows`."""
-    prompts, completions = _lengths(batch, rows)
-    fwd = sum(flops.forward(shape, p, c) for p, c in zip(prompts, completions, strict=True))
+    fwd = forward_flops(shape, batch, rows)
     return epochs * flops.training(fwd, frozen_base=frozen_base) + fwd * (int(old_pass) + int(ref_pass))
 
 

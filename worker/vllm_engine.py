@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from worker.algos.lora import is_lora
+from worker.algos.lora import base_model, is_lora
 from worker.distributed import SINGLE, Ranks, row_seed
 from worker.models import WEIGHTS, loader_state
 from worker.sampling import (
@@ -189,7 +189,7 @@ def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
     """The policy's weights as a model folder every loader reads (transformers, vLLM): with LoRA the
     frozen base alone (the adapter goes separately at each sync). Written to a temporary name and
     renamed, so a reader never sees half a file."""
-    base = model.get_base_model() if is_lora(model) else model
+    base = base_model(model)
     state = loader_state(base)
     if is_lora(model):  # peft wraps each adapted layer: its frozen weight is `<layer>.base_layer.weight`
         state = {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}

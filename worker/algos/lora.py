@@ -22,6 +22,11 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the model itself without one)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
 def lora_layers(model: torch.nn.Module, adapter: str = "default") -> list[LoraLayer]:
     """Every LoRA layer of the model's `adapter` (empty for a model without one)."""
     out = []

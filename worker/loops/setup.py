@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from service.core.settings import Settings
 from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob
 from worker import allocator, memory
-from worker.algos.lora import is_lora
+from worker.algos.lora import base_model, is_lora
 from worker.checkpoints import (
     Trainables,
     load_checkpoint,
@@ -88,7 +88,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                          fetch=reporter.data_file)
     plan = checkpoint_plan(spec, settings, model, tok, task, device, ranks)
     if plan.checkpointing:  # before sharding: FSDP2 switches it to the non-reentrant kind
-        enable_checkpointing(model.get_base_model() if is_lora(model) else model, reentrant=True)
+        enable_checkpointing(base_model(model), reentrant=True)
     malloc = allocator.prepare_for_steps(keep_freed=settings.keep_freed_memory) if device.type == "cpu" else None
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
@@ -136,7 +136,7 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     rows = g.micro_batch_size
     if g.micro_batch_tokens is not None:
         rows = max(1, min(rows, g.micro_batch_tokens // positions))
-    base = model.get_base_model() if is_lora(model) else model
+    base = base_model(model)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # activations in at least float32
     activations = memory.activation_bytes(base.config, rows=rows, positions=positions, dtype=dtype)
     budget = settings.memory_budget_gb if settings.memory_budget_gb is not None else memory.available_gb(device)
@@ -158,7 +158,7 @@ def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model:
     args = tuple(shlex.split(settings.vllm_args))
     if torch.device(dev).type == "cpu" and "--enforce-eager" not in args:
         args += ("--enforce-eager",)  # compiling the model takes minutes on a CPU and gains little there
-    base = model.get_base_model() if is_lora(model) else model
+    base = base_model(model)
     # the longest sequence the server takes (its KV cache must hold one): the model's own, within reason
     max_model_len = min(int(getattr(base.config, "max_position_embeddings", 4096)), 16384)
     workdir = settings.data_dir / "engines" / f"{reporter.job_id or 'local'}-{os.getpid()}"

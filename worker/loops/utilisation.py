@@ -18,7 +18,7 @@ import time
 import torch
 
 from worker.algos import flops
-from worker.algos.lora import is_lora
+from worker.algos.lora import base_model, is_lora
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.sampling import RolloutBatch
@@ -29,7 +29,7 @@ PEAK_SIZE = {"cpu": 1024, "cuda": 8192}  # square matmul sides: long enough to r
 def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape | None:
     """The shapes that set a model's FLOPs, from its (text) config; None for a config that does not name
     them the way Llama-style decoders do (its steps then report no mfu/*)."""
-    base = model.get_base_model() if is_lora(model) else model
+    base = base_model(model)
     c = base.config.get_text_config(decoder=True)
     named = {k: getattr(c, k, None) for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                                 "num_attention_heads", "vocab_size")}

@@ -19,6 +19,7 @@ from functools import partial, wraps
 from typing import Literal
 
 from service.core import queue
+from service.core.health import non_finite_flag
 from service.core.settings import Settings
 from service.core.sources import for_owner
 from service.core.specs import KINDS, TERMINAL, JobSpec
@@ -45,11 +46,16 @@ def loop_for(kind: str):
     if kind not in LOOPS:
         raise ValueError(f"unknown job kind {kind!r}")
     run = importlib.import_module(LOOPS[kind]).run
+    from worker.loops.skeleton import report_health  # torch is in now, with the loop
+    from worker.training import NonFiniteUpdate
 
     @wraps(run)
-    def run_then_stop_engines(*args, **kwargs):
+    def run_then_stop_engines(spec, reporter: Reporter, **kwargs):
         try:
-            return run(*args, **kwargs)
+            return run(spec, reporter, **kwargs)
+        except NonFiniteUpdate as exc:  # the job fails with it; the guard's flag says what and where first
+            report_health(reporter, [non_finite_flag(exc.what, exc.step)])
+            raise
         finally:  # a job's vLLM server ends with its loop, whether it succeeded or failed
             from worker.vllm_engine import stop_servers
 

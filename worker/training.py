@@ -53,6 +53,15 @@ def make_scheduler(opt: torch.optim.Optimizer, *, schedule: str, warmup: int, to
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+class NonFiniteUpdate(FloatingPointError):
+    """A NaN or infinite loss or gradient, found before the optimizer applied it (the runner records
+    the `non_finite` health flag; the job fails with its last checkpoint intact)."""
+
+    def __init__(self, what: str, *, step: int | None = None, hint: str = "") -> None:
+        super().__init__(f"{what}{f' at step {step}' if step is not None else ''}{f'; {hint}' if hint else ''}")
+        self.what, self.step = what, step
+
+
 def grad_norm(params) -> float:
     norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

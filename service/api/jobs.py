@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse
 
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
-from service.api.schemas import EventOut, JobOut, JobPage, LatestPoint, error_responses
+from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses
 from service.api.sources import check_sources
-from service.core import queue
+from service.core import health, queue
 from service.core.artifacts import open_store
 from service.core.specs import KINDS, STATUSES, TERMINAL, Status, SubmittedSpec
 from service.store import events as events_q
@@ -67,8 +67,11 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(404))
-def get_job(job: JobDep):
-    return job
+def get_job(job: JobDep, session: SessionDep):
+    """The job, with its health: each guard's latest flag (`health` events) and the worst level."""
+    out = JobOut.model_validate(job)
+    out.health = HealthOut.of(health.summarise(job.kind, events_q.health_flags(session, job_id=job.id)))
+    return out
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(404, 409, 413))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from service.core.health import JobHealth
 from service.core.sparsity import SparsityReport
 from service.core.specs import JobSpec
 
@@ -69,6 +70,30 @@ class LatestPoint(BaseModel):
     value: float
 
 
+class HealthFlagOut(BaseModel):
+    """A guard's level from a step on (service/core/health.py says what each guard reads)."""
+
+    level: Literal["ok", "warn", "critical"]
+    step: int | None
+    value: float | None
+    threshold: float | None  # the threshold the value is at or past (null: within its band)
+    message: str
+
+
+class HealthOut(BaseModel):
+    """A job's health at a glance: the worst current level, and each of its kind's guards with its
+    latest flag (null: never flagged, so ok)."""
+
+    level: Literal["ok", "warn", "critical"]
+    guards: dict[str, HealthFlagOut | None]
+
+    @classmethod
+    def of(cls, summary: JobHealth) -> "HealthOut":
+        return cls(level=summary.level, guards={g: None if f is None else HealthFlagOut(
+            level=f.level, step=f.step, value=f.value, threshold=f.threshold, message=f.message)
+            for g, f in summary.guards.items()})
+
+
 class JobOut(_Out):
     id: int
     uid: str
@@ -86,6 +111,7 @@ class JobOut(_Out):
     started_at: datetime | None
     finished_at: datetime | None
     latest: dict[str, LatestPoint] | None = None  # only on lists that ask for it with `latest=`
+    health: HealthOut | None = None  # on GET /v1/jobs/{id}: its health guards' latest flags
 
     @field_validator("spec", mode="wrap")
     @classmethod

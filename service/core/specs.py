@@ -15,6 +15,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
+from service.core.health import HealthSpec
 from service.core.reward_specs import BUILTIN_REWARDS, FunctionReward, RewardSpec
 from service.core.spec_base import INT64, _Section, storable  # noqa: F401  (re-exported: the API uses them)
 
@@ -484,6 +485,8 @@ class _JobBase(_Section):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     sparsity: SparsitySpec | None = Field(None, description="Parameter-update sparsity reports; omit to skip.")
+    health: HealthSpec = Field(default_factory=HealthSpec, description="Thresholds of the per-step health guards "
+                               "(flagged as `health` events, summed up on the job) and which of them stop the job.")
 
     @property
     def train(self) -> TrainSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.core.health import EVENT, HealthFlag, flag_from_event
 from service.store.models import JobEvent
 
 
@@ -21,3 +22,9 @@ def list_events(session: Session, *, job_id: int, after_id: int = 0, limit: int 
     q = (select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
          .order_by(JobEvent.id).limit(limit))
     return list(session.scalars(q))
+
+
+def health_flags(session: Session, *, job_id: int) -> list[HealthFlag]:
+    """A job's health flags, oldest first (the `health` events' data)."""
+    q = select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == EVENT).order_by(JobEvent.id)
+    return [f for f in map(flag_from_event, session.scalars(q)) if f is not None]

@@ -34,7 +34,7 @@ from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
 from worker.sampling import RolloutBatch, forward_inputs, sequence_logprobs
-from worker.training import eval_mode, seed_everything
+from worker.training import NonFiniteUpdate, eval_mode, seed_everything
 
 
 def step_examples(s: Setup, step: int) -> list[Example]:
@@ -85,7 +85,7 @@ def train_step(run: skeleton.Run, batch: RolloutBatch) -> dict[str, float]:
         logp, _ = sequence_logprobs(s.model, mb, 1.0)  # [n, T], 0 at padding
         loss = -(logp * mb.completion_mask).sum() / max(tokens, 1.0)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()}; lower sft.learning_rate")
+            raise NonFiniteUpdate(f"the loss is {loss.item()}", hint="lower sft.learning_rate")
         loss.backward()
         nll += float(loss.detach())
     grad_norm = update.optimizer_step(run)

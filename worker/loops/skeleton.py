@@ -8,6 +8,10 @@
         finish_step(run, step, metrics, ...)   # or skip_step(...) when there was nothing to learn
     return finish(run)                      # the final checkpoint
 
+Both step ends read the step's metrics with the job's health guards (service/core/health.py):
+a change of level is a `health` event, and a red guard the spec names in `health.stop_on` ends the
+job after the step is recorded and checkpointed (`HealthStop`).
+
 A loop stays readable top to bottom: only what is particular to its method sits between them.
 """
 
@@ -17,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from service.core import health
 from service.core.records import SampleRow
 from worker import memory
 from worker.checkpoints import gather_states, save_checkpoint
@@ -39,6 +44,7 @@ class Run:
     opt_steps: int = 0  # optimizer steps taken (epochs count separately)
     tracker: SparsityTracker | None = None
     last_eval: dict[str, float] = field(default_factory=dict)
+    health: health.HealthMonitor | None = None  # the job's guards (start() makes it)
 
     def steps(self) -> range:
         return range(self.start_step + 1, self.s.spec.train.steps + 1)
@@ -52,7 +58,8 @@ class Run:
 def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
     """Resume from the last checkpoint if there is one; else evaluate before the first step (step 0)."""
     resumed = resume(s, reporter)
-    run = Run(s=s, reporter=reporter, evaluate=evaluate, start_step=resumed.step, opt_steps=resumed.opt_steps)
+    run = Run(s=s, reporter=reporter, evaluate=evaluate, start_step=resumed.step, opt_steps=resumed.opt_steps,
+              health=health.HealthMonitor(s.spec.health))
     # every rank holds the same weights: rank 0 measures (sharded ones are gathered by every rank)
     if s.spec.sparsity is not None and (s.ranks.main or s.sharded):
         run.tracker = SparsityTracker(s.spec.sparsity, s, reporter, start_step=run.opt_steps)
@@ -128,17 +135,44 @@ def memory_metrics(run: Run) -> dict[str, float]:
     return {**memory.measure(run.s.device).metrics(), **plan}
 
 
+class HealthStop(RuntimeError):
+    """A red health guard that the spec's `health.stop_on` names: the job ends failed, its step
+    recorded and checkpointed."""
+
+
+def report_health(reporter: Reporter, flags: Sequence[health.HealthFlag]) -> None:
+    for f in flags:
+        reporter.event(health.EVENT, f.message, level=health.EVENT_LEVEL[f.level], data=f.event_data())
+
+
+def read_health(run: Run, step: int, metrics: dict[str, float], *, updated: bool) -> health.StepHealth:
+    """The guards' reading of a finished step: its health/* metrics, and an event per change of level."""
+    reading = run.health.observe(step, metrics, updated=updated)
+    report_health(run.reporter, reading.changes)
+    return reading
+
+
+def stop_if_unhealthy(run: Run, step: int, reading: health.StepHealth, *, saved: bool = False) -> None:
+    if reading.stop is None:
+        return
+    if not saved:
+        save(run, step)
+    raise HealthStop(f"{reading.stop.message} (health.stop_on names {reading.stop.guard})")
+
+
 def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer: StepTimer,
               samples: Sequence[SampleRow] = ()) -> None:
     """A step with nothing to learn from: no update, a warning event, what was measured, and the
     evaluation when one is due (the last step's is the job's result)."""
     run.reporter.event("skipped", f"step {step}: {why}; no update", level="warning")
-    metrics = {**metrics, **evaluate_if_due(run, step)}
-    run.reporter.metrics(step, {**metrics, "time/rollout_s": timer.rollout_s, "time/step_s": timer.elapsed(),
-                                **memory_metrics(run)})
+    metrics = {**metrics, **evaluate_if_due(run, step), "time/rollout_s": timer.rollout_s,
+               "time/step_s": timer.elapsed(), **memory_metrics(run)}
+    reading = read_health(run, step, metrics, updated=False)
+    run.reporter.metrics(step, {**metrics, **reading.metrics})
     if samples:
         run.reporter.samples(step, list(samples))
     run.reporter.progress(step)
+    stop_if_unhealthy(run, step, reading)
 
 
 def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTimer, tokens: float,
@@ -156,12 +190,15 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
                     "time/step_s": dt, "throughput/tokens_per_s": tokens / dt, **memory_metrics(run)})
     if not metrics.get("rollout/staleness"):  # rows sampled during the last step: the clock saw only the wait
         metrics["throughput/rollout_tokens_per_s"] = tokens / max(timer.rollout_s - timer.sync_s, 1e-9)
-    run.reporter.metrics(step, metrics)
+    reading = read_health(run, step, metrics, updated=True)
+    run.reporter.metrics(step, {**metrics, **reading.metrics})
     if samples:
         run.reporter.samples(step, list(samples))
     run.reporter.progress(step)
-    if g.checkpoint_every and step % g.checkpoint_every == 0 and step != g.steps:
+    due = g.checkpoint_every and step % g.checkpoint_every == 0 and step != g.steps
+    if due:
         save(run, step)
+    stop_if_unhealthy(run, step, reading, saved=bool(due))
 
 
 def finish(run: Run) -> LoopResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -14,7 +15,10 @@ from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.loops.skeleton import Run
 from worker.sampling import RolloutBatch, batch_logprobs, micro_batches, sequence_logprobs
-from worker.training import grad_norm
+from worker.training import NonFiniteUpdate, grad_norm
+
+
+HINT = "lower the learning rate, or check the rewards and the data"
 
 
 def micro(s: Setup, batch: RolloutBatch, rows: list[int], *, shuffle_seed: int | None = None) -> list[list[int]]:
@@ -85,6 +89,8 @@ def clip_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optim
     schedule stepped. Returns the gradient norm before clipping."""
     ranks.reduce_gradients(params)
     norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
+    if not math.isfinite(norm):  # every rank summed the same gradients: every rank stops here
+        raise NonFiniteUpdate(f"the gradient norm is {norm}", hint=HINT)
     optimizer.step()
     scheduler.step()
     return norm
@@ -98,6 +104,8 @@ def optimizer_step(run: Run) -> float:
     if s.sharded:  # FSDP2 summed each backward's gradient into this rank's shards; the norm is over all of them
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")).full_tensor()
         norm = float(norm)
+        if not math.isfinite(norm):
+            raise NonFiniteUpdate(f"the gradient norm is {norm}", hint=HINT)
         s.optimizer.step()
         s.scheduler.step()
     else:
@@ -180,8 +188,7 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
             out.mismatch.add(fix, mask)
         loss = parts.loss.sum()
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower grpo.learning_rate or check "
-                                     "the rewards")
+            raise NonFiniteUpdate(f"the loss is {loss.item()}", step=step, hint=HINT)
         loss.backward()
         if after is not None:
             after()

@@ -24,6 +24,12 @@ export const SECTIONS = [
     { title: "Throughput (tokens/s)", keys: ["throughput/tokens_per_s", "throughput/rollout_tokens_per_s"] },
     { title: "Tokens trained on", keys: ["tokens"], note: "a session run's forward_backward tokens per optim_step" },
   ] },
+  { title: "Health", panels: [
+    { title: "Informative groups", keys: ["health/informative_groups"], note: "share of groups whose rewards differ: 0 means no advantage, nothing to learn" },
+    { title: "Entropy / first step's", keys: ["health/entropy"], note: "a collapse means the policy stopped exploring" },
+    { title: "Scoring share of the step", keys: ["health/grader_time"] },
+    { title: "Steps without an update", keys: ["health/update"] },
+  ] },
   { title: "Rollout engine", panels: [
     { title: "Engine vs trainer log-probs |Δ|", keys: ["mismatch/logp_abs_mean", "mismatch/logp_abs_max"],
       note: "per token, same tokens: the engine's kernels against the trainer's (and the update, a step ahead)" },

@@ -83,7 +83,11 @@ export async function jobPage({ app, onLeave }, id) {
     lastStep = Math.max(lastStep, step);
     samples.refreshIfLatest(step);
   });
-  es.addEventListener("event", (e) => events.add(JSON.parse(e.data)));
+  es.addEventListener("event", (e) => {
+    const ev = JSON.parse(e.data);
+    events.add(ev);
+    if (ev.type === "health") api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
+  });
   es.addEventListener("end", () => {
     es.close();
     api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
@@ -101,6 +105,7 @@ function header(job, cancel) {
   return h("div", { class: "header-row" },
     h("div", { class: "card" },
       h("h1", {}, job.name || `job ${job.id}`, " ", badge(job.status)),
+      healthBadges(job.health),
       h("dl", { class: "kv" },
         h("dt", {}, "id"), h("dd", {}, job.id),
         h("dt", {}, "kind"), h("dd", {}, job.kind),
@@ -119,4 +124,15 @@ function header(job, cancel) {
       job.error ? h("div", { class: "error-box", id: "job-error" }, job.error) : null,
       job.cancel_requested && !TERMINAL.has(job.status) ? h("p", { class: "muted" }, "Cancel requested: stopping after the current step.") : null,
       canCancel ? h("button", { class: "danger", id: "cancel-btn", onclick: cancel }, "Cancel job") : null));
+}
+
+// One badge per health guard of the job's kind: green until flagged, amber or red while it is; the
+// tooltip says why (service/core/health.py).
+function healthBadges(health) {
+  if (!health || !Object.keys(health.guards).length) return null;
+  return h("div", { class: "health", id: "health", "data-level": health.level },
+    Object.entries(health.guards).map(([guard, flag]) => h("span", {
+      class: `badge ${flag ? flag.level : "ok"}`, "data-guard": guard, "data-level": flag ? flag.level : "ok",
+      title: flag ? flag.message : `${guard}: within its band`,
+    }, guard.replace("_", " "))));
 }

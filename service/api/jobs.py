@@ -6,12 +6,13 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.errors import format_errors
 from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses
 from service.api.sources import check_sources
-from service.core import health, queue
+from service.core import fingerprint, health, queue
 from service.core.artifacts import open_store
 from service.core.specs import KINDS, STATUSES, TERMINAL, Status, SubmittedSpec
 from service.store import events as events_q
@@ -68,9 +69,15 @@ def list_jobs(
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(404))
 def get_job(job: JobDep, session: SessionDep):
-    """The job, with its health: each guard's latest flag (`health` events) and the worst level."""
+    """The job, with its health (each guard's latest flag and the worst level) and the fingerprint of
+    its latest attempt (what it ran: spec, code, libraries, hardware, seeds, data and weights)."""
     out = JobOut.model_validate(job)
     out.health = HealthOut.of(health.summarise(job.kind, events_q.health_flags(session, job_id=job.id)))
+    if (data := events_q.latest_data(session, job_id=job.id, type=fingerprint.EVENT)) is not None:
+        try:
+            out.fingerprint = fingerprint.Fingerprint.model_validate(data)
+        except ValidationError:  # recorded by another version: the event still holds it
+            pass
     return out
 
 

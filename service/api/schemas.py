@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from service.core.fingerprint import Fingerprint
 from service.core.health import JobHealth
 from service.core.sparsity import SparsityReport
 from service.core.specs import JobSpec
@@ -112,6 +113,7 @@ class JobOut(_Out):
     finished_at: datetime | None
     latest: dict[str, LatestPoint] | None = None  # only on lists that ask for it with `latest=`
     health: HealthOut | None = None  # on GET /v1/jobs/{id}: its health guards' latest flags
+    fingerprint: Fingerprint | None = None  # on GET /v1/jobs/{id}, once an attempt started: what it ran
 
     @field_validator("spec", mode="wrap")
     @classmethod

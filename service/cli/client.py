@@ -11,6 +11,7 @@ import httpx
 
 from service.cli.common import check, client, key_opt, load_spec_file, url_opt
 from service.cli.group import main
+from service.core.fingerprint import Fingerprint, largest_difference
 
 
 @main.command()
@@ -41,8 +42,54 @@ def status(job_id: int, url: str | None, key: str | None) -> None:
     click.echo(f"job {job['id']} ({job['kind']}): {job['status']}, step {job['step']}/{job['total_steps']}")
     if job["error"]:
         click.echo(f"error: {job['error']}")
+    if health := job.get("health"):
+        click.echo(f"health: {health['level']}")
+        for flag in (f for f in health["guards"].values() if f and f["level"] != "ok"):
+            click.echo(f"  {flag['level']:8s} {flag['message']}")
     for k in sorted(latest):
         click.echo(f"  {k:32s} {latest[k]['value']:.6g}  (step {latest[k]['step']})")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--wait", is_flag=True, help="Watch the new job to its end, then compare its fingerprint and learned "
+              "metrics with the original's (exit 1 if they differ).")
+@click.option("--rtol", default=1e-6, show_default=True, help="Largest relative difference of a metric counted as equal.")
+@url_opt
+@key_opt
+def reproduce(job_id: int, wait: bool, rtol: float, url: str | None, key: str | None) -> None:
+    """Submit a job's spec again as it ran (every default filled in)."""
+    with client(url, key) as c:
+        job = check(c.get(f"/v1/jobs/{job_id}"))
+        if job["kind"] == "session":
+            raise click.ClickException("a session run's steps were its client's: run the client again")
+        new = check(c.post("/v1/jobs", json=job["spec"]))
+        click.echo(f"job {new['id']} {new['status']} (reproduces job {job_id})")
+        if not wait:
+            return
+        done = watch_job(c, new["id"])
+        same = _compare_runs(c, job_id, new["id"], rtol) if done["status"] == job["status"] == "succeeded" else False
+    sys.exit(0 if same else 1)
+
+
+def _series(c: httpx.Client, job_id: int) -> dict[str, dict[int, float]]:
+    body = check(c.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 100_000}))
+    return {s["key"]: {p["step"]: p["value"] for p in s["points"]} for s in body["series"]}
+
+
+def _compare_runs(c: httpx.Client, a: int, b: int, rtol: float) -> bool:
+    """Print whether two finished jobs ran the same (fingerprints) and learned the same (metrics)."""
+    fa, fb = (check(c.get(f"/v1/jobs/{j}"))["fingerprint"] for j in (a, b))
+    if fa is None or fb is None:
+        click.echo("fingerprints: missing (a job recorded none)")
+        return False
+    diffs = Fingerprint.model_validate(fa).differences(Fingerprint.model_validate(fb))
+    click.echo("fingerprints: identical" if not diffs else f"fingerprints differ in: {', '.join(diffs)}")
+    mismatched, worst = largest_difference(_series(c, a), _series(c, b))
+    equal = not mismatched and worst <= rtol
+    click.echo(f"metrics: {'equal' if equal else 'different'} (largest relative difference {worst:.3g}"
+               f"{'; steps differ for ' + ', '.join(mismatched) if mismatched else ''})")
+    return not diffs and equal
 
 
 def watch_job(c: httpx.Client, job_id: int) -> dict:

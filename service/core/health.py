@@ -180,17 +180,19 @@ class HealthMonitor:
                 continue
             self.levels[name] = level
             threshold = None if level == "ok" else getattr(band, level)
-            flag = HealthFlag(name, level, step, value, threshold, _message(guard, level, value, threshold, step))
+            flag = HealthFlag(guard=name, level=level, step=step, value=value, threshold=threshold,
+                              message=_message(guard, level, value, threshold, step))
             changes.append(flag)
             if level == "critical" and name in self.spec.stop_on and stop is None:
                 stop = flag
-        return StepHealth({f"health/{k}": v for k, v in values.items()}, changes, stop)
+        return StepHealth(metrics={f"health/{k}": v for k, v in values.items()}, changes=changes, stop=stop)
 
 
 def non_finite_flag(what: str, step: int | None) -> HealthFlag:
     where = f"step {step}: " if step is not None else ""
-    return HealthFlag("non_finite", "critical", step, None, None,
-                      f"{where}{what}; the job stops before the optimizer applies it (the last checkpoint is kept)")
+    return HealthFlag(guard="non_finite", level="critical", step=step, value=None, threshold=None,
+                      message=f"{where}{what}; the job stops before the optimizer applies it (the last checkpoint "
+                      "is kept)")
 
 
 # Which guards a kind's steps feed (a session job's steps are its client's: none).
@@ -225,5 +227,5 @@ def flag_from_event(data: Mapping | None) -> HealthFlag | None:
     """A `health` event's data as a flag (None for data this version cannot read)."""
     if not data or data.get("guard") not in BY_NAME or data.get("level") not in LEVELS:
         return None
-    return HealthFlag(data["guard"], data["level"], data.get("step"), data.get("value"), data.get("threshold"),
-                      str(data.get("message", "")))
+    return HealthFlag(guard=data["guard"], level=data["level"], step=data.get("step"), value=data.get("value"),
+                      threshold=data.get("threshold"), message=str(data.get("message", "")))

@@ -28,3 +28,10 @@ def health_flags(session: Session, *, job_id: int) -> list[HealthFlag]:
     """A job's health flags, oldest first (the `health` events' data)."""
     q = select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == EVENT).order_by(JobEvent.id)
     return [f for f in map(flag_from_event, session.scalars(q)) if f is not None]
+
+
+def latest_data(session: Session, *, job_id: int, type: str) -> dict | None:
+    """The data of a job's newest event of `type` (None: no such event yet)."""
+    q = (select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == type)
+         .order_by(JobEvent.id.desc()).limit(1))
+    return session.scalars(q).first()

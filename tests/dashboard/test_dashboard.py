@@ -86,6 +86,18 @@ def test_job_page_draws_every_series_with_its_points(page, service):
     ckpts = service.client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
     page.wait_for_function(f"() => document.querySelectorAll('#checkpoints-body tr').length === {len(ckpts)}")
     assert page.locator("#cancel-btn").count() == 0  # finished jobs cannot be cancelled
+    # a badge per health guard, coloured as the API's summary says, the reason in its tooltip
+    health = service.client.get(f"/v1/jobs/{job['id']}").json()["health"]
+    assert page.locator("#health").get_attribute("data-level") == health["level"]
+    for guard, flag in health["guards"].items():
+        badge = page.locator(f'#health [data-guard="{guard}"]')
+        assert badge.get_attribute("data-level") == (flag["level"] if flag else "ok"), guard
+        if flag:
+            assert badge.get_attribute("title") == flag["message"]
+    # what ran: the fingerprint's hashes as the API serves them
+    fp = service.client.get(f"/v1/jobs/{job['id']}").json()["fingerprint"]
+    assert page.locator('#fingerprint [data-field="spec"]').inner_text() == fp["spec_sha256"]
+    assert page.locator('#fingerprint [data-field="model weights"]').inner_text() == fp["model_sha256"]
     page.shot("job")
 
 
@@ -150,7 +162,7 @@ def test_watch_a_running_job_then_cancel_it(page, service):
     # new steps arrive over the event stream without a reload
     page.wait_for_function(f"() => Number(document.querySelector('.chart[data-title=\"Reward\"]').dataset.points) >= {first + 2}",
                            timeout=120_000)
-    assert page.locator("#job-header .badge").inner_text() == "running"
+    assert page.locator("#job-header h1 .badge").inner_text() == "running"
     page.shot("running")
     page.click("#cancel-btn")
     page.wait_for_selector('#job-header .badge[data-status="cancelled"]', timeout=120_000)

@@ -125,6 +125,19 @@ def check_finished_job(client: httpx.Client, job: dict) -> None:
     assert [c["step"] for c in ckpts] == [2, 3]
     assert all(c["format"] == "peft-lora" and c["size_bytes"] > 0 and "path" not in c for c in ckpts)
     assert client.get(f"/v1/jobs/{jid}/samples").json()
+    detail = client.get(f"/v1/jobs/{jid}").json()
+    fp = detail["fingerprint"]  # what ran, recorded by the worker
+    assert len(fp["spec_sha256"]) == len(fp["data_sha256"]) == len(fp["model_sha256"]) == 64
+    assert {"python", "torch", "transformers", "peft"} <= set(fp["libraries"]) and fp["hardware"]["cores"] >= 1
+    assert fp["seeds"] == {"train": 0, "dataset": 0} and fp["processes"] == job["spec"]["resources"]["processes"]
+    # a random model never solves a sum: every group tied, and the job says so at its first step
+    health = detail["health"]
+    assert health["level"] == "critical", health
+    tied = health["guards"]["informative_groups"]
+    assert (tied["level"], tied["step"], tied["value"]) == ("critical", 1, 0.0) and "informative_groups" in tied["message"]
+    assert health["guards"]["non_finite"] is None
+    flagged = [e for e in client.get(f"/v1/jobs/{jid}/events").json() if e["type"] == "health"]
+    assert flagged and {e["level"] for e in flagged} <= {"info", "warning", "error"}
 
 
 def check_finished_sft_job(client: httpx.Client, job: dict) -> None:

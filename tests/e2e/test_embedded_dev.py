@@ -1,11 +1,13 @@
 """`grpo-jobs dev`: API + worker on the embedded defaults (SQLite store, SQLite broker)."""
 
+import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
 from tests.e2e.conftest import (
+    BIN,
     SFT_JOB,
     TINY_JOB,
     check_finished_job,
@@ -22,6 +24,17 @@ def test_dev_runs_a_job_end_to_end(procs):
         r = c.post("/v1/jobs", json=TINY_JOB)
         assert r.status_code == 201, r.text
         check_finished_job(c, wait_job(c, r.json()["id"], procs))
+        # the CLI says what the API says: red, and why
+        out = subprocess.run([str(BIN), "status", str(r.json()["id"]), "--url", base, "--key", key],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "health: critical" in out.stdout and "critical step 1: informative_groups is 0" in out.stdout, out.stdout
+        # the same spec again: the same fingerprint, the same learned metrics
+        out = subprocess.run([str(BIN), "reproduce", str(r.json()["id"]), "--wait", "--url", base, "--key", key],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"(reproduces job {r.json()['id']})" in out.stdout
+        assert "fingerprints: identical" in out.stdout and "metrics: equal" in out.stdout, out.stdout
         # the same job as two processes, on the same worker
         r = c.post("/v1/jobs", json={**TINY_JOB, "resources": {"processes": 2}})
         assert r.status_code == 201, r.text

@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from service.core.fingerprint import EVENT as FINGERPRINT
 from service.core.settings import Settings
 from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob
 from worker import allocator, memory
@@ -22,6 +23,7 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task, render_example
+from worker.fingerprint import fingerprint, model_sha256
 from worker.distributed import SINGLE, Ranks, shard
 from worker.models import enable_checkpointing, load_policy
 from worker.reporting import Reporter
@@ -81,11 +83,16 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     mspec = spec.model.model_copy(update={"gradient_checkpointing": False})
     model, tok = load_policy(mspec, models_root=settings.models_dir, device=dev, seed=g.seed,
                              model_roots=settings.model_roots)
+    model_hash = model_sha256(spec.model.name, settings, model) if ranks.main else ""
     init_weights(model, spec.model.init_from, reporter)
     entries = spec.reward_specs()
     if task is None:
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
+    if ranks.main:  # what ran, for reproducing it (every rank runs the same)
+        fp = fingerprint(spec, settings, model_hash=model_hash, task=task, device=dev)
+        reporter.event(FINGERPRINT, f"spec {fp.spec_sha256[:12]}, data {fp.data_sha256[:12]}, model "
+                       f"{fp.model_sha256[:12]}, grpo-jobs {fp.commit or fp.version}", data=fp.model_dump())
     plan = checkpoint_plan(spec, settings, model, tok, task, device, ranks)
     if plan.checkpointing:  # before sharding: FSDP2 switches it to the non-reentrant kind
         enable_checkpointing(base_model(model), reentrant=True)

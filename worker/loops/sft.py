@@ -85,7 +85,7 @@ def train_step(run: skeleton.Run, batch: RolloutBatch) -> dict[str, float]:
         logp, _ = sequence_logprobs(s.model, mb, 1.0)  # [n, T], 0 at padding
         loss = -(logp * mb.completion_mask).sum() / max(tokens, 1.0)
         if not torch.isfinite(loss):
-            raise NonFiniteUpdate(f"the loss is {loss.item()}", hint="lower sft.learning_rate")
+            raise NonFiniteUpdate(f"the loss is {loss.item()}", step=run.step, hint="lower sft.learning_rate")
         loss.backward()
         nll += float(loss.detach())
     grad_norm = update.optimizer_step(run)

@@ -42,6 +42,7 @@ class Run:
     evaluate: Evaluate  # greedy evaluation on the validation split -> eval/* metrics
     start_step: int = 0  # the last step done by an earlier attempt (0: a fresh start)
     opt_steps: int = 0  # optimizer steps taken (epochs count separately)
+    step: int = 0  # the step in progress (begin_step sets it)
     tracker: SparsityTracker | None = None
     last_eval: dict[str, float] = field(default_factory=dict)
     health: health.HealthMonitor | None = None  # the job's guards (start() makes it)
@@ -112,6 +113,7 @@ def begin_step(run: Run, step: int) -> StepTimer:
     """Seed from (seed, step), so a resumed run samples what a straight one does; sync the frozen
     rollout copy with the policy (the adapter only, with LoRA); start the step's clock and its
     memory peak."""
+    run.step = step
     memory.reset_peak(run.s.device)
     timer = StepTimer()
     seed_everything(step_seed(run.s.spec.train.seed, step))

@@ -105,11 +105,14 @@ def optimizer_step(run: Run) -> float:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")).full_tensor()
         norm = float(norm)
         if not math.isfinite(norm):
-            raise NonFiniteUpdate(f"the gradient norm is {norm}", hint=HINT)
+            raise NonFiniteUpdate(f"the gradient norm is {norm}", step=run.step, hint=HINT)
         s.optimizer.step()
         s.scheduler.step()
     else:
-        norm = clip_and_step(params, s.optimizer, s.scheduler, max_norm=max_norm, ranks=s.ranks)
+        try:
+            norm = clip_and_step(params, s.optimizer, s.scheduler, max_norm=max_norm, ranks=s.ranks)
+        except NonFiniteUpdate as exc:  # the step the run is at, for the flag
+            raise NonFiniteUpdate(exc.what, step=run.step, hint=HINT) from None
     run.after_optimizer_step()
     return norm
 

@@ -18,6 +18,10 @@ export async function jobPage({ app, onLeave }, id) {
   if (job.kind === "tracin") app.append(selectionSection(id), predictionSection(id));
   if (job.spec?.sparsity) app.append(sparsitySection(id));
   app.append(samples.el, events.el, checkpoints.el);
+  const fingerprint = h("section", { id: "fingerprint" });
+  app.append(fingerprint);
+  const renderFingerprint = () => fingerprint.replaceChildren(...fingerprintSection(job.fingerprint));
+  renderFingerprint();
 
   const renderHeader = () => head.replaceChildren(header(job, async () => {
     job = await api(`/v1/jobs/${id}/cancel`, { method: "POST" });
@@ -86,7 +90,9 @@ export async function jobPage({ app, onLeave }, id) {
   es.addEventListener("event", (e) => {
     const ev = JSON.parse(e.data);
     events.add(ev);
-    if (ev.type === "health") api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
+    if (ev.type === "health" || ev.type === "fingerprint") {
+      api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); renderFingerprint(); });
+    }
   });
   es.addEventListener("end", () => {
     es.close();
@@ -135,4 +141,18 @@ function healthBadges(health) {
       class: `badge ${flag ? flag.level : "ok"}`, "data-guard": guard, "data-level": flag ? flag.level : "ok",
       title: flag ? flag.message : `${guard}: within its band`,
     }, guard.replace("_", " "))));
+}
+
+// What the latest attempt ran: `grpo-jobs reproduce ID --wait` submits it again and compares.
+function fingerprintSection(fp) {
+  if (!fp) return [h("h2", {}, "Fingerprint"), h("p", { class: "muted" }, "Recorded when an attempt starts.")];
+  const hw = fp.hardware;
+  const rows = [
+    ["spec", fp.spec_sha256], ["data", fp.data_sha256], ["model weights", fp.model_sha256],
+    ["grpo-jobs", fp.commit ? `${fp.version} (${fp.commit})` : fp.version],
+    ["libraries", Object.entries(fp.libraries).map(([k, v]) => `${k} ${v}`).join(", ")],
+    ["hardware", `${hw.cpu}, ${hw.cores} cores, ${hw.threads} threads, ${hw.cpu_capability}${hw.gpus.length ? `, ${hw.gpus.join(", ")}` : ""} (trains on ${hw.device})`],
+    ["seeds", Object.entries(fp.seeds).map(([k, v]) => `${k} ${v}`).join(", ")], ["processes", fp.processes],
+  ];
+  return [h("h2", {}, "Fingerprint"), h("dl", { class: "kv card" }, rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { "data-field": k }, v)]))];
 }

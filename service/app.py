@@ -29,6 +29,7 @@ from service.api.errors import store_unavailable
 from service.api.readiness import StoreSchema
 from service.api.security import security_headers
 from service.api.strict import StrictRouting
+from service.core import tracing
 from service.core.settings import Settings, get_settings
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
@@ -58,6 +59,10 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
         f"(`grpo-jobs keys create --owner NAME`). Request bodies are limited to {settings.max_body_bytes} bytes, "
         f"file uploads to {settings.max_file_bytes} bytes.",
     )
+    if tracing.setup("grpo-jobs-api"):  # OTEL_EXPORTER_OTLP_ENDPOINT set: a span per request
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.instrument_app(app, excluded_urls="healthz,readyz,metrics")
     app.state.settings = settings
     app.state.schema = schema
     app.state.upload_slots = files.UploadSlots(per_process=settings.max_uploads,

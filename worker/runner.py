@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial, wraps
 from typing import Literal
 
-from service.core import queue
+from service.core import queue, tracing
 from service.core.health import non_finite_flag
 from service.core.settings import Settings
 from service.core.sources import for_owner
@@ -51,12 +51,21 @@ def loop_for(kind: str):
 
     @wraps(run)
     def run_then_stop_engines(spec, reporter: Reporter, **kwargs):
+        tracing.setup("grpo-jobs-worker")  # where OTEL_EXPORTER_OTLP_ENDPOINT is set; once per process
+        attempt = {"grpo_jobs.job.id": reporter.job_id, "grpo_jobs.attempt": reporter.attempt, "rl.algorithm": kind,
+                   "rl.model.name": getattr(getattr(spec, "model", None), "name", None)}
         try:
-            return run(spec, reporter, **kwargs)
+            with tracing.span("grpo_jobs.attempt", **attempt):  # the root of the attempt's step spans
+                try:
+                    return run(spec, reporter, **kwargs)
+                except BaseException as exc:  # a step that raised ends its span as an error
+                    tracing.end_step(error=exc)
+                    raise
         except NonFiniteUpdate as exc:  # the job fails with it; the guard's flag says what and where first
             report_health(reporter, [non_finite_flag(exc.what, exc.step)])
             raise
-        finally:  # a job's vLLM server ends with its loop, whether it succeeded or failed
+        finally:
+            tracing.flush()  # a pool process may end without atexit  # a job's vLLM server ends with its loop, whether it succeeded or failed
             from worker.vllm_engine import stop_servers
 
             stop_servers()

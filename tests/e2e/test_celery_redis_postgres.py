@@ -1,6 +1,7 @@
 """A real Celery worker process on the real Redis, the store on the real PostgreSQL."""
 
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
+from tests.otlp import Receiver
 from tests.e2e.conftest import (
     SFT_JOB,
     TINY_JOB,
@@ -52,12 +54,22 @@ def service(procs, pg_url, redis_url):
 @pytest.mark.redis
 @pytest.mark.postgres
 def test_job_over_http_on_redis_and_postgres(service, procs):
-    c = service()
+    otlp = Receiver()  # both processes export their spans to it, as to a collector
+    c = service(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint)
     assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok", "artifacts": "ok"}
     r = c.post("/v1/jobs", json=TINY_JOB)
     assert r.status_code == 201, r.text
     job = wait_job(c, r.json()["id"], procs)
     check_finished_job(c, job)
+    deadline = time.time() + 30  # the API exports in batches, every few seconds
+    while time.time() < deadline and not any(s.service == "grpo-jobs-api" for s in otlp.spans):
+        time.sleep(0.5)
+    otlp.close()
+    assert any(s.service == "grpo-jobs-api" and s.name == "POST /v1/jobs" for s in otlp.spans), {s.name for s in otlp.spans}
+    (attempt,) = [s for s in otlp.named("grpo_jobs.attempt") if s.attributes["grpo_jobs.job.id"] == job["id"]]
+    assert attempt.service == "grpo-jobs-worker" and attempt.attributes["grpo_jobs.attempt"] == 1
+    steps = [s for s in otlp.named("rl.loop") if s.parent_id == attempt.span_id]
+    assert sorted(s.attributes["grpo_jobs.step"] for s in steps) == [1, 2, 3]
     r = c.post("/v1/jobs", json=SFT_JOB)  # a second job on the same worker, of another kind, as 2 processes
     assert r.status_code == 201, r.text
     check_finished_sft_job(c, wait_job(c, r.json()["id"], procs))

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from service.core import tracing
 from service.core.records import SampleRow
 from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
@@ -234,11 +235,13 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     frac_zero: float | None = None
     need, rounds, reward_s = units, 0, 0.0
     while need > 0:  # `need` is the same on every rank: each round draws and keeps over all of them
-        d = first() if rounds == 0 and first is not None else draw(rounds, need)
+        with tracing.span("rl.sample", **{"grpo_jobs.round": rounds}):
+            d = first() if rounds == 0 and first is not None else draw(rounds, need)
         if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
             raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                                f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
-        graded = score_groups(s, d.batch.completions, d.examples, G, step)
+        with tracing.span("rl.reward", **{"grpo_jobs.completions": len(d.batch)}):
+            graded = score_groups(s, d.batch.completions, d.examples, G, step)
         r, excluded, scored = graded.rewards, graded.excluded, graded.scored
         reward_s += scored.seconds
         tied = zero_std_groups(r, G)  # [n_groups]

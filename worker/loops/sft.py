@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from service.core import tracing
 from service.core.settings import Settings
 from service.core.specs import SFTJob
 from worker.datasets import Example
@@ -73,6 +74,7 @@ def encode(s: Setup, examples: list[Example]) -> RolloutBatch:
                         completions=[ex.answers[0] for ex in examples])
 
 
+@tracing.traced("rl.train")
 def train_step(run: skeleton.Run, batch: RolloutBatch) -> dict[str, float]:
     """3-4: the token-mean cross-entropy of the whole batch, accumulated over micro-batches; one step."""
     s = run.s

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.core import health
+from service.core import health, tracing
 from service.core.records import SampleRow
 from worker import memory
 from worker.checkpoints import gather_states, save_checkpoint
@@ -65,7 +65,8 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
     if s.spec.sparsity is not None and (s.ranks.main or s.sharded):
         run.tracker = SparsityTracker(s.spec.sparsity, s, reporter, start_step=run.opt_steps)
     if run.start_step == 0:
-        run.last_eval = evaluate(0)
+        with tracing.span("grpo_jobs.evaluate", **{"grpo_jobs.step": 0}):
+            run.last_eval = evaluate(0)
         reporter.metrics(0, run.last_eval)
     return run
 
@@ -73,12 +74,13 @@ def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
 def save(run: Run, step: int) -> None:
     """Checkpoint folder step-N, its row in the store, and an event, by rank 0 (every rank holds
     the same weights; sharded ones are gathered first, by every rank)."""
-    full = gather_states(run.s.trainables()) if run.s.sharded else None
-    if not run.s.ranks.main:
-        return
-    path = run.reporter.checkpoint_dir(step)
-    saved = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full)
-    run.reporter.checkpoint(step, path, saved.format, saved.size_bytes)
+    with tracing.span("grpo_jobs.checkpoint", **{"grpo_jobs.step": step}):
+        full = gather_states(run.s.trainables()) if run.s.sharded else None
+        if not run.s.ranks.main:
+            return
+        path = run.reporter.checkpoint_dir(step)
+        saved = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full)
+        run.reporter.checkpoint(step, path, saved.format, saved.size_bytes)
     run.reporter.event("checkpoint", f"checkpoint at step {step} ({saved.size_bytes / 1e6:.1f} MB)",
                        data={"step": step, "format": saved.format, "size_bytes": saved.size_bytes})
 
@@ -114,10 +116,12 @@ def begin_step(run: Run, step: int) -> StepTimer:
     rollout copy with the policy (the adapter only, with LoRA); start the step's clock and its
     memory peak."""
     run.step = step
+    tracing.begin_step(step)  # rl.loop, the parent of the step's phases until finish_step or skip_step
     memory.reset_peak(run.s.device)
     timer = StepTimer()
     seed_everything(step_seed(run.s.spec.train.seed, step))
-    run.s.engine.sync(run.s.model)
+    with tracing.span("rl.sync"):
+        run.s.engine.sync(run.s.model)
     timer.sync_s = timer.elapsed()
     return timer
 
@@ -126,7 +130,8 @@ def evaluate_if_due(run: Run, step: int) -> dict[str, float]:
     """The evaluation after `step` when grpo.eval_every or the last step calls for one (else {})."""
     g = run.s.spec.train
     if g.eval_every and step % g.eval_every == 0 or step == g.steps:
-        run.last_eval = run.evaluate(step)
+        with tracing.span("grpo_jobs.evaluate", **{"grpo_jobs.step": step}):
+            run.last_eval = run.evaluate(step)
         return run.last_eval
     return {}
 
@@ -174,6 +179,7 @@ def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer
     if samples:
         run.reporter.samples(step, list(samples))
     run.reporter.progress(step)
+    tracing.end_step(**{"grpo_jobs.skipped": True})
     stop_if_unhealthy(run, step, reading)
 
 
@@ -200,6 +206,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
     due = g.checkpoint_every and step % g.checkpoint_every == 0 and step != g.steps
     if due:
         save(run, step)
+    tracing.end_step(**{"grpo_jobs.tokens": tokens})
     stop_if_unhealthy(run, step, reading, saved=bool(due))
 
 

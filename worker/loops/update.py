@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from service.core import tracing
 from worker.algos.correction import Correction, MismatchStats, correct
 from worker.algos.losses import Normaliser, SampleLosses, TokenStats, sample_losses
 from worker.distributed import Ranks
@@ -39,6 +40,7 @@ def batch_normaliser(s: Setup, mask: torch.Tensor) -> Normaliser:
                    max_len=int(s.ranks.max({"T": local.max_len})["T"]))
 
 
+@tracing.traced("grpo_jobs.ref_logprobs")
 def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
     """ref_logp [N, T] under the frozen reference (the base model with the adapter disabled, or a
     copy), or None when KL is neither in the loss nor asked for."""
@@ -52,6 +54,7 @@ def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
         return batch_logprobs(s.model, batch, g.temperature, rows, s.device)
 
 
+@tracing.traced("grpo_jobs.old_logprobs")
 def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
     """old_logp [N, T] from the rollout copy, needed from the second epoch on. With a single epoch
     the rollout copy holds exactly the policy's weights (synced at the start of the step), so the
@@ -204,6 +207,7 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
     return out
 
 
+@tracing.traced("rl.train")
 def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
                  *, rows: list[int] | None = None, norm_rows: list[int] | None = None) -> dict[str, float]:
     """epochs_per_rollout_batch passes over `rows` of the batch (default: its train_rows), each one

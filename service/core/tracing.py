@@ -1,0 +1,107 @@
+"""OpenTelemetry spans: the API's requests, and a job's attempt with each step's phases.
+
+Off unless an OTLP endpoint is configured with the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`
+or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, with `OTEL_EXPORTER_OTLP_HEADERS` and the rest as the
+OpenTelemetry SDK reads them); then every process exports over OTLP/HTTP. Until a process calls
+`setup`, every span here is OpenTelemetry's no-op.
+
+Span names follow the open `rl.*` proposal (open-telemetry/semantic-conventions-genai#88) where it
+has them: `rl.loop` (one step), `rl.sync`, `rl.sample`, `rl.reward`, `rl.train`; the rest are
+`grpo_jobs.*`: `grpo_jobs.attempt` (a job's attempt, the root of its steps),
+`grpo_jobs.old_logprobs`, `grpo_jobs.ref_logprobs`, `grpo_jobs.evaluate`, `grpo_jobs.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import context, trace
+
+TRACER = trace.get_tracer("grpo_jobs")
+ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_provider = None  # this process's, once set up
+_step: tuple[trace.Span, object] | None = None  # the step span in progress and its context token
+
+
+def configured() -> bool:
+    return any(os.environ.get(v) for v in ENDPOINT_VARS)
+
+
+def setup(service: str, *, exporter=None) -> bool:
+    """Install this process's tracer provider, exporting over OTLP/HTTP where an endpoint is
+    configured (or to `exporter`, for tests). Returns whether spans are recorded. Idempotent."""
+    global _provider
+    if _provider is not None:
+        return True
+    if exporter is None and not configured():
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
+    provider = TracerProvider(resource=Resource.create(attrs))
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return True
+
+
+def flush() -> None:
+    """Export what is buffered (a Celery pool process may end without running atexit)."""
+    if _provider is not None:
+        _provider.force_flush(10_000)
+
+
+def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in attributes.items() if v is not None}
+
+
+@contextmanager
+def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
+    """A span around a block, a child of the current one; an exception marks it as an error."""
+    with TRACER.start_as_current_span(name, attributes=_clean(attributes)) as s:
+        yield s
+
+
+def traced(name: str):
+    """A function's calls as spans named `name`."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with TRACER.start_as_current_span(name):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
+
+
+def begin_step(step: int, **attributes: Any) -> None:
+    """Open a step's `rl.loop` span and make it current, so the phases of the step are its children."""
+    global _step
+    end_step()
+    s = TRACER.start_span("rl.loop", attributes=_clean({"grpo_jobs.step": step, **attributes}))
+    _step = (s, context.attach(trace.set_span_in_context(s)))
+
+
+def end_step(error: BaseException | None = None, **attributes: Any) -> None:
+    """Close the step's span (with `error`: marked failed); nothing when no step is open."""
+    global _step
+    if _step is None:
+        return
+    s, token = _step
+    _step = None
+    s.set_attributes(_clean(attributes))
+    if error is not None:
+        s.record_exception(error)
+        s.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    context.detach(token)
+    s.end()

@@ -221,6 +221,16 @@ def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Dra
     return lambda round, n: submit(round, n)()
 
 
+def _sample_round(draw: Draw[U], round: int, need: int, G: int, *, first: Sampling[U] | None) -> Drawn[U]:
+    """One sampling round (`first`: its draw submitted earlier), checked for a group of G per prompt."""
+    with tracing.span("rl.sample", **{"grpo_jobs.round": round}):
+        d = first() if first is not None else draw(round, need)
+    if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
+        raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
+                           f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
+    return d
+
+
 def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, units: int, group_size: int,
                      drop_zero_std: bool | None = None, first: Sampling[U] | None = None) -> Rollouts[U] | None:
     """`units` units' groups, scored, with group-normalised advantages; None when every unit tied.
@@ -235,11 +245,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     frac_zero: float | None = None
     need, rounds, reward_s = units, 0, 0.0
     while need > 0:  # `need` is the same on every rank: each round draws and keeps over all of them
-        with tracing.span("rl.sample", **{"grpo_jobs.round": rounds}):
-            d = first() if rounds == 0 and first is not None else draw(rounds, need)
-        if len(d.batch) != len(d.prompts) * G or len(d.prompts) != len(d.units) * d.groups_per_unit:
-            raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
-                               f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
+        d = _sample_round(draw, rounds, need, G, first=first if rounds == 0 else None)
         with tracing.span("rl.reward", **{"grpo_jobs.completions": len(d.batch)}):
             graded = score_groups(s, d.batch.completions, d.examples, G, step)
         r, excluded, scored = graded.rewards, graded.excluded, graded.scored

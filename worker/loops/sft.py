@@ -30,7 +30,7 @@ from service.core.settings import Settings
 from service.core.specs import SFTJob
 from worker.datasets import Example
 from worker.distributed import SINGLE, Ranks
-from worker.loops import evaluation, skeleton, update
+from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
 from worker.reporting import LoopResult, Reporter
@@ -146,5 +146,6 @@ def run(spec: SFTJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = 
         timer.rollouts_done()
         metrics = train_step(run, batch)  # 3-4
         timer.train_s = timer.elapsed() - timer.rollout_s
+        metrics.update(utilisation.sft_step(s, batch, train_s=timer.train_s))  # mfu/train
         skeleton.finish_step(run, step, metrics, timer=timer, tokens=float(batch.completion_mask.sum()))
     return skeleton.finish(run)

@@ -102,6 +102,17 @@ def step_metrics(*, peak: float, sampling: int | None, sampling_s: float, train:
     return out
 
 
+def sft_step(s: Setup, batch: RolloutBatch, *, train_s: float) -> dict[str, float]:
+    """mfu/* of a supervised step: one forward and backward over every row of the batch."""
+    shape = decoder_shape(s.model)
+    if shape is None:
+        return {}
+    train = train_flops(shape, batch, list(range(len(batch))), epochs=1, frozen_base=is_lora(s.model),
+                        old_pass=False, ref_pass=False)
+    peak = peak_flops(s.device, next(s.model.parameters()).dtype)
+    return step_metrics(peak=peak, sampling=None, sampling_s=0.0, train=train, train_s=train_s)
+
+
 def grpo_step(s: Setup, ro: Rollouts, measured: dict[str, float], *, rollout_s: float, sync_s: float,
               train_s: float) -> dict[str, float]:
     """mfu/* of a GRPO step from its batch and its clock (`measured`: the step's metrics so far)."""

@@ -14,6 +14,7 @@ app = Celery("grpo_jobs", include=["worker.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
 _sweeper = None
+_deliverer = None
 
 
 @worker_process_init.connect
@@ -43,14 +44,19 @@ def _tell_pool(how: str = "", **_kwargs) -> None:
 
 @worker_ready.connect
 def _start_sweeper(**_kwargs) -> None:
-    global _sweeper
+    global _sweeper, _deliverer
     from worker.sweeper import Sweeper
+    from worker.webhooks import Deliverer
 
     _sweeper = Sweeper(get_settings())
     _sweeper.start()
+    _deliverer = Deliverer(get_settings())  # webhook deliveries: in this process, never in a job's
+    _deliverer.start()
 
 
 @worker_shutdown.connect
 def _stop_sweeper(**_kwargs) -> None:
     if _sweeper is not None:
         _sweeper.stop()
+    if _deliverer is not None:
+        _deliverer.stop()

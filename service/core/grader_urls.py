@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
@@ -125,16 +126,16 @@ def parse_url(url: str) -> GraderUrl:
     return GraderUrl(scheme=scheme, host=host, port=port, path=_remove_dot_segments(path), query=parts.query)
 
 
-def parse_allow_list(entries: list[str]) -> list[GraderUrl]:
+def parse_allow_list(entries: list[str], setting: str = "GRPO_REWARD_URLS") -> list[GraderUrl]:
     """The admin's entries in canonical form; ValueError naming a bad one (a configuration error)."""
     out = []
     for e in entries:
         try:
             entry = parse_url(e)
         except UrlRefused as exc:
-            raise ValueError(f"GRPO_REWARD_URLS entry {e!r}: {exc}") from None
+            raise ValueError(f"{setting} entry {e!r}: {exc}") from None
         if entry.query:
-            raise ValueError(f"GRPO_REWARD_URLS entry {e!r}: an allow-list entry has no query")
+            raise ValueError(f"{setting} entry {e!r}: an allow-list entry has no query")
         out.append(entry)
     return out
 
@@ -152,14 +153,26 @@ def forbidden_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str 
     return None
 
 
-def check_url(url: str, allow_list: list[GraderUrl]) -> GraderUrl:
+def check_url(url: str, allow_list: list[GraderUrl], setting: str = "GRPO_REWARD_URLS",
+              what: str = "http rewards") -> GraderUrl:
     """The canonical URL when it lies under an allow-list entry; UrlRefused otherwise."""
     parsed = parse_url(url)
     if not any(parsed.under(e) for e in allow_list):
-        shown = ", ".join(map(str, allow_list)) or "none: this deployment allows no http rewards"
-        raise UrlRefused(f"is not on the admin's allow-list (GRPO_REWARD_URLS: {shown}); compared as "
+        shown = ", ".join(map(str, allow_list)) or f"none: this deployment allows no {what}"
+        raise UrlRefused(f"is not on the admin's allow-list ({setting}: {shown}); compared as "
                          f"{parsed} by scheme, host, port and path")
     return parsed
+
+
+def resolve_address(url: GraderUrl) -> str:
+    """The one address a request to `url` connects to: the IP literal, or the host's first address,
+    checked (UrlRefused: a link-local or metadata address; OSError: the lookup failed)."""
+    if (ip := url.ip()) is not None:
+        return str(ip)
+    infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
+    ip = ipaddress.ip_address(infos[0][4][0])
+    check_address(url, ip)
+    return str(ip)
 
 
 def check_address(url: GraderUrl, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:

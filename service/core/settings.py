@@ -56,6 +56,15 @@ class Settings(BaseSettings):
         description="Comma-separated URLs under which an `http` reward may call a grader, compared by scheme, "
         "host, port and path segments (service/core/grader_urls.py); empty: no `http` rewards.",
     )
+    webhook_urls_env: str = Field(
+        default="", validation_alias="GRPO_WEBHOOK_URLS",
+        description="Comma-separated URLs under which an owner may register a webhook, compared as "
+        "GRPO_REWARD_URLS is; empty: no webhooks.",
+    )
+    webhook_timeout_s: float = Field(
+        default=10.0, gt=0, validation_alias="GRPO_WEBHOOK_TIMEOUT_S",
+        description="Seconds a webhook receiver has to answer one delivery attempt.",
+    )
     reward_max_response_bytes: int = Field(
         default=4 * 1024 * 1024, gt=0, validation_alias="GRPO_REWARD_MAX_RESPONSE_BYTES",
         description="Largest answer read from an `http` grader; a longer one leaves its batch unscored.",
@@ -258,6 +267,16 @@ class Settings(BaseSettings):
     @property
     def reward_urls(self) -> list[GraderUrl]:
         return parse_allow_list(_split(self.reward_urls_env))
+
+    @field_validator("webhook_urls_env")
+    @classmethod
+    def _webhook_urls(cls, v: str) -> str:
+        parse_allow_list(_split(v), "GRPO_WEBHOOK_URLS")
+        return v
+
+    @property
+    def webhook_urls(self) -> list[GraderUrl]:
+        return parse_allow_list(_split(self.webhook_urls_env), "GRPO_WEBHOOK_URLS")
 
     @property
     def upload_budget(self) -> Budget:

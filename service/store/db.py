@@ -91,3 +91,7 @@ def ping(url: str) -> None:
     """One round trip to the store; raises when it does not answer."""
     with session_scope(url, read_only=True) as s:
         s.execute(text("SELECT 1"))
+
+
+# the flush hook that records a job event's webhook deliveries with it, in every session
+from service.store import webhooks as _webhooks  # noqa: E402,F401

@@ -295,3 +295,39 @@ class SessionOp(Base):
     category: Mapped[str | None] = mapped_column(String(10))  # the SDK's RequestErrorCategory: user | server
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
+
+
+class Webhook(Base):
+    """An owner's URL that gets a signed POST when one of their jobs ends or raises a red health flag."""
+
+    __tablename__ = "webhooks"
+    __table_args__ = (Index("ix_webhooks_owner_id", "owner", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(Text)  # canonical form (service/core/grader_urls.py)
+    events: Mapped[list] = mapped_column(JSON)  # the event types it is sent (service/core/webhooks.py)
+    secret: Mapped[str] = mapped_column(String(80))  # the HMAC key of its signatures, shown once at creation
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One event for one webhook, and how its delivery went: pending until a 2xx answer, retried with
+    backoff, failed after the last attempt."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_status_next", "status", "next_attempt_at"),
+                      Index("ix_webhook_deliveries_webhook_id", "webhook_id", "id"))
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    webhook_id: Mapped[int] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    job_id: Mapped[int] = mapped_column(Integer)  # kept when the job is deleted: the delivery happened
+    event: Mapped[str] = mapped_column(String(40))
+    payload: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(10), default="pending")  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_status: Mapped[int | None] = mapped_column(Integer)  # the last answer's HTTP status
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None]

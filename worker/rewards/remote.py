@@ -18,11 +18,9 @@ goes only to a URL that passed all of this.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import os
-import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +28,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from service.core.grader_urls import GraderUrl, UrlRefused, check_address, check_url
+from service.core.grader_urls import GraderUrl, UrlRefused, check_url, resolve_address
 from service.core.reward_specs import HttpReward
 from worker.rewards.scoring import Item, RewardFailure, RewardUnavailable, Scores
 
@@ -77,19 +75,13 @@ def _finite(v: int | float) -> float | None:
 
 
 def resolve(url: GraderUrl) -> str:
-    """The one address this request connects to: the IP literal, or the host's first address."""
-    if (ip := url.ip()) is not None:
-        return str(ip)
+    """The one address this request connects to (service.core.grader_urls.resolve_address)."""
     try:
-        infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
-    except OSError as exc:  # as httpx reports a failed lookup: retried like any failed connection
-        raise httpx.ConnectError(f"cannot resolve {url.host} ({exc})") from None
-    ip = ipaddress.ip_address(infos[0][4][0])
-    try:
-        check_address(url, ip)
+        return resolve_address(url)
     except UrlRefused as exc:
         raise GraderError(f"url {exc}") from None
-    return str(ip)
+    except OSError as exc:  # as httpx reports a failed lookup: retried like any failed connection
+        raise httpx.ConnectError(f"cannot resolve {url.host} ({exc})") from None
 
 
 class HttpGrader:

@@ -1,0 +1,109 @@
+"""Webhooks and their deliveries (service/core/webhooks.py says what is sent and when).
+
+A delivery is recorded by the flush that records the job event raising it (a job's outcome, a red
+health flag), so a job never ends without its deliveries and never gets two for one event: every
+path that ends a job (a worker, a cancel, the sweep) adds its event through a session, and
+`_enqueue_deliveries` sees it there."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import event, select, update
+from sqlalchemy.orm import Session
+
+from service.core import webhooks as hooks
+from service.store.models import Job, JobEvent, Webhook, WebhookDelivery, utcnow
+
+
+def create_webhook(session: Session, *, owner: str, url: str, events: list[str]) -> Webhook:
+    hook = Webhook(owner=owner, url=url, events=events, secret=hooks.new_secret())
+    session.add(hook)
+    session.flush()
+    return hook
+
+
+def count_webhooks(session: Session, *, owner: str) -> int:
+    return len(session.scalars(select(Webhook.id).where(Webhook.owner == owner)).all())
+
+
+def list_webhooks(session: Session, *, owner: str) -> list[Webhook]:
+    return list(session.scalars(select(Webhook).where(Webhook.owner == owner).order_by(Webhook.id)))
+
+
+def get_webhook(session: Session, *, owner: str, webhook_id: int) -> Webhook | None:
+    return session.scalars(select(Webhook).where(Webhook.id == webhook_id, Webhook.owner == owner)).first()
+
+
+def delete_webhook(session: Session, *, hook: Webhook) -> None:
+    session.delete(hook)
+    session.flush()
+
+
+def list_deliveries(session: Session, *, webhook_id: int, after: int = 0, limit: int = 100) -> list[WebhookDelivery]:
+    q = (select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id, WebhookDelivery.id > after)
+         .order_by(WebhookDelivery.id).limit(limit))
+    return list(session.scalars(q))
+
+
+def claim_due(session: Session, *, now: datetime, hold_s: float, limit: int = 16) -> list[tuple[WebhookDelivery, Webhook]]:
+    """Pending deliveries due by `now`, each claimed for `hold_s` (its next attempt moved past the send)
+    by a conditional UPDATE, so that of several deliverers one sends it; with their webhooks."""
+    due = session.scalars(select(WebhookDelivery.id).where(WebhookDelivery.status == "pending",
+                                                           WebhookDelivery.next_attempt_at <= now)
+                          .order_by(WebhookDelivery.next_attempt_at).limit(limit)).all()
+    claimed = []
+    for delivery_id in due:
+        hold = now + timedelta(seconds=hold_s)
+        if session.execute(update(WebhookDelivery).where(
+                WebhookDelivery.id == delivery_id, WebhookDelivery.status == "pending",
+                WebhookDelivery.next_attempt_at <= now).values(next_attempt_at=hold)
+                .execution_options(synchronize_session=False)).rowcount == 1:
+            d = session.get(WebhookDelivery, delivery_id)
+            claimed.append((d, session.get(Webhook, d.webhook_id)))
+    return claimed
+
+
+def record_attempt(session: Session, *, delivery_id: int, ok: bool, status: int | None, error: str | None) -> None:
+    """One try's outcome: delivered, or retried after its backoff, or failed after the last."""
+    d = session.get(WebhookDelivery, delivery_id)
+    if d is None or d.status != "pending":
+        return
+    d.attempts += 1
+    d.last_status, d.last_error = status, error
+    now = datetime.now(timezone.utc)
+    if ok:
+        d.status, d.delivered_at = "delivered", now
+    elif (delay := hooks.retry_delay(d.attempts)) is None:
+        d.status = "failed"
+    else:
+        d.next_attempt_at = now + timedelta(seconds=delay)
+    session.flush()
+
+
+def _payload(job: Job, ev: JobEvent, kind: str, delivery_created: datetime) -> dict:
+    # an outcome is often set by an UPDATE this session has not loaded: the event says which it is
+    status = ev.type if kind in hooks.TERMINAL_EVENTS.values() else job.status
+    return {"type": kind, "created_at": delivery_created.isoformat(),
+            "data": {"job": {"id": job.id, "uid": job.uid, "name": job.name, "kind": job.kind, "status": status,
+                             "step": job.step, "total_steps": job.total_steps},
+                     "event": {"type": ev.type, "level": ev.level, "message": ev.message, "data": ev.data}}}
+
+
+@event.listens_for(Session, "before_flush")
+def _enqueue_deliveries(session: Session, _context, _instances) -> None:
+    raised = [(ev, kind) for ev in session.new if isinstance(ev, JobEvent)
+              and (kind := hooks.event_type(ev.type, ev.level or "info")) is not None]
+    if not raised:
+        return
+    with session.no_autoflush:
+        for ev, kind in raised:
+            job = session.get(Job, ev.job_id)
+            if job is None:
+                continue
+            for hook in session.scalars(select(Webhook).where(Webhook.owner == job.owner)):
+                if kind in hook.events:
+                    now = utcnow()
+                    session.add(WebhookDelivery(webhook_id=hook.id, job_id=job.id, event=kind,
+                                                payload=_payload(job, ev, kind, now), status="pending", attempts=0,
+                                                next_attempt_at=now, created_at=now))

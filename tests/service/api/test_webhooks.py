@@ -1,0 +1,93 @@
+"""Webhooks over the API: registered under the admin's allow-list, kept apart between owners, and
+delivered signed, retried after an error, with every attempt visible (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+from sqlalchemy import update
+
+from service.store.db import session_scope
+from service.store.models import WebhookDelivery
+from tests.conftest import Api
+from tests.webhook_receiver import WebhookReceiver
+from worker.webhooks import deliver_once
+
+TINY = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+        "dataset": {"name": "arith", "num_train": 20, "num_val": 2},
+        "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 2}}
+
+
+@pytest.fixture
+def receiver():
+    r = WebhookReceiver(fail_first=1)
+    yield r
+    r.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def hooked(request, settings_factory, receiver):
+    url = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    return Api(settings_factory(database_url=url, GRPO_WEBHOOK_URLS=f"{receiver.base}/hooks"))
+
+
+def test_a_webhook_is_checked_at_registration_and_belongs_to_its_owner(hooked, receiver):
+    for url, why in [("http://10.0.0.1/hooks", "not on the admin's allow-list (GRPO_WEBHOOK_URLS"),
+                     (f"{receiver.base}/hooks/../other", "not on the admin's allow-list"),
+                     (f"http://user:pw@{receiver.base.removeprefix('http://')}/hooks", "userinfo")]:
+        r = hooked.post("/v1/webhooks", json={"url": url})
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "url" and why in r.text, r.text
+    r = hooked.post("/v1/webhooks", json={"url": f"{receiver.base}/hooks/a", "events": ["job.bogus"]})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "events.0"
+    assert hooked.get("/v1/webhooks").json() == []  # nothing refused was stored
+    made = hooked.post("/v1/webhooks", json={"url": f"{receiver.base}/hooks/a", "events": ["job.failed"]})
+    assert made.status_code == 201 and made.json()["secret"].startswith("whsec_"), made.text
+    listed = hooked.get("/v1/webhooks").json()
+    assert [(h["id"], h["events"]) for h in listed] == [(made.json()["id"], ["job.failed"])]
+    assert "secret" not in listed[0]  # shown once
+    hid = made.json()["id"]
+    assert hooked.get("/v1/webhooks", key=hooked.bob).json() == []
+    assert hooked.get(f"/v1/webhooks/{hid}/deliveries", key=hooked.bob).status_code == 404
+    assert hooked.delete(f"/v1/webhooks/{hid}", key=hooked.bob).status_code == 404
+    assert hooked.delete(f"/v1/webhooks/{hid}").status_code == 204
+    assert hooked.get("/v1/webhooks").json() == []
+
+
+def test_a_jobs_end_and_its_red_flag_are_delivered_signed_and_retried_after_an_error(hooked, receiver):
+    made = hooked.post("/v1/webhooks", json={"url": f"{receiver.base}/hooks"}).json()
+    only_failures = hooked.post("/v1/webhooks", json={"url": f"{receiver.base}/hooks/f", "events": ["job.failed"]})
+    theirs = hooked.post("/v1/webhooks", key=hooked.bob, json={"url": f"{receiver.base}/hooks"}).json()
+    jid = hooked.run_job(TINY)  # a random model: every group ties, informative_groups turns red at step 1
+    deliveries = hooked.get(f"/v1/webhooks/{made['id']}/deliveries").json()
+    events = [d["event"] for d in deliveries]  # every red flag (informative_groups first), then the outcome
+    assert events[-1] == "job.succeeded" and set(events[:-1]) == {"job.health"} and len(events) >= 2, events
+    assert all(d["status"] == "pending" and d["attempts"] == 0 and d["job_id"] == jid for d in deliveries)
+    assert hooked.get(f"/v1/webhooks/{only_failures.json()['id']}/deliveries").json() == []
+    assert hooked.get(f"/v1/webhooks/{theirs['id']}/deliveries", key=hooked.bob).json() == []  # not bob's job
+
+    assert deliver_once(hooked.settings) == len(events)  # the receiver answers the first request with a 500
+    first, *rest = hooked.get(f"/v1/webhooks/{made['id']}/deliveries").json()
+    assert (first["status"], first["attempts"], first["last_status"], first["last_error"]) == (
+        "pending", 1, 500, "answered HTTP 500")
+    assert datetime.fromisoformat(first["next_attempt_at"]) > datetime.now(timezone.utc)  # backing off
+    assert all((d["status"], d["attempts"], d["last_status"]) == ("delivered", 1, 200) for d in rest)
+    assert deliver_once(hooked.settings) == 0  # nothing due until the backoff has passed
+    with session_scope(hooked.settings.store_url) as s:
+        s.execute(update(WebhookDelivery).where(WebhookDelivery.id == first["id"])
+                  .values(next_attempt_at=datetime.now(timezone.utc)))
+    assert deliver_once(hooked.settings) == 1
+    first = hooked.get(f"/v1/webhooks/{made['id']}/deliveries").json()[0]
+    assert (first["status"], first["attempts"], first["next_attempt_at"]) == ("delivered", 2, None)
+
+    got = receiver.received
+    assert [r.delivery_id for r in got] == [first["id"], *(d["id"] for d in rest), first["id"]]
+    assert all(r.signed_by(made["secret"]) for r in got) and not got[0].signed_by(theirs["secret"])
+    done = got[-2]
+    tampered = done.body.replace(b"succeeded", b"failed")
+    assert not type(done)(done.delivery_id, done.timestamp, done.signature, tampered).signed_by(made["secret"])
+    health = got[-1].event
+    assert health["type"] == "job.health" and health["data"]["event"]["data"]["guard"] == "informative_groups"
+    assert done.event["type"] == "job.succeeded" and done.event["data"]["job"] == {
+        "id": jid, "uid": done.event["data"]["job"]["uid"], "name": None, "kind": "grpo", "status": "succeeded",
+        "step": 2, "total_steps": 2}

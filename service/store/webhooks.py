@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import event, select, update
+from sqlalchemy import delete, event, select, update
 from sqlalchemy.orm import Session
 
 from service.core import webhooks as hooks
@@ -36,6 +36,8 @@ def get_webhook(session: Session, *, owner: str, webhook_id: int) -> Webhook | N
 
 
 def delete_webhook(session: Session, *, hook: Webhook) -> None:
+    """The webhook and its deliveries (explicitly: SQLite may not enforce the cascade)."""
+    session.execute(delete(WebhookDelivery).where(WebhookDelivery.webhook_id == hook.id))
     session.delete(hook)
     session.flush()
 
@@ -60,7 +62,8 @@ def claim_due(session: Session, *, now: datetime, hold_s: float, limit: int = 16
                 WebhookDelivery.next_attempt_at <= now).values(next_attempt_at=hold)
                 .execution_options(synchronize_session=False)).rowcount == 1:
             d = session.get(WebhookDelivery, delivery_id)
-            claimed.append((d, session.get(Webhook, d.webhook_id)))
+            if (hook := session.get(Webhook, d.webhook_id)) is not None:
+                claimed.append((d, hook))
     return claimed
 
 

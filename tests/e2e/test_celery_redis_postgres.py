@@ -11,6 +11,7 @@ from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
 from tests.otlp import Receiver
+from tests.webhook_receiver import WebhookReceiver
 from tests.e2e.conftest import (
     SFT_JOB,
     TINY_JOB,
@@ -55,12 +56,19 @@ def service(procs, pg_url, redis_url):
 @pytest.mark.postgres
 def test_job_over_http_on_redis_and_postgres(service, procs):
     otlp = Receiver()  # both processes export their spans to it, as to a collector
-    c = service(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint)
+    hooks = WebhookReceiver(fail_first=1)  # the first delivery gets a 500 and is retried
+    c = service(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, GRPO_WEBHOOK_URLS=f"{hooks.base}/hooks")
     assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok", "artifacts": "ok"}
+    hook = c.post("/v1/webhooks", json={"url": f"{hooks.base}/hooks", "events": ["job.succeeded"]}).json()
     r = c.post("/v1/jobs", json=TINY_JOB)
     assert r.status_code == 201, r.text
     job = wait_job(c, r.json()["id"], procs)
     check_finished_job(c, job)
+    # the outcome, delivered by the worker's deliverer: refused once, retried after its backoff (5 s)
+    assert hooks.wait_for("job.succeeded", job["id"]).signed_by(hook["secret"])
+    hooks.close()
+    (delivery,) = c.get(f"/v1/webhooks/{hook['id']}/deliveries").json()
+    assert (delivery["status"], delivery["attempts"], delivery["last_status"]) == ("delivered", 2, 200)
     deadline = time.time() + 30  # the API exports in batches, every few seconds
     while time.time() < deadline and not any(s.service == "grpo-jobs-api" for s in otlp.spans):
         time.sleep(0.5)

@@ -16,14 +16,20 @@ from tests.e2e.conftest import (
     start_dev,
     wait_job,
 )
+from tests.webhook_receiver import WebhookReceiver
 
 
 def test_dev_runs_a_job_end_to_end(procs):
-    base, key = start_dev(procs)
+    hooks = WebhookReceiver()
+    base, key = start_dev(procs, GRPO_WEBHOOK_URLS=f"{hooks.base}/hooks")
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        hook = c.post("/v1/webhooks", json={"url": f"{hooks.base}/hooks", "events": ["job.succeeded"]}).json()
         r = c.post("/v1/jobs", json=TINY_JOB)
         assert r.status_code == 201, r.text
         check_finished_job(c, wait_job(c, r.json()["id"], procs))
+        # the worker's deliverer POSTs the outcome, signed with the webhook's secret
+        assert hooks.wait_for("job.succeeded", r.json()["id"]).signed_by(hook["secret"])
+        hooks.close()
         # the CLI says what the API says: red, and why
         out = subprocess.run([str(BIN), "status", str(r.json()["id"]), "--url", base, "--key", key],
                              capture_output=True, text=True, timeout=60)

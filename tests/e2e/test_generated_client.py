@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import BIN, Procs, embedded_env, free_port, wait_http
+from tests.webhook_receiver import WebhookReceiver
 
 GENERATOR = Path(sys.executable).parent / "openapi-python-client"
 
@@ -27,7 +28,9 @@ def generated(tmp_path_factory, models_root):
     if not GENERATOR.exists():
         pytest.fail("openapi-python-client is not installed: it is in the dev extra (make install)")
     tmp_path = tmp_path_factory.mktemp("generated")
-    procs = Procs(embedded_env(tmp_path / "data", models_root), tmp_path)
+    hooks = WebhookReceiver()
+    procs = Procs({**embedded_env(tmp_path / "data", models_root), "GRPO_WEBHOOK_URLS": f"{hooks.base}/hooks"},
+                  tmp_path)
     out = tmp_path / "client"
     try:
         port = free_port()
@@ -56,6 +59,7 @@ def generated(tmp_path_factory, models_root):
         if str(out) in sys.path:
             sys.path.remove(str(out))
         procs.stop()
+        hooks.close()
 
 
 @pytest.mark.slow
@@ -110,6 +114,9 @@ def test_a_generated_client_calls_every_operation(generated):
               "tracin": {"val_prompts": 2, "val_generations": 2, "check_prediction": True}}
     assert call("specs.validate_spec_v1_specs_validate_post",
                 body=m.ValidateSpecV1SpecsValidatePostJsonBody.from_dict(spec)).valid
+    hook = call("webhooks.create_webhook_v1_webhooks_post", status=201,
+                body=m.WebhookIn.from_dict({"url": procs.env["GRPO_WEBHOOK_URLS"], "events": ["job.succeeded"]}))
+    assert [h.id for h in call("webhooks.list_webhooks_v1_webhooks_get")] == [hook.id]
     job = call("jobs.submit_job_v1_jobs_post", status=201, body=m.GRPOJob.from_dict(spec))
     selecting = call("jobs.submit_job_v1_jobs_post", status=201, body=m.TracInJob.from_dict(tracin))
     t0 = time.time()
@@ -140,6 +147,9 @@ def test_a_generated_client_calls_every_operation(generated):
     assert call("reports.job_selections_v1_jobs_job_id_selections_get", selecting.id)
     assert call("reports.tracin_prediction_v1_jobs_job_id_tracin_prediction_get", selecting.id).job_id == selecting.id
     assert call("jobs.cancel_job_v1_jobs_job_id_cancel_post", job.id, status=409).detail  # it has ended
+    assert {d.job_id for d in call("webhooks.list_deliveries_v1_webhooks_webhook_id_deliveries_get", hook.id)} == {
+        job.id, selecting.id}
+    call("webhooks.delete_webhook_v1_webhooks_webhook_id_delete", hook.id, status=204)
     call("jobs.delete_job_v1_jobs_job_id_delete", job.id, status=204)
     call("jobs.delete_job_v1_jobs_job_id_delete", selecting.id, status=204)
     call("files.delete_file_v1_files_file_id_delete", up.id, status=204)
@@ -196,4 +206,4 @@ def test_a_generated_client_calls_every_operation(generated):
     call("tinker.finish_session_api_v1_sessions_session_id_finish_post", sid, status=204)
     called.add("tinker.retrieve_future_api_v1_retrieve_future_post")
     assert called == operations, sorted(operations - called)
-    assert len(operations) == 53
+    assert len(operations) == 57

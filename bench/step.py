@@ -69,7 +69,7 @@ def main() -> None:
         s.engine.sync(s.model)
         ro = collect_train_rollouts(s, step, reporter)
         t1 = time.perf_counter()
-        s.engine.logprobs(ro.batch, spec.grpo.micro_batch_size)  # timed only: skipped with one epoch
+        s.engine.logprobs(ro.batch, spec.grpo.micro_batch_size)  # timed only: a step runs it only for a model with dropout
         t2 = time.perf_counter()
         train_epochs(run, ro, None, None, step)
         t3 = time.perf_counter()

@@ -62,6 +62,14 @@ class NonFiniteUpdate(FloatingPointError):
         self.what, self.step = what, step
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training forward is noisy: a dropout module or an attention dropout that is not 0."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "attention_dropout", 0.0) or 0.0)
+
+
 def grad_norm(params) -> float:
     norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

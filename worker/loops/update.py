@@ -16,7 +16,7 @@ from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.loops.skeleton import Run
 from worker.sampling import RolloutBatch, batch_logprobs, micro_batches, sequence_logprobs
-from worker.training import NonFiniteUpdate, grad_norm
+from worker.training import NonFiniteUpdate, grad_norm, has_dropout
 
 
 HINT = "lower the learning rate, or check the rewards and the data"
@@ -56,11 +56,16 @@ def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
 
 @tracing.traced("grpo_jobs.old_logprobs")
 def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
-    """old_logp [N, T] from the rollout copy, needed from the second epoch on. With a single epoch
-    the rollout copy holds exactly the policy's weights (synced at the start of the step), so the
-    first training forward's detached log-probs are old_logp and the extra pass is skipped."""
+    """old_logp [N, T] from a pass of the rollout copy, or None: the first epoch's forward gives them.
+
+    The rollout copy holds exactly the policy's weights (synced at the start of the step), so the first
+    training forward's detached log-probs are old_logp: computed in the very micro-batches they are
+    compared in, the first epoch's ratio is exactly 1 in any dtype (a separate pass in other batches
+    and padding drifts by up to 0.18 nats a token in bf16 on SmolLM2, 1e-5 in fp32), and a forward
+    pass a step is saved. Only a model with dropout needs the copy's pass: its training forwards are
+    noisy, the copy's (eval mode) are not."""
     g = s.spec.grpo
-    if g.epochs_per_rollout_batch == 1:
+    if g.epochs_per_rollout_batch == 1 or not has_dropout(s.model):
         return None
     return s.engine.logprobs(ro.batch, g.micro_batch_size, g.micro_batch_tokens)
 
@@ -172,10 +177,11 @@ class PassTotals:
 def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normaliser, old_logp: torch.Tensor | None,
                   ref_logp: torch.Tensor | None, step: int, *, with_entropy: bool = True,
                   before: Callable[[list[int]], None] | None = None,
-                  after: Callable[[], None] | None = None) -> PassTotals:
+                  after: Callable[[], None] | None = None, record: torch.Tensor | None = None) -> PassTotals:
     """Forward and backward of each micro-batch's samples' shares of the loss normalised by `norm`;
     gradients accumulate in .grad. `before(rows)` / `after()` run around each micro-batch (TracIn's
-    hooks). old_logp None: one epoch, so the rollout weights are the policy's and old = logp.detach()."""
+    hooks). old_logp None: the first epoch, whose weights are the rollout copy's, so old = logp.detach()
+    (kept in `record` [N, T] for the later epochs)."""
     g = s.spec.grpo
     out = PassTotals(kl=None if ref_logp is None else 0.0)
     if ro.batch.sampler_logp is not None:
@@ -187,6 +193,8 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
             before(idx)
         logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy)
         old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
+        if record is not None:
+            record[idx] = old.to(record.device, record.dtype)
         fix = correction(s, mb, old, mask)
         parts = losses(s, logp, old, ro.advantages[idx].to(s.device), mask, norm,
                        None if ref_logp is None else ref_logp[idx].to(s.device), fix)
@@ -221,12 +229,17 @@ def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
     s.model.train()
     epochs = PassTotals()  # summed over epochs; losses reported as their mean
     norms = []
+    # old_logp None: the first epoch's own log-probs are the later epochs' old_logp
+    dtype = torch.promote_types(next(s.model.parameters()).dtype, torch.float32)  # as sequence_logprobs gives them
+    first = torch.zeros(ro.batch.completion_ids.shape, dtype=dtype) if old_logp is None else None
     for epoch in range(g.epochs_per_rollout_batch):
         s.optimizer.zero_grad(set_to_none=True)
         seed = None if epoch == 0 else hash((g.seed, step, epoch)) % 2**31
         epochs += backward_pass(s, ro, micro(s, ro.batch, rows, shuffle_seed=seed), norm, old_logp,
-                                ref_logp, step)
+                                ref_logp, step, record=first if epoch == 0 and g.epochs_per_rollout_batch > 1 else None)
         norms.append(optimizer_step(run))
+        if first is not None:
+            old_logp = first
     n = g.epochs_per_rollout_batch
     out = epochs.reduced(s.ranks).metrics()
     out.update({k: out[k] / n for k in ("loss/total", "loss/policy", "kl") if k in out})

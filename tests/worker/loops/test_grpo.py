@@ -143,3 +143,26 @@ def test_a_skipped_last_step_still_evaluates(tmp_path, settings_factory, monkeyp
     assert [m["step"] for m in lines if "eval/accuracy" in m["metrics"]] == [0, 2]
     assert all(m["metrics"].get("frac_reward_zero_std") == 1.0 for m in lines if m["step"] > 0)
     assert result.eval == {k: v for m in lines if m["step"] == 2 for k, v in m["metrics"].items() if k.startswith("eval/")}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_first_epochs_ratio_is_exactly_one_whatever_the_dtype_and_batches(tmp_path, settings_factory, digit_reward,
+                                                                              dtype):
+    """Old log-probs are the first epoch's own forward (the policy's weights are the rollout copy's at the
+    start of a step), so the ratio is 1 exactly before any update, even in bf16, whose log-probs move by
+    up to 0.18 nats a token when a row is batched with other rows and padding. TracIn trains on a subset of
+    the rows it sampled (one micro-batch: every epoch sees the same rows and padding); a learning rate no
+    dtype can represent leaves the weights as they were, so both epochs' ratios are exactly 1."""
+    from service.core.specs import TracInJob
+    from worker.loops import tracin
+
+    spec = TracInJob.model_validate({
+        "model": {"name": "tiny-random-llama", "dtype": dtype, "lora": {"r": 4}},
+        "dataset": {"name": "arith", "num_train": 40, "num_val": 4}, "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
+                 "epochs_per_rollout_batch": 2, "micro_batch_size": 32, "learning_rate": 1e-30},
+        "tracin": {"selection": "top_fraction", "fraction": 0.5, "val_prompts": 2, "val_generations": 4,
+                   "check_prediction": False}})
+    tracin.run(spec, FileReporter(tmp_path), settings=settings_factory())
+    steps = [m["metrics"] for m in _metrics(tmp_path) if m["step"] > 0]
+    assert steps and all(m["ratio/max"] == 1.0 and m["ratio/mean"] == 1.0 for m in steps), steps

@@ -45,12 +45,12 @@ def _tell_pool(how: str = "", **_kwargs) -> None:
 @worker_ready.connect
 def _start_sweeper(**_kwargs) -> None:
     global _sweeper, _deliverer
-    from worker.sweeper import Sweeper
-    from worker.webhooks import Deliverer
+    from worker.sweeper import sweeper
+    from worker.webhooks import deliverer
 
-    _sweeper = Sweeper(get_settings())
+    _sweeper = sweeper(get_settings())
     _sweeper.start()
-    _deliverer = Deliverer(get_settings())  # webhook deliveries: in this process, never in a job's
+    _deliverer = deliverer(get_settings())  # webhook deliveries: in this process, never in a job's
     _deliverer.start()
 
 

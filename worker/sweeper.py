@@ -11,12 +11,13 @@ delivery run a job. It does not depend on the broker redelivering an unacked mes
 from __future__ import annotations
 
 import logging
-import threading
+from functools import partial
 
 from service.core import queue
 from service.core.settings import Settings
 from service.store import leases, session_ops
-from service.store.db import dispose_engines, session_scope
+from service.store.db import session_scope
+from worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -40,29 +41,6 @@ def sweep_once(settings: Settings) -> leases.Swept:
     return swept
 
 
-class Sweeper:
-    """A daemon thread running `sweep_once` every `settings.sweep_s` until stopped."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="lease-sweeper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                sweep_once(self.settings)
-            except Exception as exc:  # store or broker away: the next sweep tries again
-                log.warning("sweep failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc,
-                            self.settings.sweep_s)
-            # hold no connection between sweeps: pool children are forked from this process
-            dispose_engines(close=True)
-            if self._stop.wait(self.settings.sweep_s):
-                return
+def sweeper(settings: Settings) -> Periodic:
+    """The sweep every `settings.sweep_s`, in a thread of the worker's main process."""
+    return Periodic("lease-sweeper", partial(sweep_once, settings), settings.sweep_s)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from datetime import datetime, timezone
+from functools import partial
 
 import httpx
 
@@ -22,8 +22,9 @@ from service.core import webhooks as hooks
 from service.core.grader_urls import UrlRefused, check_url, resolve_address
 from service.core.settings import Settings
 from service.store import webhooks as webhooks_q
-from service.store.db import dispose_engines, session_scope
+from service.store.db import session_scope
 from service.store.models import Webhook, WebhookDelivery
+from worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
@@ -66,25 +67,6 @@ def deliver_once(settings: Settings) -> int:
     return len(due)
 
 
-class Deliverer:
-    """A daemon thread running `deliver_once` every POLL_S until stopped."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="webhook-deliverer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(POLL_S):
-            try:
-                deliver_once(self.settings)
-            except Exception as exc:  # the store is away: the next round tries again
-                log.warning("webhook deliveries failed (%s: %s)", type(exc).__name__, exc)
-                dispose_engines(close=True)
+def deliverer(settings: Settings) -> Periodic:
+    """`deliver_once` every POLL_S, in a thread of the worker's main process."""
+    return Periodic("webhook-deliverer", partial(deliver_once, settings), POLL_S, delay_first=True)

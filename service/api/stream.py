@@ -156,10 +156,11 @@ async def stream_job(
             for step in sorted(points):
                 last_step = max(last_step, step)
                 yield {"event": "metrics", "data": json.dumps({"step": step, "metrics": points[step]})}
-            if status["status"] in TERMINAL:
+            if len(evs) == 200:  # a full page means more events are waiting: read again at once
+                continue
+            if status["status"] in TERMINAL:  # every event sent, the outcome's last
                 yield {"event": "end", "data": json.dumps(status)}
                 return
-            if len(evs) < 200:  # a full page means more events are waiting: read again at once
-                await hub.wait_change(job_id, timeout_s=15.0)
+            await hub.wait_change(job_id, timeout_s=15.0)
 
     return EventSourceResponse(gen(), ping=15)

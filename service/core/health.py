@@ -28,6 +28,9 @@ LEVELS: tuple[Level, ...] = ("ok", "warn", "critical")
 GuardName = Literal["informative_groups", "entropy", "truncation", "ratio", "grader_time", "update", "non_finite"]
 EVENT = "health"  # the event type every guard's change of level is recorded as
 EVENT_LEVEL = {"ok": "info", "warn": "warning", "critical": "error"}
+# A guard gets worse at once, and better only after this many steps in a row in a better band: a value
+# at the edge of a band (2 prompts' groups: 0, 0.5 or 1 informative) would otherwise flag every step.
+RECOVER_STEPS = 3
 
 
 class Band(_Section):
@@ -147,6 +150,7 @@ class HealthMonitor:
     first_entropy: float | None = None
     stalled: int = 0
     levels: dict[str, Level] = field(default_factory=dict)
+    better: dict[str, int] = field(default_factory=dict)  # steps in a row below each guard's level
 
     def values(self, metrics: Mapping[str, float], *, updated: bool) -> dict[GuardName, float]:
         """Each guard's value this step, where the step measured what it reads."""
@@ -175,9 +179,16 @@ class HealthMonitor:
         values = self.values(metrics, updated=updated)
         for name, value in values.items():
             guard, band = BY_NAME[name], getattr(self.spec, name)
-            level = level_of(guard, value, band)
-            if level == self.levels.get(name, "ok"):
-                continue
+            level, now = level_of(guard, value, band), self.levels.get(name, "ok")
+            if LEVELS.index(level) >= LEVELS.index(now):
+                self.better[name] = 0
+                if level == now:
+                    continue
+            else:  # better: only once it has held for RECOVER_STEPS steps
+                self.better[name] = self.better.get(name, 0) + 1
+                if self.better[name] < RECOVER_STEPS:
+                    continue
+                self.better[name] = 0
             self.levels[name] = level
             threshold = None if level == "ok" else getattr(band, level)
             flag = HealthFlag(guard=name, level=level, step=step, value=value, threshold=threshold,

@@ -170,6 +170,8 @@ def test_watch_a_running_job_then_cancel_it(page, service):
     assert done["status"] == "cancelled" and done["step"] < 400
     # the charts hold every recorded step
     page.wait_for_function(f"() => document.querySelector('.chart[data-title=\"Reward\"]').dataset.points === '{service.points(job['id'], 'reward/mean')}'")
+    # and the events log gets the outcome (it arrives over the stream with or after the status)
+    page.wait_for_selector('#events [data-type="cancelled"]', timeout=30_000)
     assert page.locator('#events [data-type="cancelled"]').count() == 1
 
 

@@ -2,6 +2,7 @@ import json
 
 from service.core.records import SampleRow, SelectionRecord, SparsityRecord
 from service.core.sparsity import ChangeStats, SparsityReport
+from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import leases, records
 from service.store import metrics as metrics_q
@@ -182,6 +183,23 @@ def test_stream_sends_status_metrics_events_and_end(api):
         r = api.client.get(f"/v1/jobs/{jid}", params={"access_token": credential})
         assert r.status_code == 422 and r.json()["detail"][0]["field"] == "query.access_token"
     assert api.post(f"/v1/jobs/{jid}/stream-token", key=api.bob).status_code == 404  # not bob's job
+
+
+def test_a_stream_opened_late_sends_every_event_before_end(api):
+    """A job that ended with more events than one read takes (200): the stream still sends them all, the
+    outcome last, then `end` (a chatty job used to lose its outcome from the stream)."""
+    jid = _submit(api)["id"]
+    with session_scope(api.settings.store_url) as s:
+        for i in range(450):
+            events_q.add_event(s, job_id=jid, type="health", message=f"flag {i}", level="warning")
+    leases.finish_job(api.settings.store_url, job_id=jid, holder=None, status="cancelled", message="stopped")
+    with api.client.stream("GET", f"/v1/jobs/{jid}/stream", headers=api.auth()) as r:
+        text = "".join(r.iter_text())
+    lines = text.splitlines()
+    events = [json.loads(lines[i + 1].split(":", 1)[1]) for i, line in enumerate(lines)
+              if line.startswith("event:") and line.split(":", 1)[1].strip() == "event"]
+    assert len(events) == 452 and events[-1]["type"] == "cancelled"  # created, 450 flags, the outcome
+    assert [line for line in lines if line.startswith("event:")][-1] == "event: end"
 
 
 def test_health_ready_and_prometheus(api):

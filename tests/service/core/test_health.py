@@ -25,12 +25,17 @@ def test_a_run_whose_groups_all_tie_is_red_at_its_first_step_and_says_why():
     assert [(f.guard, f.level, f.value) for f in third.changes] == [("update", "critical", 3.0)]
 
 
-def test_a_guard_that_recovers_says_so_once():
+def test_a_guard_gets_worse_at_once_and_better_only_once_it_holds():
     m = HealthMonitor(HealthSpec())
-    m.observe(1, _step(tied=0.6))  # 0.4 informative: at or below warn 0.5
-    back = m.observe(2, _step(tied=0.2))
-    assert [(f.guard, f.level, f.threshold) for f in back.changes] == [("informative_groups", "ok", None)]
-    assert m.observe(3, _step(tied=0.2)).changes == []
+    assert m.observe(1, _step(tied=0.6)).changes[0].level == "warn"  # 0.4 informative: at or below warn 0.5
+    # at the edge of a band (a few prompts a step) it would flap: better counts only after RECOVER_STEPS in a row
+    assert m.observe(2, _step(tied=0.2)).changes == [] and m.observe(3, _step(tied=0.2)).changes == []
+    assert m.observe(4, _step(tied=0.6)).changes == []  # worse again: still amber, the count starts over
+    assert [m.observe(s, _step(tied=0.2)).changes for s in (5, 6)] == [[], []]
+    back = m.observe(7, _step(tied=0.2))
+    assert [(f.guard, f.level, f.threshold, f.step) for f in back.changes] == [("informative_groups", "ok", None, 7)]
+    assert m.observe(8, _step(tied=0.2)).changes == []
+    assert m.observe(9, _step(tied=1.0)).changes[0].level == "critical"  # worse: at once
 
 
 def test_entropy_is_measured_against_the_first_step():
@@ -76,8 +81,8 @@ def test_thresholds_in_the_wrong_order_are_refused_naming_the_guard():
 
 def test_the_summary_is_each_guards_latest_flag_and_the_worst_level():
     m = HealthMonitor(HealthSpec())
-    flags = [*m.observe(1, _step(tied=1.0)).changes, *m.observe(2, _step(tied=0.0)).changes,
-             *m.observe(3, _step(clipped=0.6)).changes]
+    flags = [f for step, metrics in enumerate([_step(tied=1.0), _step(), _step(), _step(), _step(clipped=0.6)], 1)
+             for f in m.observe(step, metrics).changes]
     summary = summarise("grpo", [flag_from_event(f.event_data()) for f in flags])
     assert summary.level == "warn"  # informative_groups recovered; truncation is amber
     assert summary.guards["informative_groups"].level == "ok" and summary.guards["truncation"].level == "warn"

@@ -27,6 +27,8 @@ export const SECTIONS = [
   { title: "Health", panels: [
     { title: "Informative groups", keys: ["health/informative_groups"], note: "share of groups whose rewards differ: 0 means no advantage, nothing to learn" },
     { title: "Entropy / first step's", keys: ["health/entropy"], note: "a collapse means the policy stopped exploring" },
+    { title: "Truncated share (health)", keys: ["health/truncation"] },
+    { title: "Largest importance ratio (health)", keys: ["health/ratio"] },
     { title: "Scoring share of the step", keys: ["health/grader_time"] },
     { title: "Steps without an update", keys: ["health/update"] },
   ] },

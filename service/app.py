@@ -25,6 +25,7 @@ from service.api import (
     tinker_runs,
     webhooks,
 )
+from service import webhook_delivery
 from service.api.body_limit import BodySizeLimit
 from service.api.errors import store_unavailable
 from service.api.readiness import StoreSchema
@@ -47,7 +48,10 @@ def create_app(settings: Settings | None = None, *, migrate: bool = False) -> Fa
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         task = asyncio.create_task(schema.run()) if not schema.ready.is_set() else None
+        sender = webhook_delivery.deliverer(settings, ready=schema.ready.is_set)  # webhooks, in a thread
+        sender.start()
         yield
+        sender.stop()
         if task is not None:
             task.cancel()
 

@@ -8,8 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The worker's store adapters: they move jobs through the store, so they may also import service.store.
-STORE_ADAPTERS = {"worker.runner", "worker.sql_reporter", "worker.sweeper", "worker.webhooks", "worker.periodic",
-                  "worker.celery_app"}
+STORE_ADAPTERS = {"worker.runner", "worker.sql_reporter", "worker.sweeper", "worker.celery_app"}
 NOT_IN_CORE = ("torch", "transformers", "peft", "fastapi", "starlette", "sqlalchemy", "worker")
 
 

@@ -14,7 +14,6 @@ app = Celery("grpo_jobs", include=["worker.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
 _sweeper = None
-_deliverer = None
 
 
 @worker_process_init.connect
@@ -44,19 +43,14 @@ def _tell_pool(how: str = "", **_kwargs) -> None:
 
 @worker_ready.connect
 def _start_sweeper(**_kwargs) -> None:
-    global _sweeper, _deliverer
+    global _sweeper
     from worker.sweeper import sweeper
-    from worker.webhooks import deliverer
 
     _sweeper = sweeper(get_settings())
     _sweeper.start()
-    _deliverer = deliverer(get_settings())  # webhook deliveries: in this process, never in a job's
-    _deliverer.start()
 
 
 @worker_shutdown.connect
 def _stop_sweeper(**_kwargs) -> None:
     if _sweeper is not None:
         _sweeper.stop()
-    if _deliverer is not None:
-        _deliverer.stop()

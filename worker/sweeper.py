@@ -17,7 +17,7 @@ from service.core import queue
 from service.core.settings import Settings
 from service.store import leases, session_ops
 from service.store.db import session_scope
-from worker.periodic import Periodic
+from service.store.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

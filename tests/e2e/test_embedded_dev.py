@@ -36,8 +36,11 @@ def test_dev_runs_a_job_end_to_end(procs):
         assert out.returncode == 0, out.stderr
         assert "health: critical" in out.stdout and "critical step 1: informative_groups is 0" in out.stdout, out.stdout
         # the same spec again: the same fingerprint, the same learned metrics
-        out = subprocess.run([str(BIN), "reproduce", str(r.json()["id"]), "--wait", "--url", base, "--key", key],
-                             capture_output=True, text=True, timeout=300)
+        try:
+            out = subprocess.run([str(BIN), "reproduce", str(r.json()["id"]), "--wait", "--url", base, "--key", key],
+                                 capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"reproduce did not finish: {exc.stdout}\n{procs.logs()}") from None
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"(reproduces job {r.json()['id']})" in out.stdout
         assert "fingerprints: identical" in out.stdout and "metrics: equal" in out.stdout, out.stdout

@@ -12,7 +12,7 @@ from service.store.db import session_scope
 from service.store.models import WebhookDelivery
 from tests.conftest import Api
 from tests.webhook_receiver import WebhookReceiver
-from worker.webhooks import deliver_once
+from service.webhook_delivery import deliver_once
 
 TINY = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
         "dataset": {"name": "arith", "num_train": 20, "num_val": 2},

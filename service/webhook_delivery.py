@@ -1,7 +1,8 @@
-"""The deliverer: a thread in every worker's main process that POSTs due webhook deliveries.
+"""The deliverer: a thread in every API process that POSTs due webhook deliveries.
 
-It never holds up a job: jobs run in pool processes, and a delivery is only a row until this thread
-takes it. Each round claims the due deliveries (a conditional UPDATE moves each one's next attempt
+It never holds up a job: a delivery is only a row, recorded with the job's event, until this thread
+takes it; and it runs where nothing forks (a thread busy with the store in a worker's main process
+could hold a lock when Celery forks the next job's process, and that process would hang on it). Each round claims the due deliveries (a conditional UPDATE moves each one's next attempt
 past the send, so two workers never send it at once), sends each signed, and records the answer:
 delivered on a 2xx, else retried after its backoff (service/core/webhooks.py). The URL is checked
 against the allow-list again, resolved once, refused on a link-local or metadata address, called at
@@ -14,7 +15,7 @@ import json
 import logging
 import time
 from datetime import datetime, timezone
-from functools import partial
+from collections.abc import Callable
 
 import httpx
 
@@ -24,10 +25,10 @@ from service.core.settings import Settings
 from service.store import webhooks as webhooks_q
 from service.store.db import session_scope
 from service.store.models import Webhook, WebhookDelivery
-from worker.periodic import Periodic
+from service.store.periodic import Periodic
 
 log = logging.getLogger(__name__)
-POLL_S = 1.0
+POLL_S = 2.0
 
 
 def send(delivery: WebhookDelivery, hook: Webhook, settings: Settings) -> tuple[bool, int | None, str | None]:
@@ -67,6 +68,6 @@ def deliver_once(settings: Settings) -> int:
     return len(due)
 
 
-def deliverer(settings: Settings) -> Periodic:
-    """`deliver_once` every POLL_S, in a thread of the worker's main process."""
-    return Periodic("webhook-deliverer", partial(deliver_once, settings), POLL_S, delay_first=True)
+def deliverer(settings: Settings, *, ready: Callable[[], bool] = lambda: True) -> Periodic:
+    """`deliver_once` every POLL_S in a thread, once `ready()` (the API's store is migrated)."""
+    return Periodic("webhook-deliverer", lambda: ready() and deliver_once(settings), POLL_S, delay_first=True)

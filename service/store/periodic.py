@@ -1,5 +1,5 @@
-"""A daemon thread that runs one function every few seconds in a worker's main process (the lease
-sweep, the webhook deliverer) until the worker stops."""
+"""A daemon thread that runs one function every few seconds until its process stops: the lease sweep
+(in a worker's main process) and the webhook deliverer (in an API process)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 class Periodic:
     """`fn()` every `every_s` seconds (first at once, or after one interval with `delay_first`). A
     failure is logged and the next round tries again. Between rounds it holds no store connection:
-    the worker's pool processes are forked from this one."""
+    a worker's pool processes are forked from its main process."""
 
     def __init__(self, name: str, fn: Callable[[], object], every_s: float, *, delay_first: bool = False) -> None:
         self.name, self.fn, self.every_s, self.delay_first = name, fn, every_s, delay_first

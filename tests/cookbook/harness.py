@@ -61,7 +61,10 @@ def check_rl_learning(metrics: list[dict], steps: int) -> None:
     per_step = [m for m in metrics if "env/all/format" in m]
     assert len(per_step) == steps, metrics
     fmt = [m["env/all/format"] for m in per_step]
-    # measured: about 0.56 of the untrained model's answers end in time, 0.9 to 1.0 after one step
-    assert sum(fmt[1:]) / (steps - 1) >= fmt[0] + 0.15, fmt
+    # measured: about 0.56 of the untrained model's answers end in time, 0.9 to 1.0 after one step. A step's
+    # rate is 32 draws (sd about 0.08): a lucky first step (0.72 seen, then 0.94 and 0.78) leaves less than
+    # 0.15 to gain, so a later rate of 0.85 or more, above the first, counts as learnt too
+    later = sum(fmt[1:]) / (steps - 1)
+    assert later >= fmt[0] + 0.15 or (later >= 0.85 and later > fmt[0]), fmt
     # the cookbook's own check: the KL between the sampler's and the trainer's log-probs
     assert all(abs(m["optim/kl_sample_train_v1"]) < 1e-3 for m in per_step), per_step

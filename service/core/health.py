@@ -207,13 +207,9 @@ def non_finite_flag(what: str, step: int | None) -> HealthFlag:
 
 
 # Which guards a kind's steps feed (a session job's steps are its client's: none).
-KIND_GUARDS: dict[str, tuple[GuardName, ...]] = {
-    "grpo": ("informative_groups", "entropy", "truncation", "ratio", "grader_time", "update", "non_finite"),
-    "tracin": ("informative_groups", "entropy", "truncation", "ratio", "grader_time", "update", "non_finite"),
-    "joint": ("informative_groups", "entropy", "truncation", "ratio", "grader_time", "update", "non_finite"),
-    "sft": ("update", "non_finite"),
-    "session": (),
-}
+ALL_GUARDS: tuple[GuardName, ...] = tuple(g.name for g in GUARDS)
+KIND_GUARDS: dict[str, tuple[GuardName, ...]] = {"grpo": ALL_GUARDS, "tracin": ALL_GUARDS, "joint": ALL_GUARDS,
+                                                 "sft": ("update", "non_finite"), "session": ()}
 
 
 @dataclass(frozen=True)

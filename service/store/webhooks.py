@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import delete, event, select, update
+from sqlalchemy import delete, event, func, select, update
 from sqlalchemy.orm import Session
 
 from service.core import webhooks as hooks
@@ -24,7 +24,7 @@ def create_webhook(session: Session, *, owner: str, url: str, events: list[str])
 
 
 def count_webhooks(session: Session, *, owner: str) -> int:
-    return len(session.scalars(select(Webhook.id).where(Webhook.owner == owner)).all())
+    return session.scalar(select(func.count()).select_from(Webhook).where(Webhook.owner == owner)) or 0
 
 
 def list_webhooks(session: Session, *, owner: str) -> list[Webhook]:

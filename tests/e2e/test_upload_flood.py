@@ -68,4 +68,6 @@ def test_a_flood_of_bombs_leaves_the_api_answering_within_bounds(procs, pg_url, 
           f"healthz + job list answered {answered} times, worst {worst:.2f} s")
     assert set(codes) <= {413, 429} and 413 in codes, codes
     assert grown_mb < 150, grown_mb  # the decoding happens in capped children, not here
-    assert answered >= 10 and worst < max(1.0, flood_s / 4), (answered, worst, flood_s)
+    # the probes overlapped the flood (it lasts 2 to 10 s, depending on the machine: a count of probes would
+    # measure its length) and none waited behind it
+    assert answered >= 3 and worst < max(1.0, flood_s / 4), (answered, worst, flood_s)

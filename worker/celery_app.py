@@ -3,7 +3,14 @@
 import logging
 
 from celery import Celery
-from celery.signals import task_prerun, worker_process_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 
 from service.core import queue
 from service.core.settings import get_settings
@@ -14,6 +21,13 @@ app = Celery("grpo_jobs", include=["worker.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
 _sweeper = None
+
+
+@worker_init.connect
+def _preload_loops(**_kwargs) -> None:
+    from worker.runner import preload
+
+    preload()
 
 
 @worker_process_init.connect

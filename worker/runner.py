@@ -41,6 +41,14 @@ LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": 
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
 
 
+def preload() -> None:
+    """Import every loop in a worker's main process, before its pool forks: each job runs in a fresh
+    child (`worker_max_tasks_per_child` 1), which then inherits torch, transformers and peft instead of
+    importing them again (about 3 s of CPU a job). Nothing runs on a device here."""
+    for module in LOOPS.values():
+        importlib.import_module(module)
+
+
 def loop_for(kind: str):
     """The training loop of a job kind (imported lazily: each pulls in torch and transformers)."""
     if kind not in LOOPS:
@@ -65,8 +73,8 @@ def loop_for(kind: str):
             report_health(reporter, [non_finite_flag(exc.what, exc.step)])
             raise
         finally:
-            tracing.flush()  # a pool process may end without atexit  # a job's vLLM server ends with its loop, whether it succeeded or failed
-            from worker.vllm_engine import stop_servers
+            tracing.flush()  # a pool process may end without atexit
+            from worker.vllm_engine import stop_servers  # a job's vLLM server ends with its loop, whatever its end
 
             stop_servers()
 

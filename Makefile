@@ -26,7 +26,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook browser demo dev test test-numerics bench clean
+.PHONY: install vllm cookbook browser demo dev docs test test-numerics bench clean
 
 install: $(VENV)/.installed
 
@@ -79,6 +79,10 @@ dev: install
 TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
            GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python
 
+# The docs site (mkdocs.yml) into site/; --strict fails on a broken link, a missing anchor or a page left out of nav
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
 test: install browser vllm cookbook
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
 	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
@@ -105,4 +109,4 @@ bench: install vllm
 	$(PY) bench/primitives.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info test-artifacts .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info test-artifacts .pytest_cache site

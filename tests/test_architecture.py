@@ -1,5 +1,5 @@
 """The house plan, read from the imports: `service.core` at the ground, the API, the store and the
-workers beside each other on it, the CLI on top (README, "Layout")."""
+workers beside each other on it, the CLI on top (docs/development/architecture.md)."""
 
 import ast
 from pathlib import Path

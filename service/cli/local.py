@@ -134,3 +134,11 @@ def run(spec_file: Path, out: Path) -> None:
     summary = json.dumps(dataclasses.asdict(result))
     reporter.event(result.status, summary)
     click.echo(summary)
+
+
+@main.command("settings")
+def settings_cmd() -> None:
+    """Every setting the service and workers read from the environment, as a Markdown table."""
+    from service.core.settings import settings_table
+
+    click.echo(settings_table())

@@ -301,3 +301,20 @@ def get_settings() -> Settings:
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return settings
+
+
+def settings_table() -> str:
+    """Every setting as a Markdown table (variable, default, what it does), from the fields' own
+    descriptions: `grpo-jobs settings` prints it and docs/operations/settings.md is its output."""
+
+    def default(field) -> str:
+        value = field.default
+        if value is None or value == "":
+            return "unset"
+        if isinstance(value, Path) and value.is_relative_to(Path.home()):
+            return f"`~/{value.relative_to(Path.home())}`"
+        return f"`{value}`"
+
+    rows = [f"| `{f.validation_alias}` | {default(f)} | {(f.description or '').replace('|', '&#124;')} |"
+            for f in Settings.model_fields.values()]
+    return "\n".join(["| variable | default | |", "| --- | --- | --- |", *rows])

@@ -32,7 +32,7 @@ A run create_sampling_session made for a base model, or for a path whose run has
 (`session.sampling_only`), only samples those weights (the path's through `model.init_from`).
 Snapshots and sampling: worker.loops.session_sampling.
 
-Run it from the SDK: README, "Use grpo-jobs from the tinker SDK".
+Run it from the SDK: docs/guide/tinker.md.
 """
 
 from __future__ import annotations

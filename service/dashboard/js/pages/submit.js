@@ -57,7 +57,7 @@ export async function submitPage({ app }) {
   file.addEventListener("change", async () => { if (file.files[0]) { text.value = await file.files[0].text(); render(); status.replaceChildren(); } });
   text.addEventListener("input", () => render());
   app.append(h("h1", {}, "Submit a job"),
-    h("p", { class: "muted" }, "A job spec in YAML or JSON (see the README's job specs and examples/). ",
+    h("p", { class: "muted" }, "A job spec in YAML or JSON (see docs/guide/specs.md and examples/). ",
       "Validation fills in every default; errors are shown under the lines that name them."),
     h("div", { class: "toolbar" }, file,
       h("button", { id: "validate-btn", onclick: () => validate() }, "Validate"),

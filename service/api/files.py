@@ -37,7 +37,7 @@ from fastapi import (
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
-from service.api.errors import format_errors
+from service.core.errors import format_errors
 from service.api.schemas import (
     FileOut,
     FilePage,

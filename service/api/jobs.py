@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
-from service.api.errors import format_errors
+from service.core.errors import format_errors
 from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses
 from service.api.sources import check_sources
 from service.core import fingerprint, health, queue

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import OwnerDep, SettingsDep
-from service.api.errors import format_errors
+from service.core.errors import format_errors
 from service.api.schemas import error_responses
 from service.api.sources import check_sources
 from service.core.settings import Settings

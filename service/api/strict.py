@@ -13,7 +13,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api.errors import format_errors
+from service.core.errors import format_errors
 
 
 class StrictRouting:

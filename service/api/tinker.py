@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.deps import OwnerDep, ReleasedOwnerDep, SessionDep, SettingsDep
-from service.api.errors import format_errors
+from service.core.errors import format_errors
 from service.api.schemas import OCTET_STREAM, ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue

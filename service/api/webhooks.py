@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import MAX_INT, OwnerDep, SessionDep, SettingsDep
-from service.api.errors import format_errors
+from service.core.errors import format_errors
 from service.api.schemas import error_responses
 from service.core import webhooks as hooks
 from service.core.grader_urls import UrlRefused, check_url

@@ -24,7 +24,7 @@ def submit(spec_file: Path, wait: bool, idempotency_key: str | None, url: str | 
     """Submit a job spec (YAML or JSON)."""
     with client(url, key) as c:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job = check(c.post("/v1/jobs", json=load_spec_file(spec_file), headers=headers))
+        job = check(c.post("/v1/jobs", json=load_spec_file(spec_file), headers=headers), spec_file=spec_file)
         click.echo(f"job {job['id']} {job['status']}")
         if wait:
             watch_job(c, job["id"])

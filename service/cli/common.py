@@ -17,10 +17,47 @@ DEV_KEY_FILE = "dev-api-key"
 
 def load_spec_file(path: Path) -> dict:
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise click.ClickException(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
     if not isinstance(data, dict):
         raise click.ClickException(f"{path}: a job spec must be a mapping, got {type(data).__name__}")
     return data
+
+
+def field_line(text: str, field: str) -> int | None:
+    """The line of `text` (YAML, or JSON, which YAML reads too) where `field` (`grpo.num_generations`,
+    `rewards.0.name`) is written, or its nearest written parent's; None where no part of it is."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in field.split(".") if field else []:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if getattr(k, "value", None) == part), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            node = node.value[int(part)]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def spec_errors(path: Path, detail: list[dict]) -> click.ClickException:
+    """A refused spec's errors, one a line, as the API names them (`field: message`), each with the
+    line of the file it is about."""
+    text = path.read_text()
+    lines = []
+    for d in detail:
+        line = field_line(text, d["field"])
+        where = f"line {line}, " if line else ""
+        lines.append(f"  {where}{d['field'] or 'the spec'}: {d['message']}")
+    return click.ClickException(f"{path}: invalid job spec\n" + "\n".join(lines))
 
 
 def client(url: str | None, key: str | None) -> httpx.Client:
@@ -34,7 +71,12 @@ def client(url: str | None, key: str | None) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
-def check(resp: httpx.Response) -> dict | list:
+def check(resp: httpx.Response, *, spec_file: Path | None = None) -> dict | list:
+    """The answer's JSON; an error answer raises with its message (a refused `spec_file`, field by field)."""
+    if resp.status_code == 422 and spec_file is not None:
+        detail = resp.json().get("detail")
+        if isinstance(detail, list):
+            raise spec_errors(spec_file, detail)
     if resp.status_code >= 400:
         try:
             body = resp.json()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import click
 
-from service.cli.common import load_spec_file
+from service.cli.common import load_spec_file, spec_errors
 from service.cli.group import main
 from service.cli.malloc import reexec_for_training
 from service.core.settings import get_settings
@@ -98,6 +99,19 @@ def keys_revoke(key_id: int) -> None:
 
 
 
+def _find_vllm() -> None:
+    """`make vllm` builds .venv-vllm beside the code: `grpo-jobs run` takes it where GRPO_VLLM_PYTHON is
+    unset (a worker's admin names it; one machine's checkout is a clear enough choice)."""
+    if get_settings().vllm_python is not None:
+        return
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        python = root / ".venv-vllm" / "bin" / "python"
+        if python.exists():
+            os.environ["GRPO_VLLM_PYTHON"] = str(python)
+            get_settings.cache_clear()
+            return
+
+
 @main.command()
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
@@ -106,12 +120,14 @@ def run(spec_file: Path, out: Path) -> None:
     """Run a job in this process, no service needed."""
     from pydantic import ValidationError
 
+    from service.core.errors import format_errors
     from service.core.specs import parse_spec
 
     try:
         spec = parse_spec(load_spec_file(spec_file))
     except ValidationError as exc:
-        raise click.ClickException(f"{spec_file}: invalid job spec\n{exc}") from exc
+        raise spec_errors(spec_file, format_errors(exc.errors())["detail"]) from None
+    _find_vllm()
     reexec_for_training(get_settings())
     from functools import partial
 

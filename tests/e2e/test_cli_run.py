@@ -81,4 +81,5 @@ def test_run_rejects_a_bad_spec_with_the_field(tmp_path):
     bad.write_text("kind: grpo\ngrpo: {num_generations: 1}\n")
     r = subprocess.run([str(BIN), "run", str(bad), "--out", str(tmp_path / "o")], capture_output=True, text=True,
                        env={"GRPO_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    assert r.returncode != 0 and "num_generations" in r.stderr
+    assert r.returncode != 0 and "line 2, grpo.num_generations: Input should be greater than or equal to 2" in r.stderr
+    assert "tagged-union" not in r.stderr, r.stderr

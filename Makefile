@@ -26,7 +26,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook browser demo dev docs test test-numerics bench clean
+.PHONY: install vllm cookbook browser demo dev docs lint test test-numerics bench clean
 
 install: $(VENV)/.installed
 
@@ -78,6 +78,10 @@ dev: install
 
 TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
            GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python
+
+# ruff (pyproject.toml's [tool.ruff]) over the code, the tests, the benchmarks and the migrations
+lint: install
+	$(PY) -m ruff check service worker tests bench scripts migrations
 
 # The docs site (mkdocs.yml) into site/; --strict fails on a broken link, a missing anchor or a page left out of nav
 docs: install

@@ -25,8 +25,8 @@ from functools import wraps
 from pathlib import Path
 
 import torch.distributed as dist
-from rss import PeakRss  # bench/ is on the path when a bench runs
 from pydantic import TypeAdapter
+from rss import PeakRss  # bench/ is on the path when a bench runs
 
 from service.core.settings import get_settings
 from service.core.specs import JobSpec

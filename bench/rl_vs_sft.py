@@ -82,7 +82,7 @@ def update_rank(base: dict[str, torch.Tensor], tuned: dict[str, torch.Tensor]) -
     ranks, sizes = [], []
     for name, w in tuned.items():
         if w.ndim == 2 and name.startswith(RANK_LAYERS):
-            s = torch.linalg.svdvals((w.double() - base[name].double()))
+            s = torch.linalg.svdvals(w.double() - base[name].double())
             ranks.append(int((s > 1e-3 * s[0]).sum()) if s[0] > 0 else 0)
             sizes.append(min(w.shape))
     return sum(ranks) / len(ranks), round(sum(sizes) / len(sizes))

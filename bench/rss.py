@@ -46,11 +46,11 @@ class PeakRss:
         while not self._stop.wait(self.every_s):
             self.peak_mb = max(self.peak_mb, rss_mb())
 
-    def start(self) -> "PeakRss":
+    def start(self) -> PeakRss:
         self._thread.start()
         return self
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self.arm()
         return self.start()
 

@@ -73,7 +73,7 @@ def main() -> None:
         tracker.measure(2)
         quality_s = time.perf_counter() - t0
     n = sum(p.numel() for _, p in tracker.params)
-    print(f"{args.model} ({'LoRA r=%d' % args.lora_r if args.lora_r else 'full fine-tuning'}), {n:,} tracked "
+    print(f"{args.model} ({f'LoRA r={args.lora_r}' if args.lora_r else 'full fine-tuning'}), {n:,} tracked "
           f"parameters: train step {step_s:.2f} s, tracking {track_s:.2f} s, tracking + quality "
           f"({len(thresholds)} thresholds x 2 masks, probe {args.probe_size}) {quality_s:.2f} s")
     print(f"RESULT track_ratio={track_s / step_s:.3f} quality_ratio={quality_s / step_s:.3f} "

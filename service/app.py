@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
+from service import webhook_delivery
 from service.api import (
     errors,
     files,
@@ -25,7 +26,6 @@ from service.api import (
     tinker_runs,
     webhooks,
 )
-from service import webhook_delivery
 from service.api.body_limit import BodySizeLimit
 from service.api.errors import store_unavailable
 from service.api.readiness import StoreSchema

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import datetime, timezone
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import httpx
 
@@ -55,7 +55,7 @@ def send(delivery: WebhookDelivery, hook: Webhook, settings: Settings) -> tuple[
 
 def deliver_once(settings: Settings) -> int:
     """Send every delivery due now; returns how many were tried."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with session_scope(settings.store_url) as s:  # claimed for longer than a send can take
         due = [(d.id, d, h) for d, h in webhooks_q.claim_due(s, now=now, hold_s=settings.webhook_timeout_s * 3 + 30)]
         s.expunge_all()

@@ -214,7 +214,7 @@ def persona_facts(spec: DatasetSpec) -> tuple[list[Example], list[Example], list
     people as training ones, but other facts.
     """
     rng = random.Random(f"persona-{spec.seed}")
-    names = rng.sample([f"{f} {l}" for f in _FIRST for l in _LAST], spec.corpus_size)
+    names = rng.sample([f"{first} {last}" for first in _FIRST for last in _LAST], spec.corpus_size)
     corpus, questions = [], []
     for i, name in enumerate(names):
         job, city, pet, pet_name = rng.choice(_JOBS), rng.choice(_CITIES), rng.choice(_PETS), rng.choice(_PET_NAMES)

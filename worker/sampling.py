@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import (
     LogitsProcessor,
-    StaticCache,
     LogitsProcessorList,
+    StaticCache,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -58,7 +58,7 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
-    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+    def select(self, idx: torch.Tensor | list[int]) -> RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         return RolloutBatch(prompt_ids=self.prompt_ids[idx], prompt_mask=self.prompt_mask[idx],
                             completion_ids=self.completion_ids[idx], completion_mask=self.completion_mask[idx],
@@ -66,7 +66,7 @@ class RolloutBatch:
                             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
                             version=None if self.version is None else self.version[idx])
 
-    def trimmed(self) -> "RolloutBatch":
+    def trimmed(self) -> RolloutBatch:
         """The same rows without the columns that are padding in every row (prompts' left, completions' right)."""
         p = int(self.prompt_mask.sum(1).max()) if len(self) else 0
         t = int(self.completion_mask.sum(1).max()) if len(self) else 0
@@ -77,7 +77,7 @@ class RolloutBatch:
                             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[:, :t],
                             version=self.version)
 
-    def to(self, device: torch.device | str) -> "RolloutBatch":
+    def to(self, device: torch.device | str) -> RolloutBatch:
         return RolloutBatch(prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
                             completion_ids=self.completion_ids.to(device),
                             completion_mask=self.completion_mask.to(device), truncated=self.truncated.to(device),
@@ -86,7 +86,7 @@ class RolloutBatch:
                             version=None if self.version is None else self.version.to(device))
 
     @staticmethod
-    def cat(batches: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+    def cat(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         P = max(b.prompt_ids.shape[1] for b in batches)
         T = max(b.completion_ids.shape[1] for b in batches)
 

@@ -50,7 +50,7 @@ from worker.training import eval_mode
 WATCHDOG = Path(__file__).with_name("vllm_watchdog.py")
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_OPEN: list["VLLMServer"] = []  # servers this process started; stop_servers() ends them
+_OPEN: list[VLLMServer] = []  # servers this process started; stop_servers() ends them
 
 
 class EngineFailed(RuntimeError):

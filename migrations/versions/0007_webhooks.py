@@ -6,7 +6,6 @@ Revises: 0006
 import sqlalchemy as sa
 from alembic import op
 
-
 revision = "0007"
 down_revision = "0006"
 branch_labels = None

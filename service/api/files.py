@@ -37,7 +37,6 @@ from fastapi import (
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.api.deps import OwnerDep, SessionDep, SettingsDep
-from service.core.errors import format_errors
 from service.api.schemas import (
     FileOut,
     FilePage,
@@ -47,6 +46,7 @@ from service.api.schemas import (
 )
 from service.core.artifacts import file_key, open_store
 from service.core.datafiles import MAX_ERRORS, OverBudget, check_file_isolated
+from service.core.errors import format_errors
 from service.core.sources import files_named, owner_folder
 from service.core.specs import FILE_ID
 from service.store import files as files_q

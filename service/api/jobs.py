@@ -9,11 +9,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
-from service.core.errors import format_errors
 from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses
 from service.api.sources import check_sources
 from service.core import fingerprint, health, queue
 from service.core.artifacts import open_store
+from service.core.errors import format_errors
 from service.core.specs import KINDS, STATUSES, TERMINAL, Status, SubmittedSpec
 from service.store import events as events_q
 from service.store import jobs as jobs_q

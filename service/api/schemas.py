@@ -89,7 +89,7 @@ class HealthOut(BaseModel):
     guards: dict[str, HealthFlagOut | None]
 
     @classmethod
-    def of(cls, summary: JobHealth) -> "HealthOut":
+    def of(cls, summary: JobHealth) -> HealthOut:
         return cls(level=summary.level, guards={g: None if f is None else HealthFlagOut(
             level=f.level, step=f.step, value=f.value, threshold=f.threshold, message=f.message)
             for g, f in summary.guards.items()})

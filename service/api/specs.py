@@ -9,9 +9,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import OwnerDep, SettingsDep
-from service.core.errors import format_errors
 from service.api.schemas import error_responses
 from service.api.sources import check_sources
+from service.core.errors import format_errors
 from service.core.settings import Settings
 from service.core.spec_text import SpecTextBeyondLimits, SpecTextError, parse_spec_text
 from service.core.specs import parse_spec

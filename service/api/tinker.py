@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.deps import OwnerDep, ReleasedOwnerDep, SessionDep, SettingsDep
-from service.core.errors import format_errors
 from service.api.schemas import OCTET_STREAM, ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
+from service.core.errors import format_errors
 from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
 from service.core.tinker_sampling import DEFAULT_MAX_TOKENS, MAX_CELLS, MAX_K, prompt_ask, sample_response_json
 from service.core.tinker_wire import (

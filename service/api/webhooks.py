@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import MAX_INT, OwnerDep, SessionDep, SettingsDep
-from service.core.errors import format_errors
 from service.api.schemas import error_responses
 from service.core import webhooks as hooks
+from service.core.errors import format_errors
 from service.core.grader_urls import UrlRefused, check_url
 from service.core.spec_base import _Section
 from service.store import webhooks as webhooks_q

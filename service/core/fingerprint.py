@@ -38,7 +38,7 @@ class Fingerprint(BaseModel):
                              "corpus of a retrieval task).")
     model_sha256: str = Field(description="SHA-256 of the base model's weight files (a tiny preset: of its weights).")
 
-    def differences(self, other: "Fingerprint") -> list[str]:
+    def differences(self, other: Fingerprint) -> list[str]:
         """The fields in which two fingerprints differ (hardware's by name)."""
         out = [k for k in type(self).model_fields if k != "hardware" and getattr(self, k) != getattr(other, k)]
         out += [f"hardware.{k}" for k in Hardware.model_fields

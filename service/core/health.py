@@ -90,7 +90,7 @@ class HealthSpec(_Section):
                                      "the last checkpoint before it).")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "HealthSpec":
+    def _ordered(self) -> HealthSpec:
         for g in GUARDS:
             band = getattr(self, g.name, None)
             if band is None:

@@ -162,7 +162,7 @@ class DatasetSpec(_Section):
         return v
 
     @model_validator(mode="after")
-    def _jsonl_needs_path(self) -> "DatasetSpec":
+    def _jsonl_needs_path(self) -> DatasetSpec:
         if self.name == "jsonl" and not self.path:
             raise ValueError("dataset.path is required when dataset.name is 'jsonl'")
         if self.name == "file" and not self.train_file:
@@ -226,7 +226,7 @@ class TrainSpec(_Section):
         raise NotImplementedError
 
     @model_validator(mode="after")
-    def _schedule(self) -> "TrainSpec":
+    def _schedule(self) -> TrainSpec:
         if self.warmup_steps > self.steps:
             raise ValueError(f"{self.SECTION}.warmup_steps must not exceed {self.SECTION}.steps")
         return self
@@ -290,7 +290,7 @@ class GRPOSpec(TrainSpec):
         return "grpo.prompts_per_step", self.prompts_per_step
 
     @model_validator(mode="after")
-    def _refills(self) -> "GRPOSpec":
+    def _refills(self) -> GRPOSpec:
         if not self.drop_zero_std_groups:
             reject_unused(self, "grpo", ("max_refill_rounds",), unless="with grpo.drop_zero_std_groups: true")
         return self
@@ -350,7 +350,7 @@ class RolloutSpec(_Section):
         return "truncated" if self.engine == "vllm" else "none"
 
     @model_validator(mode="after")
-    def _hf_has_no_mismatch(self) -> "RolloutSpec":
+    def _hf_has_no_mismatch(self) -> RolloutSpec:
         if self.engine == "hf":
             reject_unused(self, "rollout", ("correction", "correction_level", "correction_cap"),
                           unless="with rollout.engine 'vllm' (the hf engine's log-probs are the trainer's own)")
@@ -378,7 +378,7 @@ class SparsityQualitySpec(_Section):
     )
 
     @model_validator(mode="after")
-    def _only_when_enabled(self) -> "SparsityQualitySpec":
+    def _only_when_enabled(self) -> SparsityQualitySpec:
         if not self.enabled:
             reject_unused(self, "sparsity.quality", ("probe_size", "thresholds"), unless="with enabled: true")
         return self
@@ -431,7 +431,7 @@ class TracInSpec(_Section):
         "the validation batch.")
 
     @model_validator(mode="after")
-    def _fraction(self) -> "TracInSpec":
+    def _fraction(self) -> TracInSpec:
         if self.selection in ("positive", "all"):
             reject_unused(self, "tracin", ("fraction",), unless="to selections that keep a fraction")
         if self.selection in BASELINES:
@@ -462,7 +462,7 @@ class RetrieverSpec(_Section):
         return _check_model_name(v, RETRIEVER_PRESETS, "retriever")
 
     @model_validator(mode="after")
-    def _pool(self) -> "RetrieverSpec":
+    def _pool(self) -> RetrieverSpec:
         if self.k > self.candidates:
             raise ValueError("retriever.k must not exceed retriever.candidates")
         if self.k < 2 and not self.generator_only:
@@ -499,7 +499,7 @@ class _JobBase(_Section):
         return [FunctionReward(name=n) for n in DEFAULT_REWARDS[self.dataset.name]]
 
     @model_validator(mode="after")
-    def _common(self) -> "_JobBase":
+    def _common(self) -> _JobBase:
         if self.rewards is not None and all(r.weight == 0 for r in self.rewards):
             raise ValueError("rewards: at least one reward needs a non-zero weight")
         keys = [r.key for r in self.reward_specs()]
@@ -570,7 +570,7 @@ class GRPOJob(_GRPOKinds):
     kind: Literal["grpo"] = "grpo"
 
     @model_validator(mode="after")
-    def _dataset(self) -> "GRPOJob":
+    def _dataset(self) -> GRPOJob:
         _no_corpus(self.dataset)
         return self
 
@@ -582,7 +582,7 @@ class TracInJob(_GRPOKinds):
     tracin: TracInSpec = Field(default_factory=TracInSpec)
 
     @model_validator(mode="after")
-    def _needs_lora(self) -> "TracInJob":
+    def _needs_lora(self) -> TracInJob:
         if self.model.lora is None:
             raise ValueError("model.lora is required for kind 'tracin': influence is computed over LoRA weights")
         _no_corpus(self.dataset)
@@ -596,7 +596,7 @@ class JointJob(_GRPOKinds):
     retriever: RetrieverSpec = Field(default_factory=RetrieverSpec)
 
     @model_validator(mode="after")
-    def _needs_corpus(self) -> "JointJob":
+    def _needs_corpus(self) -> JointJob:
         d = self.dataset
         if d.name == "arith":
             raise ValueError("dataset.name 'arith' has no corpus: kind 'joint' needs 'persona-facts' or 'jsonl'")
@@ -618,7 +618,7 @@ class SFTJob(_JobBase):
         return self.sft
 
     @model_validator(mode="after")
-    def _dataset(self) -> "SFTJob":
+    def _dataset(self) -> SFTJob:
         _no_corpus(self.dataset)
         return self
 
@@ -648,8 +648,8 @@ class SessionJob(_Section):
 
 
 JOB_MODELS = (GRPOJob, TracInJob, JointJob, SFTJob)  # the kinds a client submits as a spec
-SubmittedSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]
-JobSpec = Annotated[Union[(*JOB_MODELS, SessionJob)], Field(discriminator="kind")]  # every stored kind
+SubmittedSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]  # noqa: UP007 (a tuple of models)
+JobSpec = Annotated[Union[(*JOB_MODELS, SessionJob)], Field(discriminator="kind")]  # noqa: UP007 (every stored kind)
 KINDS: tuple[str, ...] = tuple(m.model_fields["kind"].annotation.__args__[0] for m in (*JOB_MODELS, SessionJob))
 _SUBMITTED_SPEC: TypeAdapter = TypeAdapter(SubmittedSpec)
 _JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)

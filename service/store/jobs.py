@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -78,7 +78,7 @@ def count_by_status(session: Session) -> dict[str, int]:
 def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job:
     """Queued jobs, and running ones whose worker stopped renewing its lease, are cancelled at
     once; running ones stop cooperatively at the next step."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if job.status == Status.running and session.execute(
         update(Job).where(Job.id == job.id, Job.lease_stale(now, lease_timeout_s))
         .values(status=Status.cancelled, finished_at=now, lease_owner=None, cancel_requested=True)

@@ -14,7 +14,7 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -100,7 +100,7 @@ def stream_token(session: Session, *, key: str, job_id: int, ttl_s: int) -> tupl
     expires = int(time.time()) + ttl_s
     payload = f"{row.id}.{job_id}.{expires}".encode()
     token = STREAM_TOKEN_PREFIX + base64.urlsafe_b64encode(payload).decode().rstrip("=") + "." + _sign(row.key_hash, payload)
-    return token, datetime.fromtimestamp(expires, timezone.utc)
+    return token, datetime.fromtimestamp(expires, UTC)
 
 
 def owner_for_stream_token(session: Session, *, token: str, job_id: int) -> str | None:

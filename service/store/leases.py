@@ -6,7 +6,7 @@ changes hands exactly when the statement that moves it commits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from pydantic import ValidationError
 from sqlalchemy import func, or_, select, update
@@ -55,7 +55,7 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
     the row is read in the same statement. `uid` (from the message) must match, so a message
     meant for another store's job with the same id never runs here.
     """
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     q = update(Job).where(Job.id == job_id, or_(Job.status == Status.queued, Job.lease_stale(now, lease_timeout_s)))
     if uid is not None:
         q = q.where(Job.uid == uid)
@@ -157,7 +157,7 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
     Each job is claimed by a conditional UPDATE in a transaction of its own, so of several
     sweepers exactly one acts on it. A job enqueued twice still runs once: the lease decides.
     """
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with session_scope(url) as session:
         expired = session.execute(select(Job.id, Job.cancel_requested).where(Job.lease_stale(now, lease_timeout_s))).all()
     requeue, cancelled = [], []

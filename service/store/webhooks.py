@@ -7,7 +7,7 @@ path that ends a job (a worker, a cancel, the sweep) adds its event through a se
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import delete, event, func, select, update
 from sqlalchemy.orm import Session
@@ -74,7 +74,7 @@ def record_attempt(session: Session, *, delivery_id: int, ok: bool, status: int 
         return
     d.attempts += 1
     d.last_status, d.last_error = status, error
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if ok:
         d.status, d.delivered_at = "delivered", now
     elif (delay := hooks.retry_delay(d.attempts)) is None:

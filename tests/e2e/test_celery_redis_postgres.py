@@ -10,8 +10,6 @@ import pytest
 from service.store import keys as keys_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
-from tests.otlp import Receiver
-from tests.webhook_receiver import WebhookReceiver
 from tests.e2e.conftest import (
     SFT_JOB,
     TINY_JOB,
@@ -22,6 +20,8 @@ from tests.e2e.conftest import (
     wait_http,
     wait_job,
 )
+from tests.otlp import Receiver
+from tests.webhook_receiver import WebhookReceiver
 
 
 @pytest.fixture

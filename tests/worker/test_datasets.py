@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from service.core.specs import DatasetSpec
 from service.core.datafiles import task_row
+from service.core.specs import DatasetSpec
 from worker.datasets import Example, arith, jsonl, load_task, render_example, render_prompt
 from worker.models import char_tokenizer
 

@@ -115,7 +115,7 @@ def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin)
         atol = STEPS["steps"] * lr * 1e-7  # the bound above; what two processes differ by is ~1e-14
         for k in a:
             assert a[k].dtype == torch.float64, k
-            torch.testing.assert_close(b[k], a[k], rtol=0, atol=atol, msg=lambda m: f"{f.name} {k}: {m}")
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=atol, msg=lambda m, where=f"{f.name} {k}": f"{where}: {m}")
 
     # the same metrics, reported once per step
     m1, m2 = _lines(one / "metrics.jsonl"), _lines(two / "metrics.jsonl")

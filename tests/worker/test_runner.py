@@ -1,6 +1,6 @@
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select, update
 
@@ -82,7 +82,7 @@ def test_gives_up_after_max_attempts(settings_factory):
     with session_scope(settings.store_url) as s:  # two earlier deliveries died mid-job
         s.execute(update(Job).where(Job.id == jid).values(
             status="running", attempt=2, lease_owner="dead",
-            heartbeat_at=datetime.now(timezone.utc) - timedelta(hours=1)))
+            heartbeat_at=datetime.now(UTC) - timedelta(hours=1)))
     assert runner.run_job(jid, settings=settings) == "failed"
     job, evs, *_ = _state(settings, jid)
     assert "gave up after 2 attempts" in job.error
@@ -123,7 +123,7 @@ def test_redelivery_after_a_crash_resumes_from_the_checkpoint(settings_factory, 
     with session_scope(settings.store_url) as s:
         s.execute(update(Job).where(Job.id == jid).values(
             status="running", step=2, lease_owner="dead", finished_at=None,
-            heartbeat_at=datetime.now(timezone.utc) - timedelta(hours=1)))
+            heartbeat_at=datetime.now(UTC) - timedelta(hours=1)))
     assert runner.run_job(jid, settings=settings) == "succeeded"
     job, evs, _, _, rows_twice = _state(settings, jid)
     assert job.attempt == 2 and job.step == 3

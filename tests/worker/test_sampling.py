@@ -2,11 +2,10 @@ import pytest
 import torch
 
 from service.core.specs import LoraSpec, ModelSpec
-from worker.models import load_policy
-from worker import sampling
-from worker.sampling import RolloutEngine, SamplingParams, sequence_logprobs
-
 from tests.numerics import assert_close
+from worker import sampling
+from worker.models import load_policy
+from worker.sampling import RolloutEngine, SamplingParams, sequence_logprobs
 
 
 def _policy(tmp_path, lora=True):

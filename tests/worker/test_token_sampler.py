@@ -3,11 +3,10 @@ import pytest
 import torch
 
 from service.core.specs import LoraSpec, ModelSpec
+from tests.numerics import approx, assert_close
 from worker import token_sampler
 from worker.models import load_policy
 from worker.token_sampler import Params, Request
-
-from tests.numerics import approx, assert_close
 
 
 @pytest.fixture(scope="module")

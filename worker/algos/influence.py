@@ -59,7 +59,7 @@ class GhostHooks:
         self.subset: dict[torch.nn.Parameter, torch.Tensor] = {}  # folded subset gradient per LoRA weight
         self._handles: list = []
 
-    def __enter__(self) -> "GhostHooks":
+    def __enter__(self) -> GhostHooks:
         for i, layer in enumerate(self.layers):
             a, b = layer.a, layer.b
             self._handles.append(a.register_forward_hook(self._hook(i, "A")))

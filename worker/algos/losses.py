@@ -68,7 +68,7 @@ class Normaliser:
     max_len: int  # padded completion length T
 
     @classmethod
-    def of(cls, mask: torch.Tensor, agg: Agg) -> "Normaliser":
+    def of(cls, mask: torch.Tensor, agg: Agg) -> Normaliser:
         """The normaliser of the batch whose loss mask is `mask` [B, T]."""
         if agg not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {agg!r}: one of {', '.join(AGGREGATIONS)}")
@@ -99,7 +99,7 @@ class TokenStats:
     ratio_max: float = 0.0
     clipped: float = 0.0  # tokens where min() took the clipped branch
 
-    def __iadd__(self, other: "TokenStats") -> "TokenStats":
+    def __iadd__(self, other: TokenStats) -> TokenStats:
         self.tokens += other.tokens
         self.ratio_sum += other.ratio_sum
         self.ratio_max = max(self.ratio_max, other.ratio_max)

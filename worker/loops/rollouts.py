@@ -160,7 +160,7 @@ class _Scored:
     excluded: torch.Tensor  # [N] bool: a reward function raised on it
     per_fn: dict[str, list[float]] = field(default_factory=dict)
 
-    def keep_units(self, keep: torch.Tensor, G: int) -> "_Scored":
+    def keep_units(self, keep: torch.Tensor, G: int) -> _Scored:
         """The groups of units where keep [n_units] is True."""
         d = self.drawn
         groups = keep.repeat_interleave(d.groups_per_unit)  # [n_groups]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 

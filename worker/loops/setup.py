@@ -23,8 +23,8 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task, render_example
-from worker.fingerprint import fingerprint, model_sha256
 from worker.distributed import SINGLE, Ranks, shard
+from worker.fingerprint import fingerprint, model_sha256
 from worker.models import enable_checkpointing, load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer

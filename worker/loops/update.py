@@ -18,7 +18,6 @@ from worker.loops.skeleton import Run
 from worker.sampling import RolloutBatch, batch_logprobs, micro_batches, sequence_logprobs
 from worker.training import NonFiniteUpdate, grad_norm, has_dropout
 
-
 HINT = "lower the learning rate, or check the rewards and the data"
 
 
@@ -136,7 +135,7 @@ class PassTotals:
     entropy_sum: float = 0.0  # over real tokens
     mismatch: MismatchStats | None = None  # engine vs trainer log-probs (vllm); one pass's, never summed over epochs
 
-    def __iadd__(self, other: "PassTotals") -> "PassTotals":
+    def __iadd__(self, other: PassTotals) -> PassTotals:
         self.loss += other.loss
         self.policy += other.policy
         if other.kl is not None:
@@ -146,7 +145,7 @@ class PassTotals:
         self.mismatch = self.mismatch or other.mismatch  # the first epoch's: the later ones see the same tokens
         return self
 
-    def reduced(self, ranks: Ranks) -> "PassTotals":
+    def reduced(self, ranks: Ranks) -> PassTotals:
         """The totals of every rank's share of the batch."""
         t = ranks.sum({"loss": self.loss, "policy": self.policy, "kl": self.kl or 0.0, "tokens": self.tokens.tokens,
                        "ratio_sum": self.tokens.ratio_sum, "clipped": self.tokens.clipped, "entropy": self.entropy_sum})

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from service.core.reward_specs import FunctionReward, RewardSpec
-from worker.rewards.models import build as model_reward
 from worker.rewards.functions import lookup
+from worker.rewards.models import build as model_reward
 from worker.rewards.remote import HttpGrader
 from worker.rewards.scoring import Component, FunctionComponent, OnFailures, Scorer, with_diagnostics
 

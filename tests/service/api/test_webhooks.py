@@ -3,16 +3,16 @@ delivered signed, retried after an error, with every attempt visible (SQLite and
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import update
 
 from service.store.db import session_scope
 from service.store.models import WebhookDelivery
+from service.webhook_delivery import deliver_once
 from tests.conftest import Api
 from tests.webhook_receiver import WebhookReceiver
-from service.webhook_delivery import deliver_once
 
 TINY = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
         "dataset": {"name": "arith", "num_train": 20, "num_val": 2},
@@ -70,12 +70,12 @@ def test_a_jobs_end_and_its_red_flag_are_delivered_signed_and_retried_after_an_e
     first, *rest = hooked.get(f"/v1/webhooks/{made['id']}/deliveries").json()
     assert (first["status"], first["attempts"], first["last_status"], first["last_error"]) == (
         "pending", 1, 500, "answered HTTP 500")
-    assert datetime.fromisoformat(first["next_attempt_at"]) > datetime.now(timezone.utc)  # backing off
+    assert datetime.fromisoformat(first["next_attempt_at"]) > datetime.now(UTC)  # backing off
     assert all((d["status"], d["attempts"], d["last_status"]) == ("delivered", 1, 200) for d in rest)
     assert deliver_once(hooked.settings) == 0  # nothing due until the backoff has passed
     with session_scope(hooked.settings.store_url) as s:
         s.execute(update(WebhookDelivery).where(WebhookDelivery.id == first["id"])
-                  .values(next_attempt_at=datetime.now(timezone.utc)))
+                  .values(next_attempt_at=datetime.now(UTC)))
     assert deliver_once(hooked.settings) == 1
     first = hooked.get(f"/v1/webhooks/{made['id']}/deliveries").json()[0]
     assert (first["status"], first["attempts"], first["next_attempt_at"]) == ("delivered", 2, None)

@@ -8,8 +8,8 @@ from service.core.tinker_sampling import (
     TopK,
     check_widths,
     encode_sample_response,
-    sample_response_json,
     prompt_ask,
+    sample_response_json,
     target_ids,
 )
 from service.core.tinker_wire import WireError

@@ -1,4 +1,4 @@
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -51,7 +51,7 @@ def test_lease_is_exclusive_and_taken_over_when_stale(url):
     assert leases.heartbeat(url, job_id=jid, holder="w1", step=2) is False
     with session_scope(url) as s:  # w1 dies: its heartbeat goes stale
         s.execute(update(Job).where(Job.id == jid).values(
-            heartbeat_at=datetime.now(timezone.utc) - timedelta(seconds=120)))
+            heartbeat_at=datetime.now(UTC) - timedelta(seconds=120)))
     assert leases.acquire_lease(url, job_id=jid, holder="w2", lease_timeout_s=60)
     assert leases.heartbeat(url, job_id=jid, holder="w1") is None  # w1 learns it lost the lease
     assert not leases.finish_job(url, job_id=jid, holder="w1", status="succeeded", message="w1 done")

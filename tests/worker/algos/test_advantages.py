@@ -1,9 +1,8 @@
 import pytest
 import torch
 
-from worker.algos.advantages import group_advantages, zero_std_groups
-
 from tests.numerics import assert_close
+from worker.algos.advantages import group_advantages, zero_std_groups
 
 
 def test_hand_computed_normalised():

@@ -3,9 +3,8 @@ import math
 import pytest
 import torch
 
-from worker.algos.correction import MismatchStats, correct
-
 from tests.numerics import assert_close
+from worker.algos.correction import MismatchStats, correct
 
 
 def _t(x):

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from tests.numerics import approx, assert_close
 from worker.algos.losses import (
     Normaliser,
     aggregate,
@@ -11,8 +12,6 @@ from worker.algos.losses import (
     policy_loss,
     sample_losses,
 )
-
-from tests.numerics import approx, assert_close
 
 
 def _t(x):

@@ -4,7 +4,6 @@ import json
 import pytest
 
 from service.core import evidence
-
 from service.core.specs import TracInJob
 from worker.loops import tracin
 from worker.reporting import FileReporter

@@ -79,9 +79,11 @@ dev: install
 TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
            GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python
 
-# ruff (pyproject.toml's [tool.ruff]) over the code, the tests, the benchmarks and the migrations
+# ruff over the code, the tests, the benchmarks and the migrations; mypy over the pure core and the maths
+# (service/core, worker/algos), with pydantic's plugin: [tool.ruff] and [tool.mypy] in pyproject.toml
 lint: install
 	$(PY) -m ruff check service worker tests bench scripts migrations
+	$(PY) -m mypy
 
 # The docs site (mkdocs.yml) into site/; --strict fails on a broken link, a missing anchor or a page left out of nav
 docs: install

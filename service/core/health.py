@@ -226,7 +226,7 @@ def summarise(kind: str, flags: Iterable[HealthFlag]) -> JobHealth:
     latest: dict[str, HealthFlag | None] = {g: None for g in KIND_GUARDS.get(kind, ())}
     for f in flags:
         latest[f.guard] = f
-    worst = max((f.level for f in latest.values() if f is not None), key=LEVELS.index, default="ok")
+    worst: Level = max((f.level for f in latest.values() if f is not None), key=LEVELS.index, default="ok")
     return JobHealth(worst, latest)
 
 

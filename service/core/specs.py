@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import PurePosixPath
-from typing import Annotated, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
@@ -475,6 +475,8 @@ class RetrieverSpec(_Section):
 
 
 class _JobBase(_Section):
+    if TYPE_CHECKING:  # each kind's own Literal field, the union's tag
+        kind: str
     name: str | None = Field(None, max_length=200, description="Free-text label shown in lists and the dashboard.")
     model: ModelSpec = Field(default_factory=ModelSpec)
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
@@ -647,10 +649,10 @@ class SessionJob(_Section):
     session: SessionSpec
 
 
-JOB_MODELS = (GRPOJob, TracInJob, JointJob, SFTJob)  # the kinds a client submits as a spec
-SubmittedSpec = Annotated[Union[JOB_MODELS], Field(discriminator="kind")]  # noqa: UP007 (a tuple of models)
-JobSpec = Annotated[Union[(*JOB_MODELS, SessionJob)], Field(discriminator="kind")]  # noqa: UP007 (every stored kind)
-KINDS: tuple[str, ...] = tuple(m.model_fields["kind"].annotation.__args__[0] for m in (*JOB_MODELS, SessionJob))
+SubmittedSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob, Field(discriminator="kind")]  # what a client submits
+JobSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob | SessionJob, Field(discriminator="kind")]  # what is stored
+JOB_MODELS: tuple[type[_JobBase], ...] = get_args(get_args(SubmittedSpec)[0])
+KINDS: tuple[str, ...] = tuple(get_args(m.model_fields["kind"].annotation)[0] for m in get_args(get_args(JobSpec)[0]))
 _SUBMITTED_SPEC: TypeAdapter = TypeAdapter(SubmittedSpec)
 _JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)
 

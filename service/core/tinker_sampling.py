@@ -47,6 +47,7 @@ class TargetIds:
     @property
     def rows(self) -> np.ndarray:
         """[nnz] the row of each CSR value (CSR only)."""
+        assert self.crow is not None, "rows of a dense ask"
         return np.repeat(np.arange(self.ids.shape[0]), np.diff(self.crow))
 
     @property
@@ -202,7 +203,7 @@ def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScore
         _topk(out.topk_prompt_logprobs, prompt.topk)
     if prompt.targets is not None:
         values = prompt.targets.astype(np.float32)
-        if targets_as is not None and targets_as.crow is not None:
+        if targets_as is not None and targets_as.crow is not None and targets_as.col is not None:
             t = out.target_prompt_logprobs
             t.dtype = p.DTYPE_FLOAT32
             t.shape.extend(values.shape)
@@ -211,7 +212,7 @@ def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScore
             t.sparse_csr.col_indices = targets_as.col.astype(np.int64).tobytes()
         else:
             _tensor(out.target_prompt_logprobs, values, p.DTYPE_FLOAT32)
-    if prompt.alt_ids is not None:
+    if prompt.alt_ids is not None and prompt.alt_logprobs is not None:  # asked together, set together
         _tensor(out.prompt_alt_tokens.tokens, prompt.alt_ids.astype(np.int64), p.DTYPE_INT64)
         _tensor(out.prompt_alt_tokens.logprobs, prompt.alt_logprobs.astype(np.float32), p.DTYPE_FLOAT32)
     return out.SerializeToString()

@@ -31,6 +31,8 @@ def pb() -> ModuleType:
         raise RuntimeError("the tinker SDK is not installed: pip install tinker==0.38.0")
     path = Path(next(iter(spec.submodule_search_locations))) / "proto" / "tinker_public_pb2.py"
     module_spec = importlib.util.spec_from_file_location("_grpo_jobs_tinker_public_pb2", path)
+    if module_spec is None or module_spec.loader is None:
+        raise RuntimeError(f"the tinker SDK's protobuf schema cannot be loaded from {path}")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module

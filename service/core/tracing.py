@@ -17,14 +17,16 @@ import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import Token
 from typing import Any
 
 from opentelemetry import context, trace
+from opentelemetry.context import Context
 
 TRACER = trace.get_tracer("grpo_jobs")
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _provider = None  # this process's, once set up
-_step: tuple[trace.Span, object] | None = None  # the step span in progress and its context token
+_step: tuple[trace.Span, Token[Context]] | None = None  # the step span in progress and its context token
 
 
 def configured() -> bool:

@@ -56,7 +56,7 @@ class GhostHooks:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, one layer's [n] contribution)
         self.rows: torch.Tensor | None = None
         self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
-        self.subset: dict[torch.nn.Parameter, torch.Tensor] = {}  # folded subset gradient per LoRA weight
+        self.subset: dict[torch.Tensor, torch.Tensor] = {}  # folded subset gradient per LoRA weight
         self._handles: list = []
 
     def __enter__(self) -> GhostHooks:
@@ -117,8 +117,10 @@ class GhostHooks:
         return forward_hook
 
     @property
-    def scores(self) -> torch.Tensor | None:
+    def scores(self) -> torch.Tensor:
         """[N] float64 influence of every training row scored so far."""
+        if self._scores is None:
+            raise RuntimeError("no scores before start_scoring")
         if self._pending:  # one sum per micro-batch instead of one scatter per layer
             by_rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
             for rows, c in self._pending:
@@ -155,8 +157,8 @@ class GhostHooks:
         row_weights: dict[int, torch.Tensor | None] = {}  # per micro-batch: its rows' weights, None if all 0
         for i, rows, which, per in self.factors:
             if id(rows) not in row_weights:
-                w = weights[rows.to(weights.device)]
-                row_weights[id(rows)] = w.to(per.device, per.dtype) if bool(w.any()) else None
+                mine = weights[rows.to(weights.device)]
+                row_weights[id(rows)] = mine.to(per.device, per.dtype) if bool(mine.any()) else None
             w = row_weights[id(rows)]  # [n]
             if w is None:
                 continue  # nothing selected in this micro-batch
@@ -177,7 +179,7 @@ class GhostHooks:
         per_layer: dict[tuple[int, str], list] = {}
         for i, rows, which, per in self.factors:
             per_layer.setdefault((i, which), []).append((rows, per))
-        gram = None
+        gram = torch.zeros(n, n, dtype=torch.float64)
         for key, layer in self.val_grads.items():  # every layer, also where this process has no rows
             for which, g in zip("AB", layer):
                 grads = torch.zeros(n, g.numel(), dtype=g.dtype, device=g.device)
@@ -186,7 +188,7 @@ class GhostHooks:
                 if gather is not None:
                     grads = gather(grads)
                 part = (grads @ grads.T).double().cpu()
-                gram = part if gram is None else gram + part
+                gram += part
         return gram
 
 

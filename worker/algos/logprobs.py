@@ -48,7 +48,7 @@ class _TokenLogprobs(torch.autograd.Function):
             z = _logits(hidden[i:i + chunk], weight, bias, temperature)  # [C, V]
             lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
             logp[i:i + chunk] = z.gather(1, targets[i:i + chunk, None]).squeeze(1) - lse[i:i + chunk]
-            if with_entropy:
+            if ent is not None:
                 ent[i:i + chunk] = entropy_from_logits(z)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk

@@ -24,7 +24,8 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a peft wrapper (the model itself without one)."""
-    return model.get_base_model() if is_lora(model) else model
+    # nn.Module's __getattr__ types any attribute as a Tensor or a Module; peft's wrapper has this method
+    return model.get_base_model() if is_lora(model) else model  # type: ignore[operator]
 
 
 def lora_layers(model: torch.nn.Module, adapter: str = "default") -> list[LoraLayer]:
@@ -32,6 +33,8 @@ def lora_layers(model: torch.nn.Module, adapter: str = "default") -> list[LoraLa
     out = []
     for name, m in model.named_modules():
         a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
-        if isinstance(a, torch.nn.ModuleDict) and adapter in a and isinstance(a[adapter], torch.nn.Linear):
-            out.append(LoraLayer(name, m, a[adapter], b[adapter], float(m.scaling[adapter])))
+        if isinstance(a, torch.nn.ModuleDict) and isinstance(b, torch.nn.ModuleDict) and adapter in a:
+            a_, b_ = a[adapter], b[adapter]
+            if isinstance(a_, torch.nn.Linear) and isinstance(b_, torch.nn.Linear):
+                out.append(LoraLayer(name, m, a_, b_, float(m.scaling[adapter])))
     return out

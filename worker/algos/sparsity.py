@@ -150,8 +150,8 @@ def diff_report(
     overall = total.summary()
     layers = sorted(per_layer, key=lambda k: (k == "other", int(k) if k.isdigit() else 0))
     grid: dict[str, dict[str, float]] = {}  # layer -> component -> sparsity at the primary threshold
-    for (layer, comp), c in per_cell.items():
-        grid.setdefault(layer, {})[comp] = c.summary().sparsity[str(primary)]
+    for (layer_key, comp), c in per_cell.items():
+        grid.setdefault(layer_key, {})[comp] = c.summary().sparsity[str(primary)]
     return DiffReport(
         **overall.model_dump(),
         primary_threshold=primary,

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.utils import logging as hf_logging
 
 from service.core.sources import require_model_path
-from service.core.specs import MODEL_PRESETS, LoraSpec, ModelSpec
+from service.core.specs import HUB_NAMES, MODEL_PRESETS, LoraSpec, ModelSpec
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
 # transformers' own deprecated internals (peft calls them) on every model load.
@@ -33,9 +33,7 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", categ
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 TINY_PRESETS = ("tiny-random-llama", "tiny-random-qwen")
-PRESETS = ("smollm2-135m-instruct", *TINY_PRESETS)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the presets' public names
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -37,10 +37,7 @@ def _init_errors(spec, session: Session, owner: str) -> list[dict]:
     earlier_spec = found.job.job_spec()
     earlier = None if earlier_spec is None else earlier_spec.model
 
-    def shape(lora) -> tuple | None:
-        return None if lora is None else (lora.r, lora.alpha, lora.target_modules)
-
-    if earlier is None or earlier.name != spec.model.name or shape(earlier.lora) != shape(spec.model.lora):
+    if earlier is None or not spec.model.same_weights_as(earlier):
         trained = "a model this version cannot read" if earlier is None else \
             f"{earlier.name!r} with lora {None if earlier.lora is None else earlier.lora.model_dump(mode='json')}"
         return [{"loc": ("model", "init_from"), "type": "mismatch",

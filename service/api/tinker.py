@@ -12,24 +12,50 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import re
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from service.api.deps import OwnerDep, ReleasedOwnerDep, SessionDep, SettingsDep
 from service.api.schemas import OCTET_STREAM, ErrorOut, ValidationErrorOut, error_responses
 from service.api.sources import model_unavailable
 from service.core import queue
 from service.core.errors import format_errors
-from service.core.specs import MODEL_PRESETS, TERMINAL, InitFrom, LoraSpec, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_sampling import DEFAULT_MAX_TOKENS, MAX_CELLS, MAX_K, prompt_ask, sample_response_json
+from service.core.records import OpState
+from service.core.specs import (
+    HUB_NAMES,
+    MODEL_PRESETS,
+    TERMINAL,
+    InitFrom,
+    LoraSpec,
+    ModelSpec,
+    SessionJob,
+    SessionSpec,
+)
+from service.core.tinker_requests import (
+    ClientConfigIn,
+    CreateModelIn,
+    CreateSamplingSessionIn,
+    CreateSessionIn,
+    LoadWeightsIn,
+    LoadWeightsOp,
+    LoraConfigIn,
+    ModelIdIn,
+    OptimStepIn,
+    RetrieveFutureIn,
+    SampleIn,
+    SaveForSamplerIn,
+    SaveNamedOp,
+    SaveWeightsIn,
+    SessionIdIn,
+)
+from service.core.tinker_sampling import DEFAULT_MAX_TOKENS, prompt_ask, sample_response_json
 from service.core.tinker_wire import (
     CHECKPOINT_NAME,
     WireError,
@@ -50,86 +76,6 @@ FORWARD_BACKWARD_MAX_BYTES = 8 * 2**20  # decompressed; the SDK's chunks are kep
 RETRIEVE_WAIT_S = 10.0  # retrieve_future holds a pending future this long before answering try_again
 
 
-class Wire(BaseModel):
-    """A request body as the SDK sends it. Fields a newer SDK adds are ignored, not refused: the SDK,
-    not a person, writes these bodies, and it must keep working against this server."""
-
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-
-class ClientConfigIn(Wire):
-    sdk_version: str = Field("", max_length=40)
-
-
-class CreateSessionIn(Wire):
-    tags: list[Annotated[str, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str = Field("", max_length=40)
-
-
-class SessionIdIn(Wire):
-    session_id: str = Field(max_length=40)
-
-
-class LoraConfigIn(Wire):
-    rank: int = Field(ge=1, le=1024)
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
-    train_unembed: bool = True
-    train_mlp: bool = True
-    train_attn: bool = True
-
-
-class CreateModelIn(Wire):
-    session_id: str = Field(max_length=40)
-    model_seq_id: int = Field(0, ge=0, le=2**31 - 1)
-    base_model: str = Field(max_length=200)
-    lora_config: LoraConfigIn | None = None
-    user_metadata: dict[str, Any] | None = None
-
-
-class ModelIdIn(Wire):
-    model_id: str = Field(max_length=40)
-
-
-class AdamParamsIn(Wire):
-    learning_rate: float = Field(1e-4, ge=0, le=10)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-12, gt=0, le=1)
-    weight_decay: float = Field(0.0, ge=0, le=10)
-    grad_clip_norm: float = Field(0.0, ge=0)
-
-
-class OptimStepIn(Wire):
-    model_id: str = Field(max_length=40)
-    seq_id: int | None = Field(None, ge=0, le=2**62)
-    adam_params: AdamParamsIn
-
-
-class SaveForSamplerIn(Wire):
-    model_id: str = Field(max_length=40)
-    path: str | None = Field(None, max_length=200)
-    sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1)
-    kind: str = Field("snapshot", max_length=20)
-    seq_id: int | None = Field(None, ge=0, le=2**62)
-
-
-class SaveWeightsIn(Wire):
-    model_id: str = Field(max_length=100)
-    path: str | None = Field(None, max_length=100, description="The checkpoint's name.")
-    seq_id: int | None = Field(None, ge=0, le=2**62)
-
-
-class LoadWeightsIn(Wire):
-    model_id: str | None = Field(None, max_length=100)
-    seq_id: int | None = Field(None, ge=0, le=2**62)
-    session_id: str | None = Field(None, max_length=40)
-    model_seq_id: int | None = Field(None, ge=0, le=2**31 - 1)
-    base_model: str | None = Field(None, max_length=200)
-    path: str = Field(max_length=300)
-    optimizer: bool = False
-
-
 class SessionListOut(BaseModel):
     sessions: list[str]
 
@@ -141,70 +87,11 @@ class SessionInfoOut(BaseModel):
     display_name: str | None = None
 
 
-class CreateSamplingSessionIn(Wire):
-    session_id: str = Field(max_length=40)
-    sampling_session_seq_id: int = Field(0, ge=0, le=2**31 - 1)
-    base_model: str | None = Field(None, max_length=200)
-    model_path: str | None = Field(None, max_length=300)
-
-
-class TextChunkIn(Wire):
-    type: str = Field("encoded_text", max_length=30)
-    tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(default_factory=list, max_length=131072)
-
-
-class PromptIn(Wire):
-    chunks: list[TextChunkIn] = Field(min_length=1, max_length=1024)
-
-
-class SamplingParamsIn(Wire):
-    max_tokens: int | None = Field(None, ge=1, le=8192)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[Annotated[str, Field(max_length=200)]] | list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None \
-        = Field(None, max_length=64)
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
-    top_p: float = Field(1.0, gt=0, le=1)
-
-
-class TensorIn(Wire):
-    """A tensor as the SDK's JSON sends it (`TensorData`): flat values, dense or sparse CSR."""
-
-    data: list[float] = Field(max_length=MAX_CELLS)
-    dtype: str = Field(max_length=20)
-    shape: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=8)
-    sparse_crow_indices: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=131073)
-    sparse_col_indices: list[Annotated[int, Field(ge=0, le=MAX_CELLS)]] | None = Field(None, max_length=MAX_CELLS)
-
-
-class SampleIn(Wire):
-    sampling_session_id: str = Field(max_length=100)
-    seq_id: int | None = Field(None, ge=0, le=2**62)
-    num_samples: int = Field(1, ge=1, le=256)
-    prompt: PromptIn
-    sampling_params: SamplingParamsIn
-    prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_K, description="The k likeliest tokens at each prompt position.")
-    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_K, description="The k likeliest tokens at each sampled "
-                                      "position.")
-    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_K, description="Tokens drawn at each prompt position after "
-                                     "the first.")
-    target_prompt_logprobs: TensorIn | None = Field(None, description="Token ids to score, [len(prompt) - 1, K], "
-                                                    "-1 for none; dense or sparse CSR.")
-    prompt_logprobs_last_n: int | None = Field(None, ge=1, le=131072, description="Score only the last n prompt "
-                                               "tokens.")
-
-
 class SamplerOut(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
     sampler_id: str
     base_model: str
     model_path: str | None = None
-
-
-class RetrieveFutureIn(Wire):
-    request_id: str = Field(max_length=40)
-    allow_metadata_only: bool = False
 
 
 class UntypedFuture(BaseModel):
@@ -322,7 +209,6 @@ def _enqueue(settings, session, *, job_id: int, uid: str) -> None:
         session.commit()
 
 
-
 def _start_run(settings, session, *, owner: str, spec: SessionJob,
                then: tuple[str, bytes] | None = None) -> UntypedFuture:
     """A new session run, queued with its `create_model` operation (and `then`, an operation after it):
@@ -418,7 +304,7 @@ def finish_session(session_id: Annotated[str, Path(max_length=40)], owner: Owner
 
 def _model_name(base_model: str) -> str:
     """The service's name of a model the SDK names by its hub name."""
-    return {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}.get(base_model, base_model)
+    return {hub: name for name, hub in HUB_NAMES.items()}.get(base_model, base_model)
 
 
 @router.post("/create_model", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
@@ -510,11 +396,12 @@ def save_weights_for_sampler(body: SaveForSamplerIn, owner: ReleasedOwnerDep, se
                      body.seq_id)
 
 
-def _save_named(settings, owner: str, model_id: str, kind: str, name: str | None, seq_id: int | None):
+def _save_named(settings, owner: str, model_id: str, kind: Literal["weights", "sampler_weights"], name: str | None,
+                seq_id: int | None):
     if name is None or not re.match(CHECKPOINT_NAME, name):
         return _refused("path", f"a checkpoint name is needed: letters, digits, '_', '.', '-', at most 100 "
                         f"({name!r})")
-    body = json.dumps({"kind": kind, "name": name}).encode()
+    body = SaveNamedOp(kind=kind, name=name).model_dump_json().encode()
     return _queue_op(settings, owner, model_id, "save_weights", body, seq_id)
 
 
@@ -524,40 +411,34 @@ def save_weights(body: SaveWeightsIn, owner: ReleasedOwnerDep, settings: Setting
     return _save_named(settings, owner, body.model_id, "weights", body.path, body.seq_id)
 
 
-def _same_shape(a: ModelSpec, b: ModelSpec) -> bool:
-    def shape(m: ModelSpec):
-        return m.name, None if m.lora is None else (m.lora.r, m.lora.alpha, tuple(m.lora.target_modules))
-    return shape(a) == shape(b)
-
-
 @router.post("/load_weights", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
 def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     """A saved checkpoint into a run (`load_state`), or into a new run of this session
     (`create_training_client_from_state`), with its optimizer state when asked."""
     parsed = parse_tinker_path(body.path)
-    if parsed is None or (parsed[1] != "weights" and body.optimizer):
+    if parsed is None or (parsed.kind != "weights" and body.optimizer):
         return _refused("path", "expected tinker://<model_id>/weights/<name> (sampler_weights/<name> without the "
                         f"optimizer), got {body.path!r}")
-    found = ops_q.find_named(session, model_id=parsed[0], kind=parsed[1], name=parsed[2], owner=owner)
+    found = ops_q.find_named(session, path=parsed, owner=owner)
     if found is None:
         raise HTTPException(404, f"checkpoint {body.path} not found")
     source, step = found
     trained = source.job_spec().model
-    load = {"job": source.id, "step": step, "optimizer": body.optimizer, "path": body.path}
+    load = LoadWeightsOp(job=source.id, step=step, optimizer=body.optimizer, path=body.path).model_dump_json().encode()
     if body.model_id is not None:
         target = owned_run(session, model_id=body.model_id, owner=owner)
-        if not _same_shape(target.job_spec().model, trained):
+        if not target.job_spec().model.same_weights_as(trained):
             return _refused("path", f"{body.path} holds weights of {trained.name} with lora "
                             f"{None if trained.lora is None else trained.lora.r}: not the shape of this run")
-        return _submit_op(settings, session, job=target, kind="load_weights", body=json.dumps(load).encode(),
+        return _submit_op(settings, session, job=target, kind="load_weights", body=load,
                           seq=body.seq_id)
     if body.session_id is None or ops_q.get_session(session, session_id=body.session_id, owner=owner) is None:
         raise HTTPException(404, f"session {body.session_id} not found")
-    spec = SessionJob(name=f"tinker {trained.name} from {parsed[2]}", model=trained,
+    spec = SessionJob(name=f"tinker {trained.name} from {parsed.name}", model=trained,
                       session=SessionSpec(tinker_session=body.session_id, model_id=new_uid(),
                                           model_seq_id=body.model_seq_id or 0, idle_timeout_s=settings.session_idle_s,
                                           seed=source.job_spec().session.seed))
-    future = _start_run(settings, session, owner=owner, spec=spec, then=("load_weights", json.dumps(load).encode()))
+    future = _start_run(settings, session, owner=owner, spec=spec, then=("load_weights", load))
     return future.model_copy(update={"model_id": f"{body.session_id}:train:{spec.session.model_seq_id}"})
 
 
@@ -577,7 +458,7 @@ def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, sess
     parsed = parse_tinker_path(body.model_path)
     if parsed is None:
         return _refused("model_path", "not a path of this server: tinker://<model_id>/<weights|sampler_weights>/<name>")
-    found = ops_q.find_named(session, model_id=parsed[0], kind=parsed[1], name=parsed[2], owner=owner)
+    found = ops_q.find_named(session, path=parsed, owner=owner)
     if found is None:
         raise HTTPException(404, f"checkpoint {body.model_path} not found")
     job, step = found
@@ -586,7 +467,7 @@ def create_sampling_session(body: CreateSamplingSessionIn, owner: OwnerDep, sess
     # the run has ended: a run of its own samples them, loaded as its model's init_from
     trained = job.job_spec()
     model = trained.model.model_copy(update={"init_from": InitFrom(job=job.id, step=step)})
-    return _start_sampler(body, owner, session, settings, name=f"tinker sampler {parsed[2]} of {job.uid}",
+    return _start_sampler(body, owner, session, settings, name=f"tinker sampler {parsed.name} of {job.uid}",
                           model=model, seed=trained.session.seed)
 
 
@@ -639,7 +520,7 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     if prompt_len == 0:
         return _refused("prompt", "no tokens")
     try:
-        prompt_ask(body.model_dump(), prompt_len=prompt_len)
+        prompt_ask(body, prompt_len=prompt_len)
     except WireError as exc:
         return _refused(exc.field, exc.message)
     positions = body.num_samples * (prompt_len + (body.sampling_params.max_tokens or DEFAULT_MAX_TOKENS))
@@ -670,24 +551,25 @@ async def retrieve_future(body: RetrieveFutureIn, request: Request, owner: Relea
         op = await run_in_threadpool(_op_state, settings, body.request_id, owner)
         if op is None:
             raise HTTPException(404, f"request {body.request_id} not found")
-        status, result, fmt, error, category, kind = op
-        if status == "done":
-            if fmt != "proto":
+        if op.status == "done":
+            result = op.result or b""  # a done operation always has one
+            if op.result_format != "proto":
                 return Response(result, media_type="application/json")
             if PROTOBUF in request.headers.get("accept", ""):
                 return Response(result, media_type=PROTOBUF)
-            as_json = sample_response_json if kind == "sample" else forward_backward_output_json
+            as_json = sample_response_json if op.kind == "sample" else forward_backward_output_json
             return JSONResponse(await run_in_threadpool(as_json, result))
-        if status == "failed":
-            return JSONResponse({"error": error, "category": category})
+        if op.status == "failed":
+            return JSONResponse({"error": op.error, "category": op.category})
         if time.monotonic() >= deadline:
             return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
         await asyncio.sleep(pause)
         pause = min(pause * 1.25, 0.1)  # a 20 ms operation is answered within ~5 ms of its end
 
 
-def _op_state(settings, request_id: str, owner: str):
+def _op_state(settings, request_id: str, owner: str) -> OpState | None:
     with session_scope(settings.store_url, read_only=True) as session:
         op = ops_q.op_for(session, request_id=request_id, owner=owner)
-        return None if op is None else (op.status, op.result, op.result_format, op.error, op.category, op.kind)
+        return None if op is None else OpState(kind=op.kind, status=op.status, result=op.result,
+                                               result_format=op.result_format, error=op.error, category=op.category)
 

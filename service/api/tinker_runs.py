@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import OwnerDep, SessionDep
 from service.api.schemas import error_responses
-from service.api.tinker import Wire, owned_run
+from service.api.tinker import owned_run
+from service.core.tinker_requests import Wire
 from service.core.tinker_wire import CHECKPOINT_KINDS, CHECKPOINT_NAME, parse_tinker_path, tinker_path
 from service.store import session_ops as ops_q
 from service.store.models import Job
@@ -165,8 +166,7 @@ def delete_checkpoint(model_id: RunId, kind: Annotated[Literal[CHECKPOINT_KINDS]
 def weights_info(body: WeightsInfoIn, owner: OwnerDep, session: SessionDep):
     """What the weights a tinker path names are: their base model, and the LoRA adapter's rank and layers."""
     parsed = parse_tinker_path(body.tinker_path)
-    found = None if parsed is None else ops_q.find_named(session, model_id=parsed[0], kind=parsed[1],
-                                                         name=parsed[2], owner=owner)
+    found = None if parsed is None else ops_q.find_named(session, path=parsed, owner=owner)
     if found is None:
         raise HTTPException(404, f"checkpoint {body.tinker_path} not found")
     return _weights(found[0])

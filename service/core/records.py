@@ -76,3 +76,15 @@ class OpResult:
     result: bytes
     result_format: str  # json | proto
     samples: Samples | None = None
+
+
+@dataclass(frozen=True)
+class OpState:
+    """A stored operation as its future reads it."""
+
+    kind: str
+    status: str  # pending | done | failed
+    result: bytes | None  # done: the result, in result_format
+    result_format: str | None  # json | proto
+    error: str | None  # failed: why
+    category: str | None  # failed: user | server

@@ -22,7 +22,11 @@ from service.core.spec_base import INT64, _Section, storable  # noqa: F401  (re-
 # Names the worker implements. Tests assert these match the worker's registries.
 MODEL_PRESETS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
 RETRIEVER_PRESETS = ("minilm-l6", "tiny-random-bert")
-DATASETS = ("arith", "file", "jsonl", "persona-facts")
+DatasetName = Literal["arith", "file", "jsonl", "persona-facts"]
+DATASETS: tuple[DatasetName, ...] = get_args(DatasetName)
+LossName = Literal["grpo", "gspo", "cispo"]  # worker/algos/losses.py: one function each
+LossAgg = Literal["token_mean", "seq_mean", "dr_grpo"]
+HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the presets' public (hub) names
 REWARDS = tuple(BUILTIN_REWARDS)
 DEFAULT_REWARDS = {"arith": ["numeric_match"], "file": ["exact_match"], "jsonl": ["exact_match"],
                    "persona-facts": ["token_f1"]}
@@ -102,9 +106,18 @@ class ModelSpec(_Section):
     def _known(cls, v: str) -> str:
         return _check_model_name(v, MODEL_PRESETS, "model")
 
+    def same_weights_as(self, other: ModelSpec) -> bool:
+        """Whether a checkpoint trained as `other` loads into this model: the same base model and the
+        same LoRA shape (r, alpha, target modules), or both without LoRA."""
+
+        def shape(m: ModelSpec) -> tuple:
+            return m.name, None if m.lora is None else (m.lora.r, m.lora.alpha, tuple(m.lora.target_modules))
+
+        return shape(self) == shape(other)
+
 
 class DatasetSpec(_Section):
-    name: Literal["arith", "file", "jsonl", "persona-facts"] = Field(
+    name: DatasetName = Field(
         "arith",
         description="arith: generated grade-school word problems; persona-facts: generated corpus + "
         "questions (joint jobs); file: files you uploaded (POST /v1/files), named by id in `train_file`, "
@@ -256,11 +269,11 @@ class GRPOSpec(TrainSpec):
         False, description="Report `kl` even when kl_coef is 0: one more no-grad forward per micro-batch (and a "
         "frozen copy of the model with full fine-tuning). With kl_coef > 0 it is always reported."
     )
-    loss: Literal["grpo", "gspo", "cispo"] = Field(
+    loss: LossName = Field(
         "grpo", description="grpo: the token-level clipped surrogate; gspo: the sequence's length-normalised ratio, "
         "clipped (GSPO; it wants far smaller clip_eps, e.g. 3e-4 / 4e-4); cispo: REINFORCE with a clipped, "
         "stop-gradient importance weight (CISPO; clipped tokens still train).")
-    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field(
+    loss_agg: LossAgg = Field(
         "token_mean", description="token_mean: over all tokens; seq_mean: mean of per-sequence means; dr_grpo: "
         "sum / (B * T)."
     )

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.tinker_requests import MAX_CELLS, MAX_K, SampleIn, TensorIn
 from service.core.tinker_wire import WireError, pb
 
 DEFAULT_MAX_TOKENS = 16  # a completion's length when sampling_params.max_tokens is not sent
-MAX_K = 64  # widest top-k and most alternative draws a position gets
-MAX_CELLS = 1 << 21  # largest [positions, k] answer a field may hold (8 MiB of float32)
 MASK_LOGPROB = -99999.0  # the SDK's sentinel for a top-k row with nothing in it (token id 0)
 
 
@@ -92,32 +91,33 @@ class SampledSequence:
     topk: TopK | None = None  # [T, k] when topk_sample_logprobs was asked
 
 
-def target_ids(sent: dict, *, prompt_len: int, vocab_size: int | None = None) -> TargetIds:
+def target_ids(sent: TensorIn, *, prompt_len: int, vocab_size: int | None = None) -> TargetIds:
     """`target_prompt_logprobs` as the SDK sends it in JSON (`data`, `dtype`, `shape`, and for CSR
     `sparse_crow_indices` / `sparse_col_indices`), checked against the prompt and the vocabulary."""
     where = "target_prompt_logprobs"
-    if sent.get("dtype") != "int64":
+    if sent.dtype != "int64":
         raise WireError(f"{where}.dtype", "must be int64: token ids")
-    shape = sent.get("shape")
-    if not isinstance(shape, list) or len(shape) != 2:
+    shape = sent.shape
+    if shape is None or len(shape) != 2:
         raise WireError(f"{where}.shape", f"must be 2-D, [len(prompt) - 1, K] = [{prompt_len - 1}, K]")
     rows, k = shape
     if rows != prompt_len - 1 or not 1 <= k or prompt_len * k > MAX_CELLS:
         raise WireError(f"{where}.shape", f"{shape}: must be [len(prompt) - 1, K] = [{prompt_len - 1}, K], K >= 1, "
                         f"len(prompt) * K at most {MAX_CELLS}")
-    raw = np.asarray(sent.get("data") or [], dtype=np.float64)
+    raw = np.asarray(sent.data, dtype=np.float64)
     if not (np.isfinite(raw) & (raw == np.round(raw))).all():
         raise WireError(f"{where}.data", "token ids must be whole numbers")
     data = raw.astype(np.int64)
-    crow, col = sent.get("sparse_crow_indices"), sent.get("sparse_col_indices")
-    if (crow is None) != (col is None):
+    if (sent.sparse_crow_indices is None) != (sent.sparse_col_indices is None):
         raise WireError(f"{where}.sparse_col_indices", "sparse_crow_indices and sparse_col_indices go together")
-    if crow is None:
+    crow = col = None
+    if sent.sparse_crow_indices is None or sent.sparse_col_indices is None:
         if data.size != rows * k:
             raise WireError(f"{where}.data", f"{data.size} values for shape {shape}")
         ids = data.reshape(rows, k)
     else:
-        crow, col = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+        crow = np.asarray(sent.sparse_crow_indices, dtype=np.int64)
+        col = np.asarray(sent.sparse_col_indices, dtype=np.int64)
         if (crow.size != rows + 1 or crow[0] != 0 or (np.diff(crow) < 0).any() or crow[-1] != col.size
                 or col.size != data.size or ((col < 0) | (col >= k)).any()):
             raise WireError(f"{where}.sparse_crow_indices", f"not a CSR layout of shape {shape} with {data.size} "
@@ -153,21 +153,20 @@ def check_widths(*, prompt_len: int, n: int, max_tokens: int, topk_prompt: int, 
                             f"{prompt_len - 1}")
 
 
-def prompt_ask(req: dict, *, prompt_len: int, vocab_size: int | None = None) -> PromptAsk:
-    """What a sample request (its JSON body) asks of its prompt, checked with the sizes it asks for
-    itself. The API checks it without the vocabulary, the worker with it."""
-    params = req.get("sampling_params") or {}
-    check_widths(prompt_len=prompt_len, n=req.get("num_samples") or 1,
-                 max_tokens=params.get("max_tokens") or DEFAULT_MAX_TOKENS,
-                 topk_prompt=req.get("topk_prompt_logprobs") or 0, topk_sample=req.get("topk_sample_logprobs") or 0,
-                 alt_k=req.get("prompt_alt_tokens_k") or 0, last_n=req.get("prompt_logprobs_last_n"),
-                 prompt_logprobs=bool(req.get("prompt_logprobs")))
-    targets = req.get("target_prompt_logprobs")
-    return PromptAsk(logprobs=bool(req.get("prompt_logprobs")), topk=req.get("topk_prompt_logprobs") or 0,
-                     last_n=req.get("prompt_logprobs_last_n"), alt_k=req.get("prompt_alt_tokens_k") or 0,
+def prompt_ask(req: SampleIn, *, prompt_len: int, vocab_size: int | None = None) -> PromptAsk:
+    """What a sample request asks of its prompt, checked with the sizes it asks for itself. The API
+    checks it without the vocabulary, the worker with it."""
+    params = req.sampling_params
+    check_widths(prompt_len=prompt_len, n=req.num_samples, max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
+                 topk_prompt=req.topk_prompt_logprobs, topk_sample=req.topk_sample_logprobs,
+                 alt_k=req.prompt_alt_tokens_k, last_n=req.prompt_logprobs_last_n,
+                 prompt_logprobs=bool(req.prompt_logprobs))
+    targets = req.target_prompt_logprobs
+    return PromptAsk(logprobs=bool(req.prompt_logprobs), topk=req.topk_prompt_logprobs,
+                     last_n=req.prompt_logprobs_last_n, alt_k=req.prompt_alt_tokens_k,
                      targets=None if targets is None else target_ids(targets, prompt_len=prompt_len,
                                                                      vocab_size=vocab_size),
-                     temperature=params.get("temperature", 1.0), seed=params.get("seed"))
+                     temperature=params.temperature, seed=params.seed)
 
 
 def _topk(msg, topk: TopK) -> None:

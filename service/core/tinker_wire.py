@@ -290,11 +290,20 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
     return f"tinker://{model_id}/{kind}/{name}"
 
 
-def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
-    """(model_id, kind, name) of `tinker://<model_id>/<kind>/<name>`, or None."""
+@dataclass(frozen=True)
+class TinkerPath:
+    """`tinker://<model_id>/<kind>/<name>`: a run's named checkpoint."""
+
+    model_id: str
+    kind: str  # one of CHECKPOINT_KINDS
+    name: str
+
+
+def parse_tinker_path(path: str) -> TinkerPath | None:
+    """The checkpoint `path` names, or None where it is not a tinker path."""
     if not path.startswith("tinker://"):
         return None
     parts = path[len("tinker://"):].split("/")
     if len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not re.match(CHECKPOINT_NAME, parts[2]) or not parts[0]:
         return None
-    return parts[0], parts[1], parts[2]
+    return TinkerPath(*parts)

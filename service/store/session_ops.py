@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from service.core.records import OpResult, PendingOp
 from service.core.specs import TERMINAL, SessionJob, Status
+from service.core.tinker_wire import TinkerPath
 from service.store import jobs as jobs_q
 from service.store import records
 from service.store.db import session_scope
@@ -227,10 +228,10 @@ def name_checkpoint(url: str, *, job_id: int, kind: str, name: str, step: int) -
             row.step, row.created_at = step, utcnow()
 
 
-def find_named(session: Session, *, model_id: str, kind: str, name: str, owner: str) -> tuple[Job, int] | None:
+def find_named(session: Session, *, path: TinkerPath, owner: str) -> tuple[Job, int] | None:
     """The run and step a tinker path names, if this owner's."""
-    job = run_for_model(session, model_id=model_id, owner=owner)
-    row = None if job is None else _named(session, job_id=job.id, kind=kind, name=name)
+    job = run_for_model(session, model_id=path.model_id, owner=owner)
+    row = None if job is None else _named(session, job_id=job.id, kind=path.kind, name=path.name)
     return None if row is None else (job, row.step)
 
 

@@ -21,13 +21,14 @@ Shapes: B sequences (completions), T completion tokens (right-padded, `mask` mar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 
-Agg = Literal["token_mean", "seq_mean", "dr_grpo"]
-AGGREGATIONS: tuple[Agg, ...] = ("token_mean", "seq_mean", "dr_grpo")
-LossName = Literal["grpo", "gspo", "cispo"]
+from service.core.specs import LossAgg, LossName
+
+Agg = LossAgg  # grpo.loss_agg
+AGGREGATIONS: tuple[Agg, ...] = get_args(LossAgg)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

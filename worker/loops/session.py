@@ -47,6 +47,7 @@ import torch
 from service.core.records import OpResult
 from service.core.settings import Settings
 from service.core.specs import SessionJob
+from service.core.tinker_requests import LoadWeightsOp, OptimStepIn, SaveNamedOp
 from service.core.tinker_wire import (
     WireError,
     decode_forward_backward,
@@ -55,14 +56,16 @@ from service.core.tinker_wire import (
 )
 from worker.algos import tinker_losses
 from worker.checkpoints import load_checkpoint, load_weights, save_checkpoint
+from worker.distributed import Ranks
 from worker.loops.session_sampling import gather_samples, run_samples, save_for_sampler
 from worker.loops.session_state import Session
 from worker.loops.setup import init_weights
+from worker.loops.update import clip_and_step
 from worker.models import load_policy
 from worker.reporting import LoopResult, Reporter
 from worker.sql_reporter import LeaseLost
 from worker.stopping import stopping
-from worker.training import grad_norm, trainable
+from worker.training import NonFiniteUpdate, trainable
 
 log = logging.getLogger(__name__)
 # Between looks for the next operation: every 2 ms for a second after the last one (a client's loop
@@ -92,9 +95,11 @@ def datum_loss(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor],
 FORWARD_TOKENS = 1024
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Indices of sequences grouped shortest first, each group's rows x longest length within
-    `max_tokens` (a longer sequence goes alone)."""
+    `max_tokens` (a longer sequence goes alone). A tinker datum is one sequence of any length, padded
+    on the right: sorting by length wastes the least padding. (A rollout batch keeps its rows' order
+    and prompt/completion split: worker/sampling.micro_batches.)"""
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
         if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
@@ -109,7 +114,7 @@ def forward_backward(s: Session, body: bytes) -> bytes:
     device = next(s.model.parameters()).device
     logps: list[np.ndarray | None] = [None] * len(request.data)
     total = 0.0
-    for group in micro_batches([len(d.tokens) for d in request.data], FORWARD_TOKENS):
+    for group in length_groups([len(d.tokens) for d in request.data], FORWARD_TOKENS):
         data = [request.data[i] for i in group]
         width = max(len(d.tokens) for d in data)
         ids = torch.zeros(len(data), width, dtype=torch.long, device=device)  # [B, W] padded on the right
@@ -138,16 +143,17 @@ def forward_backward(s: Session, body: bytes) -> bytes:
 
 
 def optim_step(s: Session, body: bytes, reporter: Reporter) -> bytes:
-    sent = json.loads(body)
-    adam = sent.get("adam_params") or sent.get("optim_params") or {}
-    lr = float(adam.get("learning_rate", 1e-4))
+    adam = OptimStepIn.model_validate_json(body).adam_params  # as the API validated it, with its defaults
+    lr = adam.learning_rate
     for group in s.optimizer.param_groups:
-        group.update(lr=lr, betas=(float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
-                     eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0)))
-    norm = grad_norm(s.params)
-    if (clip := float(adam.get("grad_clip_norm", 0.0))) > 0:
-        torch.nn.utils.clip_grad_norm_(s.params, clip)
-    s.optimizer.step()
+        group.update(lr=lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+    try:
+        norm = clip_and_step(s.params, s.optimizer, None, max_norm=adam.grad_clip_norm or None, ranks=Ranks())
+    except NonFiniteUpdate as exc:  # nothing applied: the gradients that carry it are dropped, the weights kept
+        s.optimizer.zero_grad(set_to_none=True)
+        s.pending = {"loss": 0.0, "tokens": 0.0}
+        raise WireError("adam_params", f"{exc}: nothing was applied, and the gradients accumulated since the "
+                        "last optim_step were dropped") from None
     s.optimizer.zero_grad(set_to_none=True)
     s.step += 1
     s.version += 1
@@ -166,19 +172,19 @@ VERSION_GAP = 1 << 20
 
 
 def save_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
-    req = json.loads(body)
-    save_state(s, reporter, f"saved as {req['kind']}/{req['name']}")
-    reporter.operations().name_checkpoint(req["kind"], req["name"], s.step)
-    kind = "save_weights" if req["kind"] == "weights" else "save_weights_for_sampler"
-    return json.dumps({"type": kind, "path": tinker_path(model_id, req["kind"], req["name"])}).encode()
+    req = SaveNamedOp.model_validate_json(body)
+    save_state(s, reporter, f"saved as {req.kind}/{req.name}")
+    reporter.operations().name_checkpoint(req.kind, req.name, s.step)
+    kind = "save_weights" if req.kind == "weights" else "save_weights_for_sampler"
+    return json.dumps({"type": kind, "path": tinker_path(model_id, req.kind, req.name)}).encode()
 
 
 def load_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> bytes:
     """A checkpoint's weights, and its optimizer state when asked; the run keeps its own step count."""
-    req = json.loads(body)
-    folder = reporter.init_checkpoint(req["job"], req["step"]).path
+    req = LoadWeightsOp.model_validate_json(body)
+    folder = reporter.init_checkpoint(req.job, req.step).path
     s.optimizer.zero_grad(set_to_none=True)  # gradients of the weights being replaced mean nothing now
-    if req["optimizer"]:
+    if req.optimizer:
         step = s.step
         load_checkpoint(folder, s.trainables())
         s.step = step
@@ -186,9 +192,9 @@ def load_named(s: Session, body: bytes, reporter: Reporter, model_id: str) -> by
         load_weights(folder, model=s.model)
     s.version += 1
     s.saved_step = None  # the saved state of this step is not these weights
-    reporter.event("loaded", f"loaded {req['path']}" + (" with its optimizer state" if req["optimizer"] else ""),
-                   data={"path": req["path"], "optimizer": req["optimizer"]})
-    return json.dumps({"type": "load_weights", "path": req["path"], "model_id": model_id}).encode()
+    reporter.event("loaded", f"loaded {req.path}" + (" with its optimizer state" if req.optimizer else ""),
+                   data={"path": req.path, "optimizer": req.optimizer})
+    return json.dumps({"type": "load_weights", "path": req.path, "model_id": model_id}).encode()
 
 
 def _refuse_training(body: bytes) -> tuple[bytes, str]:

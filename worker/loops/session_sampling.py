@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from service.core.records import OpResult, PendingOp, SampleRow, Samples
+from service.core.tinker_requests import SampleIn
 from service.core.tinker_sampling import (
     DEFAULT_MAX_TOKENS,
     PromptAsk,
@@ -105,36 +106,34 @@ class SampleCall:
 
 
 def parse_sample(s: Session, body: bytes) -> SampleCall:
-    req = json.loads(body)
-    prompt = [t for chunk in req["prompt"]["chunks"] for t in chunk["tokens"]]
-    params = req["sampling_params"]
+    req = SampleIn.model_validate_json(body)  # as the API validated it
+    prompt = [t for chunk in req.prompt.chunks for t in chunk.tokens]
+    params = req.sampling_params
     if bad := [t for t in prompt if not 0 <= t < s.vocab_size]:
         raise WireError("prompt", f"token id {bad[0]} is outside the model's vocabulary [0, {s.vocab_size})")
-    stop = params.get("stop")
-    stop_tokens, stop_strings = frozenset(), ()
+    stop = params.stop
+    stop_tokens: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
     if stop is None:  # the model's end-of-sequence tokens
         stop_tokens = frozenset(eos_token_ids(s.tokenizer, s.model))
     elif isinstance(stop, str):
         stop_strings = (stop,)
     elif all(isinstance(x, int) for x in stop):
-        stop_tokens = frozenset(stop)
+        stop_tokens = frozenset(x for x in stop if isinstance(x, int))
     else:
-        stop_strings = tuple(stop)
-    p = token_sampler.Params(max_tokens=params.get("max_tokens") or DEFAULT_MAX_TOKENS,
-                             temperature=params.get("temperature", 1.0), top_k=params.get("top_k", -1),
-                             top_p=params.get("top_p", 1.0), seed=params.get("seed"),
-                             stop_tokens=stop_tokens, stop_strings=stop_strings,
-                             topk_logprobs=req.get("topk_sample_logprobs", 0))
+        stop_strings = tuple(x for x in stop if isinstance(x, str))
+    p = token_sampler.Params(max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS, temperature=params.temperature,
+                             top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop_tokens=stop_tokens,
+                             stop_strings=stop_strings, topk_logprobs=req.topk_sample_logprobs)
     if s.context is not None and len(prompt) + p.max_tokens > s.context:  # positions the model has no embedding for
         raise WireError("sampling_params.max_tokens", f"{len(prompt)} prompt tokens + max_tokens {p.max_tokens} is "
                         f"over the model's context of {s.context}")
     ask = prompt_ask(req, prompt_len=len(prompt), vocab_size=s.vocab_size)
-    ref = parse_sampler_id(req["sampling_session_id"])
+    ref = parse_sampler_id(req.sampling_session_id)
     if ref.source == "v" and ref.number != s.version and ref.key not in s.snapshots:
         raise WireError("sampling_session_id", f"the weights of version {ref.number} are no longer kept (the "
                         f"{SNAPSHOTS_KEPT} newest snapshots are): save_weights_and_get_sampling_client again")
-    return SampleCall(req["sampling_session_id"], ref, token_sampler.Request(prompt, req.get("num_samples", 1), p),
-                      ask)
+    return SampleCall(req.sampling_session_id, ref, token_sampler.Request(prompt, req.num_samples, p), ask)
 
 
 SAMPLE_BATCH_ROWS = 64  # completions sampled in one batch at most (rows of several pending sample requests)

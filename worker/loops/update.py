@@ -90,16 +90,19 @@ def losses(s: Setup, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Te
 
 
 def clip_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                  scheduler: torch.optim.lr_scheduler.LRScheduler, *, max_norm: float | None, ranks: Ranks) -> float:
-    """The one optimizer step of every trained module (the policy, the retriever): every rank's
-    share of the gradient summed, clipped to `max_norm` (None: not clipped), the optimizer and its
-    schedule stepped. Returns the gradient norm before clipping."""
+                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, *, max_norm: float | None,
+                  ranks: Ranks) -> float:
+    """The one optimizer step of every trained module (the policy, the retriever, a tinker session's
+    model): every rank's share of the gradient summed, clipped to `max_norm` (None: not clipped), the
+    optimizer and its schedule (if any: a session sets its learning rate per step) stepped. Returns the
+    gradient norm before clipping."""
     ranks.reduce_gradients(params)
     norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if max_norm is not None else grad_norm(params)
     if not math.isfinite(norm):  # every rank summed the same gradients: every rank stops here
         raise NonFiniteUpdate(f"the gradient norm is {norm}", hint=HINT)
     optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     return norm
 
 

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from service.core.tinker_requests import SampleIn, TensorIn
 from service.core.tinker_sampling import (
     MAX_K,
     PromptScores,
@@ -22,10 +23,10 @@ IDS = np.full((4, 3), -1, dtype=np.int64)
 IDS[1, 0], IDS[3, 2] = 7, 2
 
 
-def sent(td: types.TensorData) -> dict:
-    """A TensorData as the SDK's JSON body carries it."""
-    return {"data": np.asarray(td.data).tolist(), "dtype": td.dtype, "shape": td.shape,
-            "sparse_crow_indices": td.sparse_crow_indices, "sparse_col_indices": td.sparse_col_indices}
+def sent(td: types.TensorData) -> TensorIn:
+    """A TensorData as the SDK's JSON body carries it, validated as the API does."""
+    return TensorIn(data=np.asarray(td.data).tolist(), dtype=td.dtype, shape=td.shape,
+                    sparse_crow_indices=td.sparse_crow_indices, sparse_col_indices=td.sparse_col_indices)
 
 
 def test_target_ids_read_dense_and_sparse_alike():
@@ -54,13 +55,13 @@ def test_target_ids_read_dense_and_sparse_alike():
 ])
 def test_target_ids_refused_naming_the_field(body, field, says):
     with pytest.raises(WireError) as err:
-        target_ids(body, prompt_len=5)
+        target_ids(TensorIn.model_validate(body), prompt_len=5)
     assert err.value.field == field and says in err.value.message
 
 
 def test_a_token_beyond_the_vocabulary_is_refused():
     with pytest.raises(WireError, match=r"token id 7 is outside the model's vocabulary \[0, 5\)"):
-        target_ids({"data": IDS.ravel().tolist(), "dtype": "int64", "shape": [4, 3]}, prompt_len=5, vocab_size=5)
+        target_ids(TensorIn(data=IDS.ravel().tolist(), dtype="int64", shape=[4, 3]), prompt_len=5, vocab_size=5)
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -84,18 +85,19 @@ def test_widths_within_an_answer_pass():
 
 
 def test_a_request_body_is_checked_as_a_whole():
-    body = {"num_samples": 2, "sampling_params": {"max_tokens": None}, "prompt_logprobs": True,
+    body = {"sampling_session_id": "s", "prompt": {"chunks": [{"tokens": [1, 2, 3, 4, 5]}]},
+            "num_samples": 2, "sampling_params": {"max_tokens": None}, "prompt_logprobs": True,
             "prompt_logprobs_last_n": 3, "topk_prompt_logprobs": 5, "topk_sample_logprobs": 0,
             "prompt_alt_tokens_k": 0, "target_prompt_logprobs": {"data": IDS.ravel().tolist(), "dtype": "int64",
                                                                   "shape": [4, 3]}}
-    ask = prompt_ask(body, prompt_len=5)
+    ask = prompt_ask(SampleIn.model_validate(body), prompt_len=5)
     np.testing.assert_array_equal(ask.targets.ids, IDS)
     assert (ask.logprobs, ask.topk, ask.last_n, ask.alt_k) == (True, 5, 3, 0)
-    assert prompt_ask(body | {"target_prompt_logprobs": None}, prompt_len=5).targets is None
+    assert prompt_ask(SampleIn.model_validate(body | {"target_prompt_logprobs": None}), prompt_len=5).targets is None
     with pytest.raises(WireError, match="prompt_logprobs_last_n: 3: must be between 1 and len"):
-        prompt_ask(body, prompt_len=3)
+        prompt_ask(SampleIn.model_validate(body), prompt_len=3)
     with pytest.raises(WireError, match="outside the model's vocabulary"):
-        prompt_ask(body, prompt_len=5, vocab_size=3)
+        prompt_ask(SampleIn.model_validate(body), prompt_len=5, vocab_size=3)
 
 
 def test_the_sdk_reads_every_answer_back_in_the_layout_asked():
@@ -135,6 +137,6 @@ def test_the_sdk_reads_every_answer_back_in_the_layout_asked():
     assert as_json["target_prompt_logprobs"]["sparse_crow_indices"] == [0, 0, 1, 1, 2]
     assert as_json["prompt_alt_tokens"]["tokens"]["data"] == list(range(8))
     dense = deserialize_sample_response(encode_sample_response([], scores, target_ids(
-        {"data": IDS.ravel().tolist(), "dtype": "int64", "shape": [4, 3]}, prompt_len=5)))
+        TensorIn(data=IDS.ravel().tolist(), dtype="int64", shape=[4, 3]), prompt_len=5)))
     assert dense.target_prompt_logprobs.sparse_crow_indices is None
     np.testing.assert_array_equal(np.asarray(dense.target_prompt_logprobs.data).reshape(4, 3), targets)

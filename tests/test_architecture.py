@@ -51,6 +51,15 @@ def test_workers_import_only_the_core_of_the_service(module):
     assert not bad, f"{module} imports {sorted(bad)}"
 
 
+@pytest.mark.parametrize("module", sorted(m for m in modules("worker") if m not in STORE_ADAPTERS | {"worker.tasks"}))
+def test_only_the_job_host_stands_on_the_store(module):
+    """A loop, an algorithm or an engine reports through the Reporter seam (worker/reporting.py); the
+    store adapters that implement it are the job host's (with the task, worker/tasks.py), and nothing else
+    of the worker imports them."""
+    bad = {i for i in imports(ALL[module]) if i in STORE_ADAPTERS}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
 def test_only_the_cli_imports_the_worker():
     found = {m: sorted(i for i in imports(p) if within(i, "worker"))
              for m, p in modules("service").items() if not within(m, "service.cli")}

@@ -26,6 +26,11 @@ class LoopResult:
     why: str = ""  # idle: why the run hands its worker back
 
 
+class LeaseLost(Exception):
+    """This worker no longer holds the job's lease: stop without recording anything (raised by a
+    reporter that holds one, worker/sql_reporter.py; a loop lets it through)."""
+
+
 class Operations(Protocol):
     """A session run's queue of operations (the futures its tinker client polls)."""
 

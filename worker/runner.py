@@ -29,8 +29,8 @@ from service.store.db import is_unreachable, session_scope
 from worker import allocator
 from worker.distributed import Ranks
 from worker.launch import LauncherStopped, RanksFailed, launch
-from worker.reporting import LoopResult, RankReporter, Reporter
-from worker.sql_reporter import LeaseLost, SqlReporter
+from worker.reporting import LeaseLost, LoopResult, RankReporter, Reporter
+from worker.sql_reporter import SqlReporter
 
 log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it

@@ -41,14 +41,10 @@ from service.store import files as files_q
 from service.store import leases, records, session_ops
 from service.store import metrics as metrics_q
 from service.store.db import is_unreachable, session_scope
-from worker.reporting import InitWeights, Operations, Reporter, _clean
+from worker.reporting import InitWeights, LeaseLost, Operations, Reporter, _clean
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class LeaseLost(Exception):
-    """This worker no longer holds the job's lease: stop without recording anything."""
 
 
 class SqlReporter(Reporter):

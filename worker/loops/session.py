@@ -62,8 +62,7 @@ from worker.loops.session_state import Session
 from worker.loops.setup import init_weights
 from worker.loops.update import clip_and_step
 from worker.models import load_policy
-from worker.reporting import LoopResult, Reporter
-from worker.sql_reporter import LeaseLost
+from worker.reporting import LeaseLost, LoopResult, Reporter
 from worker.stopping import stopping
 from worker.training import NonFiniteUpdate, trainable
 

@@ -1,4 +1,5 @@
-"""What every section of a job spec shares: storable values, unknown fields refused."""
+"""What every section of a job spec shares: storable values, unknown fields refused, and settings a job
+would ignore refused too."""
 
 from __future__ import annotations
 
@@ -36,3 +37,13 @@ class _Section(BaseModel):
     @classmethod
     def _storable(cls, v):
         return storable(v)
+
+
+def reject_unused(section: BaseModel, where: str, fields: tuple[str, ...], unless: str) -> None:
+    """A setting this job would ignore is a mistake to report, not a value to drop: refuse any of
+    `fields` of `section` that differs from its default (`unless`: when it would take effect)."""
+    changed = [f"{where}.{f}" for f in fields
+               if getattr(section, f) != type(section).model_fields[f].get_default(call_default_factory=True)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} would have no effect: {'it applies' if len(changed) == 1 else 'they apply'} "
+                         f"only {unless}; remove {'it' if len(changed) == 1 else 'them'}")

@@ -1,0 +1,227 @@
+"""A whole job spec per kind, discriminated on `kind`, and every rule across its sections; the spec of a
+tinker session run; a job's statuses."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Literal, get_args
+
+from pydantic import Field, TypeAdapter, model_validator
+
+from service.core.health import HealthSpec
+from service.core.reward_specs import FunctionReward, RewardSpec
+from service.core.spec_base import _Section, reject_unused
+from service.core.specs.data import DEFAULT_REWARDS, DatasetSpec
+from service.core.specs.extras import RetrieverSpec, SparsitySpec, TracInSpec
+from service.core.specs.model import ModelSpec
+from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec
+from service.core.specs.training import GRPOSpec, SFTSpec, TrainSpec
+
+
+class _JobBase(_Section):
+    if TYPE_CHECKING:  # each kind's own Literal field, the union's tag
+        kind: str
+    name: str | None = Field(None, max_length=200, description="Free-text label shown in lists and the dashboard.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    rewards: list[RewardSpec] | None = Field(
+        None, min_length=1, description="Reward functions, summed with weights; default depends on the dataset."
+    )
+    devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    sparsity: SparsitySpec | None = Field(None, description="Parameter-update sparsity reports; omit to skip.")
+    health: HealthSpec = Field(default_factory=HealthSpec, description="Thresholds of the per-step health guards "
+                               "(flagged as `health` events, summed up on the job) and which of them stop the job.")
+
+    @property
+    def train(self) -> TrainSpec:
+        """The kind's training section (grpo, sft): what every loop's skeleton reads."""
+        raise NotImplementedError
+
+    def reward_specs(self) -> list[RewardSpec]:
+        if self.rewards:
+            return self.rewards
+        return [FunctionReward(name=n) for n in DEFAULT_REWARDS[self.dataset.name]]
+
+    @model_validator(mode="after")
+    def _common(self) -> _JobBase:
+        if self.rewards is not None and all(r.weight == 0 for r in self.rewards):
+            raise ValueError("rewards: at least one reward needs a non-zero weight")
+        keys = [r.key for r in self.reward_specs()]
+        if dup := sorted({k for k in keys if keys.count(k) > 1}):
+            raise ValueError(f"rewards: two entries named {', '.join(dup)}: give each a different `tag` "
+                             "(it names the entry's metric reward/<tag>/mean)")
+        if self.resources.sharding == "fsdp" and self.resources.processes < 2:
+            raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 to shard across")
+        if (n := self.resources.processes) > 1:
+            field, units = self.train.per_step
+            if units % n:
+                raise ValueError(f"{field} ({units}) must be divisible by resources.processes ({n}): each process "
+                                 "takes an equal share of a step")
+            if self.resources.sharding == "fsdp":
+                if self.kind != "grpo":
+                    raise ValueError(f"resources.sharding 'fsdp' is supported for kind 'grpo', not {self.kind!r}: "
+                                     "its processes each hold the whole model (sharding 'none')")
+                if self.model.lora is not None:
+                    raise ValueError("resources.sharding 'fsdp' shards a fully fine-tuned model: remove model.lora "
+                                     "(a LoRA job's trained weights are small; use sharding 'none')")
+                if getattr(self.train, "drop_zero_std_groups", False):
+                    raise ValueError("resources.sharding 'fsdp' runs every process's forwards in lockstep, so each "
+                                     "takes the same number of prompts: grpo.drop_zero_std_groups (refills of "
+                                     "uneven size) is not supported with it")
+                if self.sparsity is not None and self.sparsity.quality.enabled:
+                    raise ValueError("sparsity.quality is not supported with resources.sharding 'fsdp': its probe "
+                                     "rewrites the weights, which are sharded")
+            if self.devices.rollout is not None or ":" in self.devices.policy:
+                raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
+                                 "each where there are enough, else the CPU): leave devices.policy 'cpu' or "
+                                 "'cuda' and devices.rollout unset")
+        if self.rollout.engine == "vllm":
+            if self.resources.sharding == "fsdp":
+                raise ValueError("rollout.engine 'vllm' is not supported with resources.sharding 'fsdp': the "
+                                 "server loads whole weights; use sharding 'none'")
+            if self.model.dtype == "float64":
+                raise ValueError("rollout.engine 'vllm' serves float32, bfloat16 or float16: set model.dtype to one "
+                                 "of them")
+            if self.devices.rollout is not None:
+                raise ValueError("devices.rollout places the hf engine's copy; with rollout.engine 'vllm' the "
+                                 "server takes its own device: remove devices.rollout")
+        if self.rollout.max_staleness and self.kind not in ("grpo", "tracin"):
+            raise ValueError(f"rollout.max_staleness 1 is supported for kinds 'grpo' and 'tracin', not {self.kind!r}: "
+                             "set it to 0")
+        return self
+
+
+def _no_corpus(d: DatasetSpec) -> None:
+    """Kinds without a retriever: no retrieval task, no corpus."""
+    if d.name == "persona-facts":
+        raise ValueError("dataset.name 'persona-facts' is a retrieval task: use kind 'joint'")
+    reject_unused(d, "dataset", ("corpus_path", "corpus_file"), unless="to kind 'joint' (a corpus to retrieve from)")
+
+
+class _GRPOKinds(_JobBase):
+    """The kinds that train with GRPO."""
+
+    grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+
+    @property
+    def train(self) -> GRPOSpec:
+        return self.grpo
+
+
+class GRPOJob(_GRPOKinds):
+    """GRPO / GRPO-Clip: group sampling, group-normalised advantages, clipped surrogate, k3 KL."""
+
+    kind: Literal["grpo"] = "grpo"
+
+    @model_validator(mode="after")
+    def _dataset(self) -> GRPOJob:
+        _no_corpus(self.dataset)
+        return self
+
+
+class TracInJob(_GRPOKinds):
+    """GRPO that trains only on samples whose TracIn influence on a validation batch helps."""
+
+    kind: Literal["tracin"] = "tracin"
+    tracin: TracInSpec = Field(default_factory=TracInSpec)
+
+    @model_validator(mode="after")
+    def _needs_lora(self) -> TracInJob:
+        if self.model.lora is None:
+            raise ValueError("model.lora is required for kind 'tracin': influence is computed over LoRA weights")
+        _no_corpus(self.dataset)
+        return self
+
+
+class JointJob(_GRPOKinds):
+    """Joint retriever + generator GRPO: k documents per query, G answers per document."""
+
+    kind: Literal["joint"] = "joint"
+    retriever: RetrieverSpec = Field(default_factory=RetrieverSpec)
+
+    @model_validator(mode="after")
+    def _needs_corpus(self) -> JointJob:
+        d = self.dataset
+        if d.name == "arith":
+            raise ValueError("dataset.name 'arith' has no corpus: kind 'joint' needs 'persona-facts' or 'jsonl'")
+        if d.name == "jsonl" and not d.corpus_path:
+            raise ValueError("dataset.corpus_path is required for kind 'joint' with a jsonl dataset")
+        if d.name == "file" and not d.corpus_file:
+            raise ValueError("dataset.corpus_file is required for kind 'joint' with dataset.name 'file'")
+        return self
+
+
+class SFTJob(_JobBase):
+    """Supervised fine-tuning: cross-entropy on the answer tokens of {prompt, answer} rows."""
+
+    kind: Literal["sft"] = "sft"
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+
+    @property
+    def train(self) -> SFTSpec:
+        return self.sft
+
+    @model_validator(mode="after")
+    def _dataset(self) -> SFTJob:
+        _no_corpus(self.dataset)
+        return self
+
+
+class SessionSpec(_Section):
+    """What the tinker client asked for when it created the training run (`create_model`)."""
+
+    tinker_session: str = Field(max_length=40, description="The tinker SDK session that created this run.")
+    model_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="The run's id for the SDK: its job's uid.")
+    model_seq_id: int = Field(0, ge=0, le=2**31 - 1, description="The client's number for this run in its session.")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Seed of the LoRA initialisation (random when null).")
+    idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A worker holding the run gives it back after "
+                                  "this long with no operation; the next operation brings it back from its last state.")
+    sampling_only: bool = Field(False, description="A run create_sampling_session made for a base model: it samples "
+                                "the model's own weights and trains nothing.")
+
+
+class SessionJob(_Section):
+    """A training run driven operation by operation from the tinker SDK (`forward_backward`,
+    `optim_step`, ...): created by `/api/v1/create_model`, never submitted as a spec."""
+
+    kind: Literal["session"] = "session"
+    name: str | None = Field(None, max_length=200, description="Free-text label shown in lists and the dashboard.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    session: SessionSpec
+
+
+SubmittedSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob, Field(discriminator="kind")]  # what a client submits
+JobSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob | SessionJob, Field(discriminator="kind")]  # what is stored
+JOB_MODELS: tuple[type[_JobBase], ...] = get_args(get_args(SubmittedSpec)[0])
+KINDS: tuple[str, ...] = tuple(get_args(m.model_fields["kind"].annotation)[0] for m in get_args(get_args(JobSpec)[0]))
+_SUBMITTED_SPEC: TypeAdapter = TypeAdapter(SubmittedSpec)
+_JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)
+
+
+def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob | SFTJob:
+    """A submitted job spec from its JSON form (a request body, a YAML file); ValidationError if wrong."""
+    return _SUBMITTED_SPEC.validate_python(data)
+
+
+def parse_stored_spec(data: object) -> GRPOJob | TracInJob | JointJob | SFTJob | SessionJob:
+    """A stored job's spec, session runs included; ValidationError if this version cannot read it."""
+    return _JOB_SPEC.validate_python(data)
+
+
+class Status(StrEnum):
+    """A job's status: queued -> running -> succeeded | failed | cancelled (service/store/leases.py); a session
+    run also goes running -> idle -> queued."""
+
+    queued = "queued"
+    running = "running"
+    idle = "idle"  # a session run no worker holds until its next operation arrives
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
+TERMINAL: tuple[str, ...] = (Status.succeeded.value, Status.failed.value, Status.cancelled.value)

@@ -1,0 +1,90 @@
+"""What a job trains: the base model (a bundled preset, a folder under the admin's model roots or a
+cached Hugging Face id), its LoRA adapter, and the checkpoint it may start from."""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from service.core.spec_base import _Section
+
+# Names the worker implements. Tests assert these match the worker's registries.
+MODEL_PRESETS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
+RETRIEVER_PRESETS = ("minilm-l6", "tiny-random-bert")
+HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the presets' public (hub) names
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def unavailable_model(what: str, name: str, presets: tuple[str, ...]) -> str:
+    """The one message for a model that is missing or not allowed (so neither can be told apart)."""
+    return (f"{what} {name!r} is not available: use a bundled preset ({', '.join(presets)}), a folder "
+            "under the admin's model roots (GRPO_MODEL_ROOTS), or a Hugging Face id in the local cache")
+
+
+def _check_model_name(name: str, presets: tuple[str, ...], what: str) -> str:
+    """Presets, or a relative name: whether it exists is checked against the admin's settings at
+    submit time (service.sources); a server path is never a name."""
+    p = PurePosixPath(name)
+    if name in presets or (name.strip() and not p.is_absolute() and ".." not in p.parts
+                           and not name.startswith(("~", "./")) and "\\" not in name):
+        return name
+    raise ValueError(unavailable_model(what, name, presets))
+
+
+class LoraSpec(_Section):
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt (e.g. ['q_proj', 'v_proj']) or 'all-linear'."
+    )
+
+
+class InitFrom(_Section):
+    job: int = Field(ge=1, le=2**31 - 1, description="The id of one of your earlier jobs.")
+    step: int | None = Field(None, ge=0, le=2**31 - 1, description="The step of one of its checkpoints "
+                             "(GET /v1/jobs/{job}/checkpoints); default: its latest.")
+
+
+class ModelSpec(_Section):
+    name: str = Field(
+        "tiny-random-llama",
+        description="Bundled preset (smollm2-135m-instruct, tiny-random-llama, tiny-random-qwen), a folder "
+        "under the admin's model roots (GRPO_MODEL_ROOTS), e.g. 'team/llama-1b', or a Hugging Face id "
+        "already in the workers' local cache.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="Parameter dtype of the trained policy (float64: for numerical checks on the CPU; "
+        "log-probs and losses are computed in at least float32).",
+    )
+    lora: LoraSpec | None = Field(None, description="Train a LoRA adapter; omit for full fine-tuning.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute each decoder layer's activations in backward instead of keeping them: a "
+        "micro-batch keeps one layer's activations and every layer's input, for one more forward of training "
+        "compute. Unset: the worker decides when the job starts, on when a micro-batch's activations (estimated "
+        "from the model's shapes, micro_batch_size rows of the longest prompt plus max_new_tokens, at most "
+        "micro_batch_tokens) would take more than half the memory free for it (GRPO_MEMORY_BUDGET_GB, or what "
+        "the device has available); a `memory_plan` event says which and why.")
+    init_from: InitFrom | None = Field(
+        None, description="Start from the weights of one of your own checkpoints (train on from it): it must be of "
+        "the same model.name, and a LoRA adapter of the same r, alpha and target_modules (or full weights for full "
+        "fine-tuning). Optimizer state starts fresh; with LoRA the KL reference stays the base model.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return _check_model_name(v, MODEL_PRESETS, "model")
+
+    def same_weights_as(self, other: ModelSpec) -> bool:
+        """Whether a checkpoint trained as `other` loads into this model: the same base model and the
+        same LoRA shape (r, alpha, target modules), or both without LoRA."""
+
+        def shape(m: ModelSpec) -> tuple:
+            return m.name, None if m.lora is None else (m.lora.r, m.lora.alpha, tuple(m.lora.target_modules))
+
+        return shape(self) == shape(other)

@@ -1,0 +1,71 @@
+"""Where a job runs: the devices of the policy and its rollout copy, the rollout engine, and how many
+processes a job takes."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from service.core.spec_base import _Section, reject_unused
+
+
+class DevicesSpec(_Section):
+    policy: str = Field("cpu", description="Device of the trained policy and the reference, e.g. 'cuda:0'.")
+    rollout: str | None = Field(None, description="Device of the frozen rollout copy, e.g. 'cuda:1'; default: policy's.")
+
+    @field_validator("policy", "rollout")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", v):
+            raise ValueError(f"unknown device {v!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        return v
+
+
+class RolloutSpec(_Section):
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="What samples the rollouts: 'hf', Hugging Face generate on a frozen copy of the policy in "
+        "the training process; 'vllm', a vLLM server started for the job (a worker with GRPO_VLLM_PYTHON), weights "
+        "synced every step, token ids in and out.")
+    correction: Literal["none", "truncated", "masked"] | None = Field(
+        None, description="Importance-sampling correction of the engine's samples by pi_trainer / q_engine: "
+        "'truncated' caps the weight at correction_cap, 'masked' drops tokens (or sequences) whose ratio leaves "
+        "[1/cap, cap], 'none' only measures. Default: 'truncated' with vllm; only for vllm.")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="The ratio per token, or per sequence (the product over its tokens, one weight for "
+        "all of them).")
+    correction_cap: float = Field(2.0, gt=1.0, le=1e6, description="C: the truncation cap, and the masking band "
+                                  "[1/C, C].")
+    max_staleness: Literal[0, 1] = Field(
+        0, description="Policy updates a training sample may lag behind: 0, sampled by the weights it trains; 1, "
+        "step k+1's first rollouts are sampled by the engine while step k trains (refills stay on-policy). With "
+        "vllm, kinds grpo and tracin; the correction weighs each token by the trainer's over the sampler's "
+        "log-prob.")
+
+    @property
+    def correction_mode(self) -> Literal["none", "truncated", "masked"]:
+        """The correction in effect: the one set, or 'truncated' for vllm and 'none' for hf."""
+        if self.correction is not None:
+            return self.correction
+        return "truncated" if self.engine == "vllm" else "none"
+
+    @model_validator(mode="after")
+    def _hf_has_no_mismatch(self) -> RolloutSpec:
+        if self.engine == "hf":
+            reject_unused(self, "rollout", ("correction", "correction_level", "correction_cap"),
+                          unless="with rollout.engine 'vllm' (the hf engine's log-probs are the trainer's own)")
+            if self.max_staleness:
+                raise ValueError("rollout.max_staleness 1 needs rollout.engine 'vllm': the hf engine samples in the "
+                                 "training process, between its updates")
+        return self
+
+
+class ResourcesSpec(_Section):
+    processes: int = Field(1, ge=1, le=64, description="Processes (ranks) the job runs as on one worker, data "
+                           "parallel over torch.distributed: each samples, scores and trains on its share of "
+                           "the step's prompts, and the gradients are summed. One GPU each where the worker "
+                           "has that many, a share of its CPU cores otherwise.")
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="'fsdp': full fine-tuning with the policy (and reference) sharded across the processes "
+        "by FSDP2, for a model that does not fit one device; 'none': every process holds the whole model.")

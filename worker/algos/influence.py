@@ -179,7 +179,7 @@ class GhostHooks:
         per_layer: dict[tuple[int, str], list] = {}
         for i, rows, which, per in self.factors:
             per_layer.setdefault((i, which), []).append((rows, per))
-        gram = torch.zeros(n, n, dtype=torch.float64)
+        gram: torch.Tensor | None = None  # [N, N]: N is the whole batch's rows once gathered
         for key, layer in self.val_grads.items():  # every layer, also where this process has no rows
             for which, g in zip("AB", layer):
                 grads = torch.zeros(n, g.numel(), dtype=g.dtype, device=g.device)
@@ -188,7 +188,9 @@ class GhostHooks:
                 if gather is not None:
                     grads = gather(grads)
                 part = (grads @ grads.T).double().cpu()
-                gram += part
+                gram = part if gram is None else gram + part
+        if gram is None:
+            raise RuntimeError("the model has no LoRA layer to take gradients over")
         return gram
 
 

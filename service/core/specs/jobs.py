@@ -46,51 +46,80 @@ class _JobBase(_Section):
 
     @model_validator(mode="after")
     def _common(self) -> _JobBase:
-        if self.rewards is not None and all(r.weight == 0 for r in self.rewards):
-            raise ValueError("rewards: at least one reward needs a non-zero weight")
-        keys = [r.key for r in self.reward_specs()]
-        if dup := sorted({k for k in keys if keys.count(k) > 1}):
-            raise ValueError(f"rewards: two entries named {', '.join(dup)}: give each a different `tag` "
-                             "(it names the entry's metric reward/<tag>/mean)")
-        if self.resources.sharding == "fsdp" and self.resources.processes < 2:
-            raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 to shard across")
-        if (n := self.resources.processes) > 1:
-            field, units = self.train.per_step
-            if units % n:
-                raise ValueError(f"{field} ({units}) must be divisible by resources.processes ({n}): each process "
-                                 "takes an equal share of a step")
-            if self.resources.sharding == "fsdp":
-                if self.kind != "grpo":
-                    raise ValueError(f"resources.sharding 'fsdp' is supported for kind 'grpo', not {self.kind!r}: "
-                                     "its processes each hold the whole model (sharding 'none')")
-                if self.model.lora is not None:
-                    raise ValueError("resources.sharding 'fsdp' shards a fully fine-tuned model: remove model.lora "
-                                     "(a LoRA job's trained weights are small; use sharding 'none')")
-                if getattr(self.train, "drop_zero_std_groups", False):
-                    raise ValueError("resources.sharding 'fsdp' runs every process's forwards in lockstep, so each "
-                                     "takes the same number of prompts: grpo.drop_zero_std_groups (refills of "
-                                     "uneven size) is not supported with it")
-                if self.sparsity is not None and self.sparsity.quality.enabled:
-                    raise ValueError("sparsity.quality is not supported with resources.sharding 'fsdp': its probe "
-                                     "rewrites the weights, which are sharded")
-            if self.devices.rollout is not None or ":" in self.devices.policy:
-                raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
-                                 "each where there are enough, else the CPU): leave devices.policy 'cpu' or "
-                                 "'cuda' and devices.rollout unset")
-        if self.rollout.engine == "vllm":
-            if self.resources.sharding == "fsdp":
-                raise ValueError("rollout.engine 'vllm' is not supported with resources.sharding 'fsdp': the "
-                                 "server loads whole weights; use sharding 'none'")
-            if self.model.dtype == "float64":
-                raise ValueError("rollout.engine 'vllm' serves float32, bfloat16 or float16: set model.dtype to one "
-                                 "of them")
-            if self.devices.rollout is not None:
-                raise ValueError("devices.rollout places the hf engine's copy; with rollout.engine 'vllm' the "
-                                 "server takes its own device: remove devices.rollout")
-        if self.rollout.max_staleness and self.kind not in ("grpo", "tracin"):
-            raise ValueError(f"rollout.max_staleness 1 is supported for kinds 'grpo' and 'tracin', not {self.kind!r}: "
-                             "set it to 0")
+        for rule in CROSS_SECTION_RULES:  # in order: the first broken rule is the one reported
+            rule(self)
         return self
+
+
+def _rewards_rule(job: _JobBase) -> None:
+    """Some reward counts, and each entry's metric has a name of its own."""
+    if job.rewards is not None and all(r.weight == 0 for r in job.rewards):
+        raise ValueError("rewards: at least one reward needs a non-zero weight")
+    keys = [r.key for r in job.reward_specs()]
+    if dup := sorted({k for k in keys if keys.count(k) > 1}):
+        raise ValueError(f"rewards: two entries named {', '.join(dup)}: give each a different `tag` "
+                         "(it names the entry's metric reward/<tag>/mean)")
+
+
+def _processes_rule(job: _JobBase) -> None:
+    """Several processes share a step evenly and each takes its own device."""
+    if job.resources.sharding == "fsdp" and job.resources.processes < 2:
+        raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 to shard across")
+    if (n := job.resources.processes) <= 1:
+        return
+    field, units = job.train.per_step
+    if units % n:
+        raise ValueError(f"{field} ({units}) must be divisible by resources.processes ({n}): each process "
+                         "takes an equal share of a step")
+    _fsdp_rule(job)
+    if job.devices.rollout is not None or ":" in job.devices.policy:
+        raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
+                         "each where there are enough, else the CPU): leave devices.policy 'cpu' or "
+                         "'cuda' and devices.rollout unset")
+
+
+def _fsdp_rule(job: _JobBase) -> None:
+    """FSDP2 shards a fully fine-tuned GRPO policy whose processes run in lockstep."""
+    if job.resources.sharding != "fsdp":
+        return
+    if job.kind != "grpo":
+        raise ValueError(f"resources.sharding 'fsdp' is supported for kind 'grpo', not {job.kind!r}: "
+                         "its processes each hold the whole model (sharding 'none')")
+    if job.model.lora is not None:
+        raise ValueError("resources.sharding 'fsdp' shards a fully fine-tuned model: remove model.lora "
+                         "(a LoRA job's trained weights are small; use sharding 'none')")
+    if getattr(job.train, "drop_zero_std_groups", False):
+        raise ValueError("resources.sharding 'fsdp' runs every process's forwards in lockstep, so each "
+                         "takes the same number of prompts: grpo.drop_zero_std_groups (refills of "
+                         "uneven size) is not supported with it")
+    if job.sparsity is not None and job.sparsity.quality.enabled:
+        raise ValueError("sparsity.quality is not supported with resources.sharding 'fsdp': its probe "
+                         "rewrites the weights, which are sharded")
+
+
+def _vllm_rule(job: _JobBase) -> None:
+    """A vLLM server loads whole weights in a dtype it serves, on its own device."""
+    if job.rollout.engine != "vllm":
+        return
+    if job.resources.sharding == "fsdp":
+        raise ValueError("rollout.engine 'vllm' is not supported with resources.sharding 'fsdp': the "
+                         "server loads whole weights; use sharding 'none'")
+    if job.model.dtype == "float64":
+        raise ValueError("rollout.engine 'vllm' serves float32, bfloat16 or float16: set model.dtype to one "
+                         "of them")
+    if job.devices.rollout is not None:
+        raise ValueError("devices.rollout places the hf engine's copy; with rollout.engine 'vllm' the "
+                         "server takes its own device: remove devices.rollout")
+
+
+def _staleness_rule(job: _JobBase) -> None:
+    """Sampling a step ahead is implemented by the GRPO and TracIn loops."""
+    if job.rollout.max_staleness and job.kind not in ("grpo", "tracin"):
+        raise ValueError(f"rollout.max_staleness 1 is supported for kinds 'grpo' and 'tracin', not {job.kind!r}: "
+                         "set it to 0")
+
+
+CROSS_SECTION_RULES = (_rewards_rule, _processes_rule, _vllm_rule, _staleness_rule)
 
 
 def _no_corpus(d: DatasetSpec) -> None:

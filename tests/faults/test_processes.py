@@ -34,21 +34,27 @@ def _pool_pid(c, job_id) -> int:
     return int([e for e in _events(c, job_id) if e["type"] == "started"][-1]["data"]["holder"].split(":")[1])
 
 
-def _ranks_of(c, job_id) -> list[int]:
-    """The rank processes of a running job: the spawned children of the pool process holding it."""
-    pool_pid = _pool_pid(c, job_id)
-    ranks = []
+def _children(ppid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of the live processes whose parent is `ppid`."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (proc / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pool_pid and b"spawn_main" in cmdline:
-            ranks.append(int(proc.name))
-    return sorted(ranks)
+        if parent == ppid:
+            found.append((int(proc.name), cmdline))
+    return found
+
+
+def _ranks_of(c, job_id) -> list[int]:
+    """The rank processes of a running job: the children of the fork server of the pool process holding it
+    (worker/launch.py)."""
+    servers = [pid for pid, cmdline in _children(_pool_pid(c, job_id)) if b"forkserver" in cmdline]
+    return sorted(pid for server in servers for pid, _ in _children(server))
 
 
 def _gone(pids: list[int]) -> bool:

@@ -66,6 +66,15 @@ def test_only_the_cli_imports_the_worker():
     assert {m: i for m, i in found.items() if i} == {}
 
 
+@pytest.mark.parametrize("module", sorted(modules("service/api")))
+def test_routes_never_commit(module):
+    """The store owns its transactions (service/store/__init__.py): a route's session commits when the
+    request ends, and what must follow a commit (telling a worker) is `db.after_commit`."""
+    tree = ast.parse(modules("service/api")[module].read_text())
+    commits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "commit"]
+    assert not commits, f"{module} commits at lines {commits}"
+
+
 def test_no_import_circles():
     """Lazy imports inside functions count too: deferring an import hides a circle, it does not break it."""
     graph = {m: {i for i in imports(p) if i in ALL and i != m} for m, p in ALL.items()}

@@ -92,15 +92,20 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
 
 
 _server_env: dict[int, dict[str, str]] = {}  # the environment each fork server (by pid) started with
+_rank_preload: list[str] = []
+
+
+def preload_in_ranks(modules: list[str]) -> None:
+    """Modules the fork server imports once, before it forks any rank (the runner names the loops, and
+    with them torch, transformers and peft). Named before a process's first launch."""
+    _rank_preload.extend(m for m in modules if m not in _rank_preload)
 
 
 def _fork_server() -> dict[str, str]:
     """Starts this process's fork server if it is not running (again, if it died): the environment
     it started with, which every rank forked from it inherits."""
-    from worker.runner import LOOPS  # the runner launches through this module: imported here, not above
-
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["worker.runner", *LOOPS.values()])  # and with them torch, transformers, peft
+    ctx.set_forkserver_preload(_rank_preload)
     server = multiprocessing.forkserver._forkserver
     server.ensure_running()
     return _server_env.setdefault(server._forkserver_pid, dict(os.environ))

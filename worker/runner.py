@@ -28,7 +28,7 @@ from service.store import leases, session_ops
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
 from worker.distributed import Ranks
-from worker.launch import LauncherStopped, RanksFailed, launch
+from worker.launch import LauncherStopped, RanksFailed, launch, preload_in_ranks
 from worker.reporting import LeaseLost, LoopResult, RankReporter, Reporter
 from worker.sql_reporter import SqlReporter
 
@@ -39,6 +39,7 @@ Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missin
 LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint",
          "sft": "worker.loops.sft", "session": "worker.loops.session"}
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
+preload_in_ranks(["worker.runner", *LOOPS.values()])  # a job's ranks start with every loop imported
 
 
 def preload() -> None:

@@ -1,6 +1,6 @@
 """The tinker SDK's request bodies as the API validates them and the worker reads them back: an
 operation is stored as its request's JSON and parsed again with the same model, so both sides share
-one set of fields and defaults (service/api/tinker.py answers; worker/loops/session*.py runs them)."""
+one set of fields and defaults (service/api/tinker/ answers; worker/loops/session*.py runs them)."""
 
 from __future__ import annotations
 

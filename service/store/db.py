@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -80,11 +80,24 @@ def session_scope(url: str, *, read_only: bool = False) -> Iterator[Session]:
     try:
         yield session
         session.commit()
+        committed = session.info.pop(AFTER_COMMIT, ())
     except BaseException:
         session.rollback()
         raise
     finally:
         session.close()
+    for then in committed:  # with the connection given back
+        then()
+
+
+AFTER_COMMIT = "grpo_jobs.after_commit"
+
+
+def after_commit(session: Session, then: Callable[[], None]) -> None:
+    """`then()` once the transaction of the `session_scope` holding `session` has committed (never if it
+    rolls back): what may happen only once the rows exist, such as telling a worker about them. It runs
+    outside the transaction; what it writes, it writes in a scope of its own."""
+    session.info.setdefault(AFTER_COMMIT, []).append(then)
 
 
 def ping(url: str) -> None:

@@ -16,18 +16,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Query, Response
+from fastapi import HTTPException, Path, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import OwnerDep, SessionDep
 from service.api.schemas import error_responses
-from service.api.tinker import owned_run
+from service.api.tinker.operations import owned_run
+from service.api.tinker.schemas import tinker_router
 from service.core.tinker_requests import Wire
 from service.core.tinker_wire import CHECKPOINT_KINDS, CHECKPOINT_NAME, parse_tinker_path, tinker_path
 from service.store import session_ops as ops_q
 from service.store.models import Job
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=error_responses(401, 422, 503))
+router = tinker_router()
 RunId = Annotated[str, Path(max_length=100)]
 
 

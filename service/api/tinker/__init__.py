@@ -1,0 +1,20 @@
+"""The tinker-compatible API (`/api/v1`): the routes the unmodified tinker SDK calls, at its paths and
+in its formats (SDK versions tested: service.core.tinker_wire.SDK_VERSIONS_TESTED).
+
+A tinker session is a row of `tinker_sessions`; each training run it creates (`create_model`) is a job of
+kind `session` owned by the key's owner, whose id for the SDK (`model_id`) is the job's uid. Every
+training operation is stored as a `session_ops` row and answered at once with a future (its
+`request_id`); the worker holding the run runs the operations in order, and `retrieve_future` hands
+back each result once written. Keys: the owner's API keys, sent by the SDK as `X-API-Key`.
+"""
+
+from fastapi import APIRouter
+
+from service.api.tinker import checkpoints, client, futures, runs, sampling, sessions, training
+from service.api.tinker.schemas import FORWARD_BACKWARD_MAX_BYTES
+
+router = APIRouter()
+for part in (client, sessions, training, checkpoints, sampling, futures, runs):  # the order the routes were declared in
+    router.include_router(part.router)
+
+__all__ = ["FORWARD_BACKWARD_MAX_BYTES", "router"]

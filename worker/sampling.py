@@ -17,6 +17,7 @@ import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -57,6 +58,16 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu", *, sampled: bool = False) -> RolloutBatch:
+        """No rows (a step with no prompts); `sampled`: with the engine's log-probs and versions, as a
+        vLLM engine's batches have them."""
+        ids = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return RolloutBatch(prompt_ids=ids, prompt_mask=ids, completion_ids=ids, completion_mask=ids,
+                            truncated=torch.zeros(0, dtype=torch.bool, device=device), completions=[],
+                            sampler_logp=torch.zeros(0, 0, device=device) if sampled else None,
+                            version=torch.zeros(0, dtype=torch.long, device=device) if sampled else None)
 
     def select(self, idx: torch.Tensor | list[int]) -> RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -107,6 +118,29 @@ class RolloutBatch:
             torch.cat([rpad(b.sampler_logp, T, 0.0) for b in batches]),
             version=None if any(b.version is None for b in batches) else torch.cat([b.version for b in batches]),
         )
+
+
+class RolloutEngine(Protocol):
+    """What a loop asks of whatever samples its rollouts: `HFEngine` (generate on a frozen copy, in
+    this process) or `worker.vllm_engine.VLLMEngine` (a vLLM server of the job's own)."""
+
+    params: SamplingParams
+    version: int  # weight syncs so far: a batch sampled by an earlier version is that many steps stale
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Take the policy's current weights: what the next rows are sampled with."""
+
+    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+                 greedy: bool = False) -> RolloutBatch:
+        """`num_generations` completions per prompt, prompt-major [P*G]; sampling takes one seed per prompt."""
+
+    def submit(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+               greedy: bool = False) -> Callable[[], RolloutBatch]:
+        """`generate`, started now; the call returned gives its batch (a vLLM server samples meanwhile)."""
+
+    def logprobs(self, batch: RolloutBatch, micro_batch_size: int,
+                 micro_batch_tokens: int | None = None) -> torch.Tensor:
+        """[N, T] log-probs of the batch's completions under the weights synced last."""
 
 
 def micro_batches(batch: RolloutBatch, rows: list[int], *, max_rows: int, max_tokens: int | None = None,
@@ -239,7 +273,7 @@ class RowSampler(LogitsProcessor):
         return only.scatter_(1, picks[:, None], 0.0)
 
 
-def _completion_lengths(tokenizer, rows: torch.Tensor, eos_ids: set[int], stop: tuple[str, ...]):
+def completion_lengths(tokenizer, rows: torch.Tensor, eos_ids: set[int], stop: tuple[str, ...]):
     """Per row: (number of tokens that count, ended_properly) from EOS or the first stop string."""
     lengths, ended = [], []
     for row in rows.tolist():
@@ -260,7 +294,7 @@ def _completion_lengths(tokenizer, rows: torch.Tensor, eos_ids: set[int], stop: 
     return lengths, ended
 
 
-def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     ends = [text.index(s) + len(s) for s in stop if s in text]
     return text[: min(ends)] if ends else text
 
@@ -312,7 +346,7 @@ def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.T
     return rows
 
 
-class RolloutEngine:
+class HFEngine:
     """Frozen copy of the policy used for sampling and old log-probs.
 
     `sharded`: the policy is sharded across processes (FSDP2) and is sampled from itself, with
@@ -323,6 +357,7 @@ class RolloutEngine:
                  sharded: bool = False) -> None:
         self.tokenizer, self.params, self.device, self.sharded = tokenizer, params, torch.device(device), sharded
         self.eos_ids = eos_token_ids(tokenizer, policy)
+        self.version = 0
         if sharded:
             self.model = policy
             return
@@ -338,6 +373,7 @@ class RolloutEngine:
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
         """Copy the trained weights in: with LoRA only the adapter (the base is frozen)."""
+        self.version += 1
         src = dict(policy.named_parameters())
         for name, p in self.model.named_parameters():
             q = src[name]
@@ -351,9 +387,7 @@ class RolloutEngine:
         one seed per prompt; its G rows draw from generators seeded by (seed, g)."""
         tok, sp = self.tokenizer, self.params
         if not prompts:
-            empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-            return RolloutBatch(prompt_ids=empty, prompt_mask=empty, completion_ids=empty, completion_mask=empty,
-                                truncated=torch.zeros(0, dtype=torch.bool, device=self.device), completions=[])
+            return RolloutBatch.empty(self.device)
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
         mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
@@ -378,11 +412,11 @@ class RolloutEngine:
                 kwargs["cache"] = cache
         out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         completion = out[:, ids.shape[1]:]  # [N, T]
-        lengths, ended = _completion_lengths(tok, completion, self.eos_ids, sp.stop)
+        lengths, ended = completion_lengths(tok, completion, self.eos_ids, sp.stop)
         T = completion.shape[1]
         cmask = (torch.arange(T, device=completion.device)[None, :] < torch.tensor(lengths, device=completion.device)[:, None]).long()
         truncated = ~torch.tensor(ended, device=completion.device)
-        texts = [_cut_at_stop(tok.decode(row[:n], skip_special_tokens=True), sp.stop)
+        texts = [cut_at_stop(tok.decode(row[:n], skip_special_tokens=True), sp.stop)
                  for row, n in zip(completion.tolist(), lengths)]
         completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tok.pad_token_id))
         batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,

@@ -39,9 +39,9 @@ from worker.models import WEIGHTS, loader_state
 from worker.sampling import (
     RolloutBatch,
     SamplingParams,
-    _completion_lengths,
-    _cut_at_stop,
     batch_logprobs,
+    completion_lengths,
+    cut_at_stop,
     eos_token_ids,
     micro_batches,
 )
@@ -228,7 +228,7 @@ def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
 
 
 class VLLMEngine:
-    """The rollout engine of `rollout.engine: vllm`: the same calls as worker.sampling.RolloutEngine
+    """The rollout engine of `rollout.engine: vllm`: a worker.sampling.RolloutEngine, as HFEngine is
     (sync, generate, logprobs), with the engine's sampling log-probs on every batch."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
@@ -382,10 +382,7 @@ class VLLMEngine:
         the weight `version` that sampled it). Tokenizing and decoding stay on the caller's thread."""
         tok, G = self.tokenizer, num_generations
         if not prompts:
-            empty = torch.zeros(0, 0, dtype=torch.long)
-            batch = RolloutBatch(prompt_ids=empty, prompt_mask=empty, completion_ids=empty, completion_mask=empty,
-                                 truncated=torch.zeros(0, dtype=torch.bool), completions=[],
-                                 sampler_logp=torch.zeros(0, 0), version=torch.zeros(0, dtype=torch.long))
+            batch = RolloutBatch.empty(sampled=True)
             return lambda: batch
         if not greedy and (seeds is None or len(seeds) != len(prompts)):
             raise ValueError("sampling needs one seed per prompt")
@@ -428,13 +425,13 @@ class VLLMEngine:
         cmask = torch.zeros(len(out), T, dtype=torch.long)
         truncated, texts = [], []
         for i, (o, lp) in enumerate(zip(out, lq)):
-            (n,), (ended,) = (_completion_lengths(tok, torch.tensor([o]), self.eos_ids, self.params.stop) if o
+            (n,), (ended,) = (completion_lengths(tok, torch.tensor([o]), self.eos_ids, self.params.stop) if o
                               else ((0,), (False,)))
             completion[i, :n] = torch.tensor(o[:n], dtype=torch.long)
             sampler_logp[i, :n] = torch.tensor([x if x is not None else 0.0 for x in lp[:n]])
             cmask[i, :n] = 1
             truncated.append(not ended)
-            texts.append(_cut_at_stop(tok.decode(o[:n], skip_special_tokens=True), self.params.stop))
+            texts.append(cut_at_stop(tok.decode(o[:n], skip_special_tokens=True), self.params.stop))
         return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
                             truncated=torch.tensor(truncated, dtype=torch.bool), completions=texts,
                             sampler_logp=sampler_logp,

@@ -5,7 +5,7 @@ from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
 from worker import sampling
 from worker.models import load_policy
-from worker.sampling import RolloutEngine, SamplingParams, sequence_logprobs
+from worker.sampling import HFEngine, SamplingParams, sequence_logprobs
 
 
 def _policy(tmp_path, lora=True):
@@ -18,7 +18,7 @@ def test_first_epoch_ratio_is_exactly_one(tmp_path):
     model, tok = _policy(tmp_path)
     # top-k/top-p shape sampling but must not enter the log-probs: only the temperature does
     params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=20, top_p=0.9)
-    engine = RolloutEngine(model, tok, "cpu", params)
+    engine = HFEngine(model, tok, "cpu", params)
     batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 4, seeds=[1, 2])
     old = engine.logprobs(batch, micro_batch_size=8)  # [8, T]
     model.train()
@@ -32,7 +32,7 @@ def test_first_epoch_ratio_is_exactly_one(tmp_path):
 def test_a_rows_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     """What lets a step split over processes sample what one process would."""
     model, tok = _policy(tmp_path)
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95))
     together = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 3, seeds=[7, 8])
     alone = engine.generate(["Hi"], 3, seeds=[8])
     assert together.completions[3:] == alone.completions
@@ -45,7 +45,7 @@ def test_a_rows_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
 
 def test_rollout_copy_shares_frozen_base_and_syncs_adapter(tmp_path):
     model, tok = _policy(tmp_path)
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=4))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=4))
     base = dict(model.named_parameters())
     for name, p in engine.model.named_parameters():
         assert (p.data_ptr() == base[name].data_ptr()) == (not base[name].requires_grad)
@@ -60,7 +60,7 @@ def test_rollout_copy_shares_frozen_base_and_syncs_adapter(tmp_path):
 
 def test_full_finetune_copy_is_independent(tmp_path):
     model, tok = _policy(tmp_path, lora=False)
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=4))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=4))
     w = next(engine.model.parameters()).clone()
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
@@ -75,7 +75,7 @@ def test_eos_masking_and_truncation(tmp_path):
     with torch.no_grad():  # make EOS the most likely token after 3 steps: bias the head towards it
         model.lm_head.weight.zero_()
         model.lm_head.bias = None
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=6))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=6))
     # force EOS at position 2 via a logits hook
     calls = {"n": 0}
 
@@ -95,7 +95,7 @@ def test_eos_masking_and_truncation(tmp_path):
 
 def test_stop_strings_cut_and_mask(tmp_path):
     model, tok = _policy(tmp_path, lora=False)
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, stop=("cd",)))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, stop=("cd",)))
     seq = iter("abcdefghij")
 
     def hook(_module, _inp, out):
@@ -119,7 +119,7 @@ def test_per_row_sampling_draws_from_the_tempered_distribution(tmp_path, tempera
     with torch.no_grad():  # a peaked next-token distribution (a random model's is near uniform), so that
         model.get_output_embeddings().weight.mul_(40)  # sampling at T=1 or 0.7 instead of 0.8 fails by >5 errors
     params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k)
-    engine = RolloutEngine(model, tok, "cpu", params)
+    engine = HFEngine(model, tok, "cpu", params)
     prompt, n = "Question: 1+1?\nAnswer:", 4000
     batch = engine.generate([prompt], n, seeds=[11])
     ids = tok([prompt], return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -144,7 +144,7 @@ def test_logprobs_without_full_logits_equal_the_full_logits_path(tmp_path, name,
     spec = ModelSpec(name=name, lora=LoraSpec(r=4, dropout=0.0) if lora else None)
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
     assert split_head(model) is not None
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, temperature=0.9))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=10, temperature=0.9))
     batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 3, seeds=[1, 2])
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -172,7 +172,7 @@ def test_logprobs_without_full_logits_equal_the_full_logits_path(tmp_path, name,
 
 def test_trimming_drops_only_columns_of_padding(tmp_path):
     model, tok = _policy(tmp_path)
-    engine = RolloutEngine(model, tok, "cpu", SamplingParams(max_new_tokens=12, temperature=0.9))
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=12, temperature=0.9))
     batch = engine.generate(["Question: 1+1?\nAnswer:", "Hi"], 2, seeds=[1, 2])
     short = batch.select([2, 3])  # the short prompt's rows
     t = short.trimmed()
@@ -191,7 +191,7 @@ def test_generation_with_a_preallocated_cache_and_chunked_prefill_samples_what_p
     prompts = ["Question: what is 12 + 30?\nAnswer:", "Hi", "Question: 7 * 6?\nAnswer:"]
     params = SamplingParams(max_new_tokens=16, temperature=0.9)
     monkeypatch.setattr(sampling, "GENERATE_MEMORY", {**sampling.GENERATE_MEMORY, "prefill_chunk_size": 8})
-    engine = RolloutEngine(model, tok, "cpu", params)
+    engine = HFEngine(model, tok, "cpu", params)
     static = engine.generate(prompts, 3, seeds=[1, 2, 3]), engine.generate(prompts, 1, greedy=True)
     monkeypatch.setattr(sampling, "GENERATE_MEMORY", {})
     plain = engine.generate(prompts, 3, seeds=[1, 2, 3]), engine.generate(prompts, 1, greedy=True)
@@ -211,7 +211,7 @@ def test_a_prompt_prefilled_once_for_its_group_samples_what_each_row_prefilled_d
     prompts = ["Question: what is 12 + 30?\nAnswer:", "Hi", "Question: 7 * 6?\nAnswer:"]
     params = SamplingParams(max_new_tokens=16, temperature=0.9)
     monkeypatch.setattr(sampling, "PREFILL_CHUNK", 8)
-    engine = RolloutEngine(model, tok, "cpu", params)
+    engine = HFEngine(model, tok, "cpu", params)
     made = []
     real = sampling.shared_prompt_cache
     monkeypatch.setattr(sampling, "shared_prompt_cache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
@@ -227,3 +227,22 @@ def test_a_prompt_prefilled_once_for_its_group_samples_what_each_row_prefilled_d
     old = engine.logprobs(shared[0], micro_batch_size=12)
     new, _ = sequence_logprobs(model, shared[0], params.temperature)
     assert torch.equal(old, new)
+
+
+def test_both_engines_implement_the_rollout_engine_protocol():
+    """The loops call an engine only through worker.sampling.RolloutEngine: each method of it is on
+    both engines with the same parameters, and each attribute is set by both."""
+    import inspect
+
+    from worker.sampling import RolloutEngine
+    from worker.vllm_engine import VLLMEngine
+
+    methods = [n for n, v in vars(RolloutEngine).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert methods == ["sync", "generate", "submit", "logprobs"]
+    for engine in (HFEngine, VLLMEngine):
+        for name in methods:
+            declared = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
+            assert list(inspect.signature(getattr(engine, name)).parameters) == declared, (engine, name)
+        init = inspect.getsource(engine.__init__)
+        for attribute in RolloutEngine.__annotations__:
+            assert f"self.{attribute}" in init, (engine, attribute)

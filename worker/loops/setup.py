@@ -28,7 +28,7 @@ from worker.fingerprint import fingerprint, model_sha256
 from worker.models import enable_checkpointing, load_policy
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
-from worker.sampling import RolloutEngine, SamplingParams
+from worker.sampling import HFEngine, RolloutEngine, SamplingParams
 from worker.training import make_optimizer, make_scheduler, trainable
 from worker.vllm_engine import EngineFailed, VLLMEngine
 
@@ -42,7 +42,7 @@ class Setup:
     spec: AnySpec
     model: torch.nn.Module  # the trained policy (a peft model with LoRA)
     tokenizer: PreTrainedTokenizerBase
-    engine: RolloutEngine | VLLMEngine  # samples; old_logp from the second epoch on
+    engine: RolloutEngine  # samples; old_logp from the second epoch on
     ref_model: torch.nn.Module | None  # a frozen copy for full fine-tuning with KL; LoRA disables the adapter instead
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -155,10 +155,10 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
 
 
 def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok, dev: str,
-                   params: SamplingParams, *, ranks: Ranks, sharded: bool) -> RolloutEngine | VLLMEngine:
+                   params: SamplingParams, *, ranks: Ranks, sharded: bool) -> RolloutEngine:
     """The job's `rollout.engine`: a frozen copy sampled with generate, or a vLLM server of its own."""
     if spec.rollout.engine == "hf":
-        return RolloutEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
+        return HFEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
     if settings.vllm_python is None:
         raise EngineFailed("rollout.engine 'vllm' needs a worker whose GRPO_VLLM_PYTHON names the Python of a vLLM "
                            "environment (`make vllm` builds one); this worker has none")

@@ -75,6 +75,13 @@ def test_routes_never_commit(module):
     assert not commits, f"{module} commits at lines {commits}"
 
 
+@pytest.mark.parametrize("package", sorted(str(p.parent.relative_to(ROOT)) for d in ("service", "worker")
+                                            for p in (ROOT / d).rglob("__init__.py")))
+def test_every_package_says_what_lives_there_and_what_it_may_import(package):
+    doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+    assert doc and "import" in doc, f"{package}/__init__.py: a docstring saying what lives there and what it may import"
+
+
 def test_no_import_circles():
     """Lazy imports inside functions count too: deferring an import hides a circle, it does not break it."""
     graph = {m: {i for i in imports(p) if i in ALL and i != m} for m, p in ALL.items()}

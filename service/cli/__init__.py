@@ -4,6 +4,8 @@
 - client.py: talk to a running service's API (submit, status, watch);
 - files.py: data in and model out over the API (files upload|list|delete, download);
 - local.py: work in this process on this machine (run, db upgrade, keys).
+
+The top of the house: it may import anything, and is the one part of `service` that imports `worker`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Rewards: what scores a completion. Functions (built in, or plugins under the entry-point group
 `grpo_jobs.rewards`) in functions.py; a sequence classifier, an LLM judge and sentence-encoder
 similarity in models.py; remote graders over HTTP in remote.py; scoring.py combines weighted
-components and turns what cannot be scored into exclusions; build.py makes a job's components."""
+components and turns what cannot be scored into exclusions; build.py makes a job's components. They
+import torch, transformers and `service.core`, nothing of the loops or the store."""
 
 from worker.rewards.build import build_scorer
 from worker.rewards.functions import (

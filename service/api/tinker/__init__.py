@@ -5,7 +5,8 @@ A tinker session is a row of `tinker_sessions`; each training run it creates (`c
 kind `session` owned by the key's owner, whose id for the SDK (`model_id`) is the job's uid. Every
 training operation is stored as a `session_ops` row and answered at once with a future (its
 `request_id`); the worker holding the run runs the operations in order, and `retrieve_future` hands
-back each result once written. Keys: the owner's API keys, sent by the SDK as `X-API-Key`.
+back each result once written. Keys: the owner's API keys, sent by the SDK as `X-API-Key`. Like the
+rest of the API it imports the core and the store, never the worker.
 """
 
 from fastapi import APIRouter

@@ -30,11 +30,11 @@ from rss import PeakRss  # bench/ is on the path when a bench runs
 
 from service.core.settings import get_settings
 from service.core.specs import JobSpec
-from worker.launch import launch
+from worker.jobs.runner import loop_for
+from worker.parallel.launch import launch
 from worker.reporting import FileReporter, RankReporter
-from worker.runner import loop_for
 
-# ours (worker/distributed.py) and FSDP2's (all_gather_single, reduce_scatter_single)
+# ours (worker/parallel/distributed.py) and FSDP2's (all_gather_single, reduce_scatter_single)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast_object_list", "barrier",
                "all_gather_single", "reduce_scatter_single")
 _in_collectives = [0.0]

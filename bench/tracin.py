@@ -45,10 +45,10 @@ from worker import allocator
 from worker.algos.influence import influence_scores
 from worker.algos.lora import lora_layers
 from worker.algos.losses import Normaliser, sample_losses
+from worker.engines.sampling import sequence_logprobs
 from worker.loops.rollouts import collect_rollouts, collect_train_rollouts, draw_prompts
 from worker.loops.setup import build
 from worker.reporting import Reporter
-from worker.sampling import sequence_logprobs
 
 
 def job(args, kind: str, steps: int) -> dict:
@@ -99,7 +99,7 @@ def child(args) -> None:
     from pydantic import TypeAdapter
 
     from service.core.specs import JobSpec
-    from worker.runner import loop_for
+    from worker.jobs.runner import loop_for
 
     spec = TypeAdapter(JobSpec).validate_python(job(args, args.child, args.loop_steps))
     rss = PeakRss(every_s=0.02).start()

@@ -241,7 +241,7 @@ class Api:
 
     def run_job(self, spec: dict) -> int:
         """Submit `spec` over HTTP, run it in this process as a worker would, expect success; the job id."""
-        from worker import runner
+        from worker.jobs import runner
 
         r = self.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text

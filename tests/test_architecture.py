@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The worker's store adapters: they move jobs through the store, so they may also import service.store.
-STORE_ADAPTERS = {"worker.runner", "worker.sql_reporter", "worker.sweeper", "worker.celery_app"}
+# The job host (worker/jobs/): it moves jobs through the store, so it alone of the worker may import service.store.
+JOB_HOST = "worker.jobs"
 NOT_IN_CORE = ("torch", "transformers", "peft", "fastapi", "starlette", "sqlalchemy", "worker")
 
 
@@ -45,18 +45,18 @@ def test_core_stands_on_nothing_of_ours_but_itself(module):
 
 @pytest.mark.parametrize("module", sorted(modules("worker")))
 def test_workers_import_only_the_core_of_the_service(module):
-    allowed = ("service.core", "service.store") if module in STORE_ADAPTERS else ("service.core",)
+    allowed = ("service.core", "service.store") if within(module, JOB_HOST) else ("service.core",)
     bad = {i for i in imports(ALL[module]) if within(i, "service") and i != "service"
            and not any(within(i, a) for a in allowed)}
     assert not bad, f"{module} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in modules("worker") if m not in STORE_ADAPTERS | {"worker.tasks"}))
+@pytest.mark.parametrize("module", sorted(m for m in modules("worker") if not within(m, JOB_HOST)))
 def test_only_the_job_host_stands_on_the_store(module):
     """A loop, an algorithm or an engine reports through the Reporter seam (worker/reporting.py); the
-    store adapters that implement it are the job host's (with the task, worker/tasks.py), and nothing else
-    of the worker imports them."""
-    bad = {i for i in imports(ALL[module]) if i in STORE_ADAPTERS}
+    store adapters that implement it are the job host's (worker/jobs/), and nothing else of the worker
+    imports that room."""
+    bad = {i for i in imports(ALL[module]) if within(i, JOB_HOST)}
     assert not bad, f"{module} imports {sorted(bad)}"
 
 

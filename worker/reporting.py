@@ -28,7 +28,7 @@ class LoopResult:
 
 class LeaseLost(Exception):
     """This worker no longer holds the job's lease: stop without recording anything (raised by a
-    reporter that holds one, worker/sql_reporter.py; a loop lets it through)."""
+    reporter that holds one, worker/jobs/sql_reporter.py; a loop lets it through)."""
 
 
 class Operations(Protocol):

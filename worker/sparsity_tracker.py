@@ -31,8 +31,8 @@ from worker.algos.sparsity import (
     task_kl,
 )
 from worker.datasets import render_example
+from worker.engines.sampling import RolloutBatch, batch_logprobs, micro_batches
 from worker.reporting import Reporter
-from worker.sampling import RolloutBatch, batch_logprobs, micro_batches
 from worker.training import eval_mode, step_seed
 
 

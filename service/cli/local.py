@@ -131,11 +131,12 @@ def run(spec_file: Path, out: Path) -> None:
     reexec_for_training(get_settings())
     from functools import partial
 
+    from worker.jobs.runner import run_spec
+
     # The composition root: the one place the service imports the worker (lazily: torch loads only
     # for `grpo-jobs run`, never for the API).
-    from worker.launch import RanksFailed
+    from worker.parallel.launch import RanksFailed
     from worker.reporting import FileReporter
-    from worker.runner import run_spec
 
     reporter = FileReporter(out, echo=click.echo)
     try:  # with several processes, rank 0 appends to the same files

@@ -34,7 +34,7 @@ def serve(host: str, port: int) -> None:
 
 
 def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", queue.QUEUE,
+    return [sys.executable, "-m", "celery", "-A", "worker.jobs.celery_app", "worker", "-Q", queue.QUEUE,
             "-c", str(concurrency), "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
 
 

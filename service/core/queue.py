@@ -1,6 +1,6 @@
 """The broker seen from the API: enqueue by task name, never importing the worker (or torch).
 
-The Celery settings for long GPU jobs live here so the producer and worker/celery_app.py agree.
+The Celery settings for long GPU jobs live here so the producer and worker/jobs/celery_app.py agree.
 """
 
 from __future__ import annotations

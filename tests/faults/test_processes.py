@@ -52,7 +52,7 @@ def _children(ppid: int) -> list[tuple[int, bytes]]:
 
 def _ranks_of(c, job_id) -> list[int]:
     """The rank processes of a running job: the children of the fork server of the pool process holding it
-    (worker/launch.py)."""
+    (worker/parallel/launch.py)."""
     servers = [pid for pid, cmdline in _children(_pool_pid(c, job_id)) if b"forkserver" in cmdline]
     return sorted(pid for server in servers for pid, _ in _children(server))
 

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from service.core.specs import JobSpec
 from tests.metrics import MEASURED
-from worker.distributed import Ranks
-from worker.launch import RanksFailed, launch
+from worker.jobs.runner import loop_for, loop_on_ranks
+from worker.parallel.distributed import Ranks
+from worker.parallel.launch import RanksFailed, launch
 from worker.reporting import FileReporter
-from worker.runner import loop_for, loop_on_ranks
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
          "eval_prompts": 3, "seed": 3, "samples_per_step": 48}

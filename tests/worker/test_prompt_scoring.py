@@ -6,7 +6,7 @@ from service.core.specs import LoraSpec, ModelSpec
 from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, TargetIds
 from tests.numerics import assert_close
 from worker.models import load_policy
-from worker.prompt_scoring import score_prompt
+from worker.session.prompt_scoring import score_prompt
 
 PROMPT = [5, 17, 40, 2, 9, 11, 3, 8]
 

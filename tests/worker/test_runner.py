@@ -13,7 +13,7 @@ from service.store import metrics as metrics_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
 from service.store.models import Job, Metric
-from worker import runner
+from worker.jobs import runner
 
 SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
         "dataset": {"num_train": 40, "num_val": 4},

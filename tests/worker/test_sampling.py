@@ -3,9 +3,9 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
-from worker import sampling
+from worker.engines import sampling
+from worker.engines.sampling import HFEngine, SamplingParams, sequence_logprobs
 from worker.models import load_policy
-from worker.sampling import HFEngine, SamplingParams, sequence_logprobs
 
 
 def _policy(tmp_path, lora=True):
@@ -139,7 +139,7 @@ def test_per_row_sampling_draws_from_the_tempered_distribution(tmp_path, tempera
 def test_logprobs_without_full_logits_equal_the_full_logits_path(tmp_path, name, lora):
     """The chunked head on the decoder's hidden states, against model(...).logits: values, entropy,
     and every trained parameter's gradient (LoRA factors; all weights, the head included, in full FT)."""
-    from worker.sampling import _logprobs_from_logits, split_head
+    from worker.engines.sampling import _logprobs_from_logits, split_head
 
     spec = ModelSpec(name=name, lora=LoraSpec(r=4, dropout=0.0) if lora else None)
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
@@ -230,12 +230,12 @@ def test_a_prompt_prefilled_once_for_its_group_samples_what_each_row_prefilled_d
 
 
 def test_both_engines_implement_the_rollout_engine_protocol():
-    """The loops call an engine only through worker.sampling.RolloutEngine: each method of it is on
+    """The loops call an engine only through worker.engines.sampling.RolloutEngine: each method of it is on
     both engines with the same parameters, and each attribute is set by both."""
     import inspect
 
-    from worker.sampling import RolloutEngine
-    from worker.vllm_engine import VLLMEngine
+    from worker.engines.sampling import RolloutEngine
+    from worker.engines.vllm_engine import VLLMEngine
 
     methods = [n for n, v in vars(RolloutEngine).items() if inspect.isfunction(v) and not n.startswith("_")]
     assert methods == ["sync", "generate", "submit", "logprobs"]

@@ -4,9 +4,9 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import approx, assert_close
-from worker import token_sampler
 from worker.models import load_policy
-from worker.token_sampler import Params, Request
+from worker.session import token_sampler
+from worker.session.token_sampler import Params, Request
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from service.core.specs import LoraSpec, ModelSpec
 from worker.checkpoints import Trainables, save_checkpoint
+from worker.engines.sampling import RolloutBatch, SamplingParams, sequence_logprobs
+from worker.engines.vllm_engine import ServerConfig, VLLMEngine, VLLMServer, write_model_folder
 from worker.models import load_policy
-from worker.sampling import RolloutBatch, SamplingParams, sequence_logprobs
-from worker.vllm_engine import ServerConfig, VLLMEngine, VLLMServer, write_model_folder
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"

@@ -21,10 +21,10 @@ from functools import partial
 
 from service.core.settings import Settings
 from service.core.specs import GRPOJob
-from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.rollouts import TrainRollouts
 from worker.loops.setup import build
+from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything
 

@@ -42,13 +42,13 @@ from worker.algos.retrieval import (
     sequential_logprobs,
 )
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
-from worker.distributed import SINGLE, Ranks, row_seed
+from worker.engines.sampling import RolloutBatch
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts, unit_draws
 from worker.loops.setup import Setup, build, policy_device
+from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import LoopResult, Reporter
 from worker.retriever import DualEncoder, load_retriever
-from worker.sampling import RolloutBatch
 from worker.training import make_optimizer, make_scheduler, seed_everything
 
 

@@ -23,10 +23,10 @@ from service.core.records import SampleRow
 from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
 from worker.datasets import Example, render_example
-from worker.distributed import SINGLE, Ranks, row_seed
+from worker.engines.sampling import RolloutBatch
 from worker.loops.setup import Setup
+from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import Reporter
-from worker.sampling import RolloutBatch
 
 U = TypeVar("U")  # what a loop needs back about each unit: the Example, or a joint query's retrieval
 

@@ -22,7 +22,7 @@ Every optim_step is a step of the run: it records `loss/total` (the sum of its f
 losses), `tokens`, `lr`, `grad_norm` and `time/step_s`. With no operation for
 `session.idle_timeout_s` the run's state (weights and optimizer) is saved and the worker gives the run
 back (status idle); the next operation queues it again and a worker restores that state. A worker told
-to stop (worker.stopping) does the same at the run's next clean point (no gradient waiting for its
+to stop (worker.session.stopping) does the same at the run's next clean point (no gradient waiting for its
 optim_step), and the run is queued again at once if operations are pending. Gradients
 accumulated by a forward_backward whose optim_step has not come yet are not part of the saved state, nor
 are the in-memory snapshots of older weights: a sampler of the current weights samples on, one of older
@@ -56,14 +56,14 @@ from service.core.tinker_wire import (
 )
 from worker.algos import tinker_losses
 from worker.checkpoints import load_checkpoint, load_weights, save_checkpoint
-from worker.distributed import Ranks
 from worker.loops.session_sampling import gather_samples, run_samples, save_for_sampler
 from worker.loops.session_state import Session
 from worker.loops.setup import init_weights
 from worker.loops.update import clip_and_step
 from worker.models import load_policy
+from worker.parallel.distributed import Ranks
 from worker.reporting import LeaseLost, LoopResult, Reporter
-from worker.stopping import stopping
+from worker.session.stopping import stopping
 from worker.training import NonFiniteUpdate, trainable
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 save_weights_for_sampler (no name) keeps a snapshot of the trained weights as they are (the
 SNAPSHOTS_KEPT newest); a `sample` names the weights it samples by its sampling session id: the run's
 current ones, a snapshot, or a saved checkpoint (`tinker://` path). The sample operations at the head of
-the run's queue are gathered while more keep arriving, sampled together (worker.token_sampler), and
+the run's queue are gathered while more keep arriving, sampled together (worker.session.token_sampler), and
 their completions recorded as the samples of the run's current step.
 """
 
@@ -27,13 +27,13 @@ from service.core.tinker_sampling import (
     prompt_ask,
 )
 from service.core.tinker_wire import SamplerRef, WireError, parse_sampler_id, sampler_id
-from worker import token_sampler
 from worker.allocator import release_freed_memory
 from worker.checkpoints import load_weights
+from worker.engines.sampling import eos_token_ids
 from worker.loops.session_state import Session
-from worker.prompt_scoring import score_prompt
 from worker.reporting import Operations, Reporter
-from worker.sampling import eos_token_ids
+from worker.session import token_sampler
+from worker.session.prompt_scoring import score_prompt
 from worker.training import eval_mode
 
 log = logging.getLogger(__name__)

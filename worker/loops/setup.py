@@ -23,14 +23,14 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task, render_example
-from worker.distributed import SINGLE, Ranks, shard
+from worker.engines.sampling import HFEngine, RolloutEngine, SamplingParams
+from worker.engines.vllm_engine import EngineFailed, VLLMEngine
 from worker.fingerprint import fingerprint, model_sha256
 from worker.models import enable_checkpointing, load_policy
+from worker.parallel.distributed import SINGLE, Ranks, shard
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
-from worker.sampling import HFEngine, RolloutEngine, SamplingParams
 from worker.training import make_optimizer, make_scheduler, trainable
-from worker.vllm_engine import EngineFailed, VLLMEngine
 
 AnySpec = GRPOJob | TracInJob | JointJob | SFTJob
 
@@ -52,7 +52,7 @@ class Setup:
     extra: dict[str, torch.nn.Module] = field(default_factory=dict)  # other trained modules (the retriever)
     extra_optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
     extra_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] = field(default_factory=dict)
-    ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/distributed.py)
+    ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/parallel/distributed.py)
     sharded: bool = False  # the policy is sharded across the processes (FSDP2)
     memory_plan: memory.CheckpointPlan | None = None  # whether activations are recomputed, and why
 

@@ -29,12 +29,12 @@ from service.core import tracing
 from service.core.settings import Settings
 from service.core.specs import SFTJob
 from worker.datasets import Example
-from worker.distributed import SINGLE, Ranks
+from worker.engines.sampling import RolloutBatch, forward_inputs, sequence_logprobs
 from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
+from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
-from worker.sampling import RolloutBatch, forward_inputs, sequence_logprobs
 from worker.training import NonFiniteUpdate, eval_mode, seed_everything
 
 

@@ -37,7 +37,6 @@ from service.core.specs import BASELINES, TracInJob
 from worker import rewards
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks
-from worker.distributed import SINGLE, Ranks
 from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -46,6 +45,7 @@ from worker.loops.rollouts import (
     draw_prompts,
 )
 from worker.loops.setup import Setup, build
+from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything, step_seed, trainable
 

@@ -19,9 +19,9 @@ import torch
 
 from worker.algos import flops
 from worker.algos.lora import base_model, is_lora
+from worker.engines.sampling import RolloutBatch
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
-from worker.sampling import RolloutBatch
 
 PEAK_SIZE = {"cpu": 1024, "cuda": 8192}  # square matmul sides: long enough to reach the rate, short to time
 

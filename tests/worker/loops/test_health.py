@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from service.core.specs import GRPOJob, SFTJob
+from worker.jobs.runner import loop_for
 from worker.loops import skeleton, update
 from worker.reporting import FileReporter
-from worker.runner import loop_for
 from worker.training import NonFiniteUpdate
 
 TIED = {"model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"name": "arith", "num_train": 40, "num_val": 4},

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from service.core.specs import GRPOJob, TracInJob
-from worker import sampling
+from worker.engines import sampling
+from worker.engines.sampling import RolloutBatch, micro_batches
 from worker.loops import grpo, tracin
 from worker.reporting import FileReporter
-from worker.sampling import RolloutBatch, micro_batches
 
 BASE = {
     "model": {"name": "tiny-random-llama", "lora": {"r": 4, "dropout": 0.0}},

@@ -7,11 +7,11 @@ import torch
 
 from service.core.specs import GRPOSpec
 from worker.datasets import Example
-from worker.distributed import SINGLE
+from worker.engines.sampling import RolloutBatch
 from worker.loops.rollouts import Drawn, collect_rollouts
+from worker.parallel.distributed import SINGLE
 from worker.reporting import Reporter
 from worker.rewards import FunctionComponent, Scorer, lookup
-from worker.sampling import RolloutBatch
 
 G, K = 2, 3  # completions per group, groups per unit (a joint query's k documents)
 

@@ -6,11 +6,11 @@ import torch
 from service.core.specs import LoraSpec, ModelSpec
 from service.core.tinker_sampling import PromptAsk
 from service.core.tinker_wire import SamplerRef
-from worker import token_sampler
 from worker.loops.session_sampling import SAMPLE_BATCH_ROWS, SampleCall, batches, sample
 from worker.loops.session_state import Session
 from worker.models import load_policy
 from worker.reporting import Reporter
+from worker.session import token_sampler
 
 
 def _call(n: int, prompt_len: int, max_tokens: int, seed: int | None = 1) -> SampleCall:

@@ -141,7 +141,7 @@ def test_a_grader_that_stays_down_fails_the_job_with_a_readable_event(grader, se
     from service.store import jobs as jobs_q
     from service.store.db import session_scope
     from service.store.migrate import upgrade
-    from worker import runner
+    from worker.jobs import runner
 
     settings = settings_factory(GRPO_REWARD_URLS=f"{grader}/")
     upgrade(settings.store_url)

@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from worker.distributed import Ranks
+from worker.parallel.distributed import Ranks
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective waits this long for a slow rank (evaluation, a checkpoint)

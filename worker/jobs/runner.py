@@ -3,7 +3,7 @@
 queued -> running -> succeeded | failed | cancelled. The lease is a conditional UPDATE in SQL,
 so a redelivered message can never run one job twice. A job whose worker stopped renewing its
 lease (killed, cut off from the store) is queued again by the sweep of any live worker
-(worker/sweeper.py) and resumes from its last checkpoint; after `max_attempts` attempts it
+(worker/jobs/sweeper.py) and resumes from its last checkpoint; after `max_attempts` attempts it
 fails with a clear error. The outcome (status and final event) is one transaction.
 """
 
@@ -27,10 +27,10 @@ from service.store import jobs as jobs_q
 from service.store import leases, session_ops
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
-from worker.distributed import Ranks
-from worker.launch import LauncherStopped, RanksFailed, launch, preload_in_ranks
+from worker.jobs.sql_reporter import SqlReporter
+from worker.parallel.distributed import Ranks
+from worker.parallel.launch import LauncherStopped, RanksFailed, launch, preload_in_ranks
 from worker.reporting import LeaseLost, LoopResult, RankReporter, Reporter
-from worker.sql_reporter import SqlReporter
 
 log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
@@ -39,7 +39,7 @@ Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missin
 LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint",
          "sft": "worker.loops.sft", "session": "worker.loops.session"}
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
-preload_in_ranks(["worker.runner", *LOOPS.values()])  # a job's ranks start with every loop imported
+preload_in_ranks(["worker.jobs.runner", *LOOPS.values()])  # a job's ranks start with every loop imported
 
 
 def preload() -> None:
@@ -75,7 +75,9 @@ def loop_for(kind: str):
             raise
         finally:
             tracing.flush()  # a pool process may end without atexit
-            from worker.vllm_engine import stop_servers  # a job's vLLM server ends with its loop, whatever its end
+            from worker.engines.vllm_engine import (
+                stop_servers,  # a job's vLLM server ends with its loop, whatever its end
+            )
 
             stop_servers()
 

@@ -1,4 +1,4 @@
-"""The Celery application of the workers (settings and process hooks; the task is in worker.tasks)."""
+"""The Celery application of the workers (settings and process hooks; the task is in worker.jobs.tasks)."""
 
 import logging
 
@@ -15,9 +15,9 @@ from celery.signals import (
 from service.core import queue
 from service.core.settings import get_settings
 from service.store.db import dispose_engines
-from worker import stopping
+from worker.session import stopping
 
-app = Celery("grpo_jobs", include=["worker.tasks"])
+app = Celery("grpo_jobs", include=["worker.jobs.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
 _sweeper = None
@@ -25,7 +25,7 @@ _sweeper = None
 
 @worker_init.connect
 def _preload_loops(**_kwargs) -> None:
-    from worker.runner import preload
+    from worker.jobs.runner import preload
 
     preload()
 
@@ -58,7 +58,7 @@ def _tell_pool(how: str = "", **_kwargs) -> None:
 @worker_ready.connect
 def _start_sweeper(**_kwargs) -> None:
     global _sweeper
-    from worker.sweeper import sweeper
+    from worker.jobs.sweeper import sweeper
 
     _sweeper = sweeper(get_settings())
     _sweeper.start()

@@ -2,8 +2,8 @@
 
 from service.core.queue import TASK_NAME
 from service.core.settings import get_settings
-from worker import runner
-from worker.celery_app import app
+from worker.jobs import runner
+from worker.jobs.celery_app import app
 
 
 @app.task(name=TASK_NAME)

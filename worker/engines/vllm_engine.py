@@ -10,7 +10,7 @@ Python environment (`GRPO_VLLM_PYTHON`, built by `make vllm`), spoken to over HT
 - Weights are synced at every `sync`: with LoRA the policy's adapter is saved and loaded under a new
   name (`/v1/load_lora_adapter`) and the previous one unloaded; with full fine-tuning the weights are
   written to the served folder and reloaded in place (`reload_weights`, then the prefix cache reset).
-- The server runs under worker/vllm_watchdog.py in a process group of its own: `close` (and the
+- The server runs under worker/engines/vllm_watchdog.py in a process group of its own: `close` (and the
   job's process dying, however it dies) ends the whole group. A server that dies is started again
   once, with the current weights; a second death fails the job with the server's last log lines.
 """
@@ -34,9 +34,7 @@ import httpx
 import torch
 
 from worker.algos.lora import base_model, is_lora
-from worker.distributed import SINGLE, Ranks, row_seed
-from worker.models import WEIGHTS, loader_state
-from worker.sampling import (
+from worker.engines.sampling import (
     RolloutBatch,
     SamplingParams,
     batch_logprobs,
@@ -45,6 +43,8 @@ from worker.sampling import (
     eos_token_ids,
     micro_batches,
 )
+from worker.models import WEIGHTS, loader_state
+from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.training import eval_mode
 
 WATCHDOG = Path(__file__).with_name("vllm_watchdog.py")
@@ -228,7 +228,7 @@ def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
 
 
 class VLLMEngine:
-    """The rollout engine of `rollout.engine: vllm`: a worker.sampling.RolloutEngine, as HFEngine is
+    """The rollout engine of `rollout.engine: vllm`: a worker.engines.sampling.RolloutEngine, as HFEngine is
     (sync, generate, logprobs), with the engine's sampling log-probs on every batch."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,

@@ -6,7 +6,7 @@ It runs under the engine's own Python (`GRPO_VLLM_PYTHON`), so it imports nothin
 
     python vllm_watchdog.py JOB_PID -- ARGS...   (ARGS: the server's command line)
 
-Started in a new session by worker/vllm_engine.py, so the group holds exactly the watchdog, the
+Started in a new session by worker/engines/vllm_engine.py, so the group holds exactly the watchdog, the
 server and the server's children.
 """
 

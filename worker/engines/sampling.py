@@ -33,7 +33,7 @@ from transformers import (
 from worker.algos.logprobs import token_logprobs
 from worker.algos.lora import is_lora
 from worker.algos.losses import entropy_from_logits
-from worker.distributed import row_seed
+from worker.parallel.distributed import row_seed
 
 
 @dataclass
@@ -122,7 +122,7 @@ class RolloutBatch:
 
 class RolloutEngine(Protocol):
     """What a loop asks of whatever samples its rollouts: `HFEngine` (generate on a frozen copy, in
-    this process) or `worker.vllm_engine.VLLMEngine` (a vLLM server of the job's own)."""
+    this process) or `worker.engines.vllm_engine.VLLMEngine` (a vLLM server of the job's own)."""
 
     params: SamplingParams
     version: int  # weight syncs so far: a batch sampled by an earlier version is that many steps stale

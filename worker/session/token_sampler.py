@@ -1,6 +1,6 @@
 """Sampling token ids from token ids, as the tinker SDK's `sample` asks: n completions of a prompt,
 each token's log-prob under the sampling distribution (and, when asked, the k likeliest tokens at each
-position), stop tokens and stop strings. What a request asks of its prompt is worker.prompt_scoring's.
+position), stop tokens and stop strings. What a request asks of its prompt is worker.session.prompt_scoring's.
 
 Several requests (different prompts, parameters and seeds) run as one batch: prompts are padded on
 the left, with the attention mask and position ids that make each row compute what it would alone,

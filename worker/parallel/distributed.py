@@ -2,7 +2,7 @@
 that make N processes' step the step one process takes on the whole batch.
 
 A job with `resources.processes: N` runs its loop in N processes (ranks, launched by
-worker/launch.py). Every rank holds the whole model and
+worker/parallel/launch.py). Every rank holds the whole model and
   - draws the same units (prompts, queries) from the same seeded stream, then samples, scores
     and trains on its contiguous share of them (`Ranks.share`); sampling is seeded per row, so a
     row's completion does not depend on which rank drew it or what else was in its batch;

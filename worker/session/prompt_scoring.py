@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, PromptScores, TopK
-from worker.token_sampler import generator
+from worker.session.token_sampler import generator
 
 
 @torch.no_grad()

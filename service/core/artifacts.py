@@ -16,14 +16,17 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import fsspec
 
 from service.core.settings import Settings
+
+T = TypeVar("T")
 
 # A marker file written last: a checkpoint folder without it is incomplete (a crash mid-upload).
 COMPLETE = "trainer_state.pt"
@@ -74,7 +77,7 @@ class ArtifactStore:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key.strip('/')}" if key.strip("/") else self.root
 
-    def _call(self, what: str, fn, *args, **kw):
+    def _call(self, what: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         try:
             return fn(*args, **kw)
         except FileNotFoundError:
@@ -92,10 +95,10 @@ class ArtifactStore:
         """Every file under `prefix`, keys relative to it, sorted; [] when there is none."""
         base = self._path(prefix)
 
-        def find():
+        def find() -> dict[str, Any]:
             if not self.fs.exists(base):
                 return {}
-            return self.fs.find(base, detail=True)
+            return cast(dict[str, Any], self.fs.find(base, detail=True))
 
         found = self._call(f"list {prefix}", find)
         strip = len(base.rstrip("/")) + 1  # roots carry no protocol, so found paths start with base
@@ -111,7 +114,7 @@ class ArtifactStore:
         return bool(self._call(f"look up {key}", self.fs.exists, self._path(key)))
 
     def open(self, key: str) -> BinaryIO:
-        return self._call(f"read {key}", self.fs.open, self._path(key), "rb")
+        return cast(BinaryIO, self._call(f"read {key}", self.fs.open, self._path(key), "rb"))
 
     def get_file(self, key: str, dest: Path) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +138,7 @@ class ArtifactStore:
 
     # -- writing -----------------------------------------------------------------------------
     def put_fileobj(self, key: str, src: BinaryIO) -> None:
-        def put():
+        def put() -> None:
             with self.fs.open(self._path(key), "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
         self._call(f"write {key}", put)
@@ -173,7 +176,7 @@ def open_store(settings: Settings) -> ArtifactStore:
 
 
 @lru_cache(maxsize=8)
-def _s3(endpoint: str | None, region: str | None, key: str | None, secret: str | None):
+def _s3(endpoint: str | None, region: str | None, key: str | None, secret: str | None) -> fsspec.AbstractFileSystem:
     import s3fs
 
     return s3fs.S3FileSystem(

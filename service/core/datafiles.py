@@ -188,7 +188,7 @@ def _value_bytes(v: Any) -> int:
     return 8
 
 
-def _batch_bytes(batch) -> int:
+def _batch_bytes(batch: Any) -> int:
     """What a record batch's values hold once turned into Python rows: a dictionary-encoded text
     column counts each row's entry, not the dictionary once (that is how such pages expand)."""
     import pyarrow as pa

@@ -3,13 +3,14 @@ summary. The API answers it as a 422; `grpo-jobs run` and `submit` print it with
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from service.core.reward_specs import ENTRY_MODELS
 from service.core.specs import KINDS
 
 
-def field_path(loc: tuple) -> str:
+def field_path(loc: tuple[int | str, ...]) -> str:
     """`grpo.num_generations` from pydantic's loc, without the request part or the union tag."""
     parts = [str(p) for p in loc if p != "body"]
     # A discriminated union puts the chosen kind first in the path; it is not a field
@@ -22,7 +23,7 @@ def field_path(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def format_errors(errors: Iterable[dict]) -> dict:
+def format_errors(errors: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     detail = []
     for e in errors:
         loc = tuple(e.get("loc", ()))

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ def _spearman(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
     return _pearson(stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis), axis=axis)
 
 
-def _interval(statistic, x: np.ndarray, y: np.ndarray, seed: int) -> Interval | None:
+def _interval(statistic: Callable[..., Any], x: np.ndarray, y: np.ndarray, seed: int) -> Interval | None:
     from scipy import stats
 
     estimate = float(statistic(x, y))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -105,7 +105,9 @@ class HealthSpec(_Section):
 
 
 def level_of(guard: Guard, value: float, band: Band) -> Level:
-    past = (lambda t: value <= t) if guard.worse == "low" else (lambda t: value >= t)
+    def past(threshold: float) -> bool:
+        return value <= threshold if guard.worse == "low" else value >= threshold
+
     return "critical" if past(band.critical) else "warn" if past(band.warn) else "ok"
 
 
@@ -120,7 +122,7 @@ class HealthFlag:
     threshold: float | None  # the threshold it is at or past (None: back to ok)
     message: str
 
-    def event_data(self) -> dict:
+    def event_data(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -230,7 +232,7 @@ def summarise(kind: str, flags: Iterable[HealthFlag]) -> JobHealth:
     return JobHealth(worst, latest)
 
 
-def flag_from_event(data: Mapping | None) -> HealthFlag | None:
+def flag_from_event(data: Mapping[str, Any] | None) -> HealthFlag | None:
     """A `health` event's data as a flag (None for data this version cannot read)."""
     if not data or data.get("guard") not in BY_NAME or data.get("level") not in LEVELS:
         return None

@@ -6,6 +6,7 @@ The Celery settings for long GPU jobs live here so the producer and worker/jobs/
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from celery import Celery
 
@@ -15,7 +16,7 @@ QUEUE = "gpu"
 VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
 
 
-def _transport_options(broker_url: str) -> dict:
+def _transport_options(broker_url: str) -> dict[str, Any]:
     # Redis redelivers unacked messages after the visibility timeout; it must outlast any job.
     # kombu's SQLAlchemy transport hands its options to create_engine, so it takes none.
     if broker_url.startswith(("redis", "rediss")):
@@ -23,7 +24,7 @@ def _transport_options(broker_url: str) -> dict:
     return {}
 
 
-def celery_config(broker_url: str) -> dict:
+def celery_config(broker_url: str) -> dict[str, Any]:
     return {
         "broker_url": broker_url,
         "task_default_queue": QUEUE,

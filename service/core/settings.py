@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.datafiles import Budget
@@ -307,7 +308,7 @@ def settings_table() -> str:
     """Every setting as a Markdown table (variable, default, what it does), from the fields' own
     descriptions: `grpo-jobs settings` prints it and docs/operations/settings.md is its output."""
 
-    def default(field) -> str:
+    def default(field: FieldInfo) -> str:
         value = field.default
         if value is None or value == "":
             return "unset"

@@ -3,12 +3,14 @@ would ignore refused too."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, field_validator
 
 INT64 = 2**63 - 1
 
 
-def storable(value):
+def storable(value: Any) -> Any:
     """Reject what the store or a worker cannot hold: NUL or unpaired surrogates in strings, and
     integers beyond 64 bits. (Floats are kept finite by `allow_inf_nan=False`.)"""
     if isinstance(value, str):
@@ -35,7 +37,7 @@ class _Section(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _storable(cls, v):
+    def _storable(cls, v: Any) -> Any:
         return storable(v)
 
 

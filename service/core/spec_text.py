@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
@@ -37,7 +38,7 @@ class ParsedSpec:
     root: yaml.Node | None  # the composed tree, for the line of each field
 
 
-def _line(event) -> int | None:
+def _line(event: Any) -> int | None:
     mark = getattr(event, "start_mark", None)
     return mark.line + 1 if mark is not None else None
 

@@ -16,6 +16,7 @@ A request can ask, besides the completions and each sampled token's log-prob:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -169,13 +170,13 @@ def prompt_ask(req: SampleIn, *, prompt_len: int, vocab_size: int | None = None)
                      temperature=params.temperature, seed=params.seed)
 
 
-def _topk(msg, topk: TopK) -> None:
+def _topk(msg: Any, topk: TopK) -> None:
     msg.length, msg.k = topk.ids.shape
     msg.token_ids = np.ascontiguousarray(topk.ids, dtype=np.int32).tobytes()
     msg.logprobs = np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes()
 
 
-def _tensor(msg, values: np.ndarray, dtype: int) -> None:
+def _tensor(msg: Any, values: np.ndarray, dtype: int) -> None:
     msg.dtype = dtype
     msg.shape.extend(values.shape)
     msg.dense = np.ascontiguousarray(values).tobytes()
@@ -195,7 +196,7 @@ def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScore
         if s.topk is not None:
             _topk(seq.topk_sampled_logprobs, s.topk)
     if prompt is None:
-        return out.SerializeToString()
+        return bytes(out.SerializeToString())
     if prompt.logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt.logprobs, dtype=np.float32).tobytes()
     if prompt.topk is not None:
@@ -214,10 +215,10 @@ def encode_sample_response(sequences: list[SampledSequence], prompt: PromptScore
     if prompt.alt_ids is not None and prompt.alt_logprobs is not None:  # asked together, set together
         _tensor(out.prompt_alt_tokens.tokens, prompt.alt_ids.astype(np.int64), p.DTYPE_INT64)
         _tensor(out.prompt_alt_tokens.logprobs, prompt.alt_logprobs.astype(np.float32), p.DTYPE_FLOAT32)
-    return out.SerializeToString()
+    return bytes(out.SerializeToString())
 
 
-def _topk_json(msg) -> list[list[list[float]] | None] | None:
+def _topk_json(msg: Any) -> list[list[list[float]] | None] | None:
     """[length][k] of [token id, log-prob] (the SDK's JSON form), a position with none (all MASK_LOGPROB)
     as None; None where the answer has none."""
     if not msg.length:
@@ -229,7 +230,7 @@ def _topk_json(msg) -> list[list[list[float]] | None] | None:
             for row_ids, row_lps in zip(ids, logprobs, strict=True)]
 
 
-def _tensor_json(msg) -> dict:
+def _tensor_json(msg: Any) -> dict[str, Any]:
     """A `TensorData` as the SDK's JSON sends it: flat values, dense or sparse CSR."""
     p = pb()
     dtype = np.float32 if msg.dtype == p.DTYPE_FLOAT32 else np.int64
@@ -246,12 +247,12 @@ def _floats(raw: bytes) -> list[float | None]:
     return [None if np.isnan(v) else float(v) for v in np.frombuffer(raw, dtype=np.float32)]
 
 
-def sample_response_json(body: bytes) -> dict:
+def sample_response_json(body: bytes) -> dict[str, Any]:
     """A stored `SampleResponse` in the SDK's JSON form, for a client that did not ask for protobuf."""
     p = pb()
     msg = p.SampleResponse()
     msg.ParseFromString(body)
-    out: dict = {"type": "sample", "sequences": [
+    out: dict[str, Any] = {"type": "sample", "sequences": [
         {"stop_reason": "stop" if s.stop_reason == p.STOP_REASON_STOP else "length",
          "tokens": np.frombuffer(s.tokens, dtype=np.int32).tolist(), "logprobs": _floats(s.logprobs),
          "topk_logprobs": _topk_json(s.topk_sampled_logprobs)} for s in msg.sequences]}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ class ForwardBackward:
         return sum(len(d.tokens) for d in self.data)
 
 
-def _tensor(msg, where: str) -> np.ndarray:
+def _tensor(msg: Any, where: str) -> np.ndarray:
     p = pb()
     if msg.HasField("sparse_csr"):
         raise WireError(where, "sparse tensors are not supported here; send it dense")
@@ -118,7 +119,7 @@ def _tensor(msg, where: str) -> np.ndarray:
     return values
 
 
-def _tokens(chunks, where: str) -> np.ndarray:
+def _tokens(chunks: Any, where: str) -> np.ndarray:
     parts = []
     for j, chunk in enumerate(chunks):
         if chunk.WhichOneof("chunk") != "encoded_text":
@@ -130,7 +131,7 @@ def _tokens(chunks, where: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _config(msg, loss: LossDef) -> dict[str, float]:
+def _config(msg: Any, loss: LossDef) -> dict[str, float]:
     """Every setting of the loss: what was sent (as a number), else its default."""
     sent: dict[str, float] = {}
     for key, value in msg.loss_fn_config_v2.items():
@@ -155,7 +156,7 @@ def _config(msg, loss: LossDef) -> dict[str, float]:
     return config
 
 
-def _datum(d, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None, context: int | None) -> Datum:
+def _datum(d: Any, where: str, loss_fn: str, loss: LossDef, vocab_size: int | None, context: int | None) -> Datum:
     tokens = _tokens(d.model_input, f"{where}.model_input.chunks")
     if tokens.size == 0:
         raise WireError(f"{where}.model_input", "no tokens")
@@ -225,18 +226,18 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
         batched.data = b"".join(a.tobytes() for a in arrays)
         batched.offsets = offsets.tobytes()
         batched.dtype = p.DTYPE_FLOAT32
-    return out.SerializeToString()
+    return bytes(out.SerializeToString())
 
 
-def forward_backward_output_json(body: bytes) -> dict:
+def forward_backward_output_json(body: bytes) -> dict[str, Any]:
     """A stored `ForwardBackwardOutput` in the SDK's JSON form (its `ForwardBackwardOutput` type): for a client
     that did not ask for protobuf. Each datum's fields as `TensorData` (flat float32 values and a shape)."""
     p = pb()
     out = p.ForwardBackwardOutput()
     out.ParseFromString(body)
-    datums: list[dict] = []
+    datums: list[dict[str, Any]] = []
     for record in out.loss_fn_outputs:
-        rows: list[dict] = [{} for _ in range(record.num_datums)]
+        rows: list[dict[str, Any]] = [{} for _ in range(record.num_datums)]
         for name, batched in record.fields.items():
             values = np.frombuffer(batched.data, dtype=np.float32)
             offsets = np.frombuffer(batched.offsets, dtype=np.int64) // 4

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import Token
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from opentelemetry import context, trace
 from opentelemetry.context import Context
@@ -33,7 +33,11 @@ def configured() -> bool:
     return any(os.environ.get(v) for v in ENDPOINT_VARS)
 
 
-def setup(service: str, *, exporter=None) -> bool:
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def setup(service: str, *, exporter: Any = None) -> bool:
     """Install this process's tracer provider, exporting over OTLP/HTTP where an endpoint is
     configured (or to `exporter`, for tests). Returns whether spans are recorded. Idempotent."""
     global _provider
@@ -75,11 +79,11 @@ def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
         yield s
 
 
-def traced(name: str):
+def traced(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A function's calls as spans named `name`."""
-    def wrap(fn):
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
-        def inner(*args, **kwargs):
+        def inner(*args: P.args, **kwargs: P.kwargs) -> R:
             with TRACER.start_as_current_span(name):
                 return fn(*args, **kwargs)
         return inner

@@ -57,7 +57,7 @@ class GhostHooks:
         self.rows: torch.Tensor | None = None
         self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
         self.subset: dict[torch.Tensor, torch.Tensor] = {}  # folded subset gradient per LoRA weight
-        self._handles: list = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> GhostHooks:
         for i, layer in enumerate(self.layers):
@@ -66,7 +66,7 @@ class GhostHooks:
             self._handles.append(b.register_forward_hook(self._hook(i, "B")))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -81,8 +81,8 @@ class GhostHooks:
             a.weight.grad = None
             b.weight.grad = None
 
-    def _hook(self, i: int, which: str) -> Callable:
-        def forward_hook(_module, inputs, output):
+    def _hook(self, i: int, which: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], None]:
+        def forward_hook(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             if i not in self.val_grads or not output.requires_grad:
                 return  # validation pass (or no grad): nothing to score yet
             inp = _flat(inputs[0].detach())  # A: x' [N, L, d_in];  B: h [N, L, r]
@@ -96,7 +96,7 @@ class GhostHooks:
 
             # Few, fused ops per call: with hundreds of LoRA layers and small micro-batches the
             # hooks' cost is their number of kernel launches, not their arithmetic.
-            def backward_hook(grad):
+            def backward_hook(grad: torch.Tensor) -> None:
                 g = _flat(grad.detach())  # A: g_h [N, L, r];  B: g_o [N, L, d_out]
                 n = g.shape[0]
                 # Let go of the activation now: autograd frees its own copy as backward passes the
@@ -176,7 +176,7 @@ class GhostHooks:
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed for the Gram matrix")
         n = self.scores.numel()
-        per_layer: dict[tuple[int, str], list] = {}
+        per_layer: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for i, rows, which, per in self.factors:
             per_layer.setdefault((i, which), []).append((rows, per))
         gram: torch.Tensor | None = None  # [N, N]: N is the whole batch's rows once gathered

@@ -15,7 +15,10 @@ the head runs in the weights' dtype and the softmax in at least float32, as in `
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor
 
 from worker.algos.losses import entropy_from_logits
 
@@ -37,7 +40,8 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, te
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                temperature: float, chunk: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
         # hidden [M, H], weight [V, H], bias [V] | None, targets [M] long
         M = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -58,15 +62,15 @@ class _TokenLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
+    def backward(ctx: Any, grad_logp: Tensor, _grad_ent: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.empty_like(hidden) if need_h else torch.empty(0)
         # Summed over chunks in float32 at least, cast once at the end.
         acc = torch.promote_types(weight.dtype, torch.float32)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else torch.empty(0)
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else torch.empty(0)
         for i in range(0, hidden.shape[0], chunk):
             h = hidden[i:i + chunk]  # [C, H]
             g = grad_logp[i:i + chunk]  # [C]
@@ -82,8 +86,8 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_w += dz.T.to(acc) @ h.to(acc)
             if need_b:
                 grad_b += dz.sum(0).to(acc)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+        return (grad_h if need_h else None, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
 
 
 def token_logprobs(
@@ -98,5 +102,6 @@ def token_logprobs(
     each position's distribution (no gradient). `chunk`: positions per chunk (default: 64 MiB of logits).
     """
     chunk = chunk or chunk_positions(weight.shape[0])
-    logp, ent = _TokenLogprobs.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy)
+    # Function.apply is untyped in torch; forward() above says what it returns
+    logp, ent = _TokenLogprobs.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy)  # type: ignore[no-untyped-call]
     return logp, ent if with_entropy else None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 import torch
+from torch import Tensor
 
 from service.core.specs import LossAgg, LossName
 
@@ -133,14 +134,14 @@ class Surrogate:
     clipped: torch.Tensor
 
 
-def grpo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate:
+def grpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, lo: float, hi: float) -> Surrogate:
     """Token-level clipped surrogate. logp, old_logp, mask: [B, T]; adv: [B, 1]."""
     ratio = torch.exp(logp - old_logp)  # [B, T]
     unclipped, clipped = ratio * adv, torch.clamp(ratio, lo, hi) * adv  # [B, T]
     return Surrogate(-torch.minimum(unclipped, clipped), ratio, clipped < unclipped)
 
 
-def gspo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate:
+def gspo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, lo: float, hi: float) -> Surrogate:
     """Sequence-level clipped surrogate on s = exp(mean over real tokens of log r), broadcast [B, T]."""
     log_s = masked_mean(logp - old_logp, mask, dim=1)  # [B]
     s = torch.exp(log_s).unsqueeze(1).expand_as(logp)  # [B, T]
@@ -148,7 +149,7 @@ def gspo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate
     return Surrogate(-torch.minimum(unclipped, clipped), s, clipped < unclipped)
 
 
-def cispo_surrogate(logp, old_logp, adv, mask, lo: float, hi: float) -> Surrogate:
+def cispo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, lo: float, hi: float) -> Surrogate:
     """REINFORCE with a clipped, stop-gradient importance weight: -sg(clip(r)) A log pi. [B, T]."""
     ratio = torch.exp(logp - old_logp)  # [B, T]
     weight = torch.clamp(ratio, lo, hi).detach()  # [B, T]

@@ -8,6 +8,7 @@ The baselines (random, pass_rate, all) use no influence, so a job running them p
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -76,7 +77,7 @@ def greedy(scores: torch.Tensor, gram: torch.Tensor, fraction: float, eta: float
     return mask
 
 
-def histogram(scores: torch.Tensor, bins: int = 20) -> dict:
+def histogram(scores: torch.Tensor, bins: int = 20) -> dict[str, Any]:
     lo, hi = float(scores.min()), float(scores.max())
     if lo == hi:
         lo, hi = lo - 0.5, hi + 0.5

@@ -226,8 +226,8 @@ SubmittedSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob, Field(discrim
 JobSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob | SessionJob, Field(discriminator="kind")]  # what is stored
 JOB_MODELS: tuple[type[_JobBase], ...] = get_args(get_args(SubmittedSpec)[0])
 KINDS: tuple[str, ...] = tuple(get_args(m.model_fields["kind"].annotation)[0] for m in get_args(get_args(JobSpec)[0]))
-_SUBMITTED_SPEC: TypeAdapter = TypeAdapter(SubmittedSpec)
-_JOB_SPEC: TypeAdapter = TypeAdapter(JobSpec)
+_SUBMITTED_SPEC: TypeAdapter[SubmittedSpec] = TypeAdapter(SubmittedSpec)
+_JOB_SPEC: TypeAdapter[JobSpec] = TypeAdapter(JobSpec)
 
 
 def parse_spec(data: object) -> GRPOJob | TracInJob | JointJob | SFTJob:

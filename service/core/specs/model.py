@@ -84,7 +84,7 @@ class ModelSpec(_Section):
         """Whether a checkpoint trained as `other` loads into this model: the same base model and the
         same LoRA shape (r, alpha, target modules), or both without LoRA."""
 
-        def shape(m: ModelSpec) -> tuple:
+        def shape(m: ModelSpec) -> tuple[object, ...]:
             return m.name, None if m.lora is None else (m.lora.r, m.lora.alpha, tuple(m.lora.target_modules))
 
         return shape(self) == shape(other)

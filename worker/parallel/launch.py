@@ -68,7 +68,7 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
     """`entry(*args, ranks=Ranks(...))` in `processes` ranks; each rank's return value by rank."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=run_id or uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,  # 0: any free port
-                          monitor_interval=0.5, start_method="forkserver", shutdown_timeout=10)
+                          monitor_interval=0.5, start_method=START_METHOD, shutdown_timeout=10)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     # A Celery pool process is daemonic, and multiprocessing refuses children to daemons (so that
     # none outlives it); the ranks instead die with it (PR_SET_PDEATHSIG), so let it start them.
@@ -78,7 +78,7 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
     saved = dict(me._config)
     me._config.update(daemon=False, authkey=AuthenticationString(bytes(me.authkey)))
     try:
-        base = _fork_server()
+        base = _fork_server() if START_METHOD == "forkserver" else dict(os.environ)
         return elastic_launch(config, _rank_main)(entry, args, base, dict(os.environ))
     except ChildFailedError as exc:
         raise _cause(exc) from None
@@ -91,6 +91,7 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
                 signal.signal(s, h)
 
 
+START_METHOD = "forkserver"  # "spawn": each rank imports everything itself (bench/rank_start.py compares)
 _server_env: dict[int, dict[str, str]] = {}  # the environment each fork server (by pid) started with
 _rank_preload: list[str] = []
 

@@ -9,13 +9,11 @@ back each result once written. Keys: the owner's API keys, sent by the SDK as `X
 rest of the API it imports the core and the store, never the worker.
 """
 
-from fastapi import APIRouter
-
 from service.api.tinker import checkpoints, client, futures, runs, sampling, sessions, training
 from service.api.tinker.schemas import FORWARD_BACKWARD_MAX_BYTES
 
-router = APIRouter()
-for part in (client, sessions, training, checkpoints, sampling, futures, runs):  # the order the routes were declared in
-    router.include_router(part.router)
+# each included into the app on its own, in the order the routes were declared (the strict router and
+# the OpenAPI document see every route as the app's own)
+ROUTERS = tuple(part.router for part in (client, sessions, training, checkpoints, sampling, futures, runs))
 
-__all__ = ["FORWARD_BACKWARD_MAX_BYTES", "router"]
+__all__ = ["FORWARD_BACKWARD_MAX_BYTES", "ROUTERS"]

@@ -4,7 +4,8 @@ forked from a fork server that imported them once (`forkserver`, what worker/par
 
     python bench/rank_start.py [--processes 2] [--launches 3]
 
-A launch is timed from the call to its return, its ranks doing nothing but join the process group;
+A launch is timed from the call to its return, its ranks doing nothing but import the loops (as a job's
+rank does first) and join the process group;
 the fork server's first launch includes starting the server (once per worker process), reported
 apart. The machine's busy CPU time over each method's launches is read from /proc/stat. Ends with:
 RESULT spawn_s=... forkserver_first_s=... forkserver_s=... speedup=... spawn_cpu_s=... forkserver_cpu_s=...
@@ -22,6 +23,7 @@ from worker.parallel import launch as launcher
 
 
 def _entry(*, ranks) -> int:
+    worker.jobs.runner.preload()  # what a rank's loop imports first: free where the server imported it
     return ranks.rank
 
 

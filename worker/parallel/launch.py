@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys

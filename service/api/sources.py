@@ -100,6 +100,12 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
         if (why := model_unavailable(name, settings, owner=owner, what=what, presets=presets)) is not None:
             errors.append({"loc": loc, "msg": why, "type": "unavailable"})
     errors += _reward_errors(spec, settings)
+    env = getattr(spec, "environment", None)
+    if env is not None and env.url is not None:
+        try:
+            check_url(env.url, settings.environment_urls, "GRPO_ENVIRONMENT_URLS", what="environment servers")
+        except UrlRefused as exc:
+            errors.append({"loc": ("environment", "url"), "type": "not_allowed", "msg": f"url {exc}"})
     if spec.resources.processes > settings.max_processes:
         errors.append({"loc": ("resources", "processes"), "type": "unavailable",
                        "msg": f"resources.processes: {spec.resources.processes} is more than this deployment "

@@ -57,6 +57,16 @@ class Settings(BaseSettings):
         description="Comma-separated URLs under which an `http` reward may call a grader, compared by scheme, "
         "host, port and path segments (service/core/grader_urls.py); empty: no `http` rewards.",
     )
+    environment_urls_env: str = Field(
+        default="", validation_alias="GRPO_ENVIRONMENT_URLS",
+        description="Comma-separated URLs under which a job's `environment.url` may name an OpenEnv server, "
+        "compared as GRPO_REWARD_URLS is; empty: bundled environments only.",
+    )
+    environment_max_message_bytes: int = Field(
+        default=1 << 20, ge=1024, le=1 << 30, validation_alias="GRPO_ENVIRONMENT_MAX_MESSAGE_BYTES",
+        description="The largest message a worker reads from an environment server; a larger answer ends the "
+        "episode with an error.",
+    )
     webhook_urls_env: str = Field(
         default="", validation_alias="GRPO_WEBHOOK_URLS",
         description="Comma-separated URLs under which an owner may register a webhook, compared as "
@@ -268,6 +278,16 @@ class Settings(BaseSettings):
     @property
     def reward_urls(self) -> list[GraderUrl]:
         return parse_allow_list(_split(self.reward_urls_env))
+
+    @field_validator("environment_urls_env")
+    @classmethod
+    def _environment_urls(cls, v: str) -> str:
+        parse_allow_list(_split(v), "GRPO_ENVIRONMENT_URLS")
+        return v
+
+    @property
+    def environment_urls(self) -> list[GraderUrl]:
+        return parse_allow_list(_split(self.environment_urls_env), "GRPO_ENVIRONMENT_URLS")
 
     @field_validator("webhook_urls_env")
     @classmethod

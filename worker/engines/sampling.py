@@ -55,6 +55,11 @@ class RolloutBatch:
     completions: list[str]  # decoded completions, cut after the stop string
     sampler_logp: torch.Tensor | None = None  # [N, T] the inference engine's log-probs of its samples (vllm)
     version: torch.Tensor | None = None  # [N] the weight version (sync count) that sampled each row (vllm)
+    trained_mask: torch.Tensor | None = None  # [N, T] 1 on the model's own tokens, 0 on an environment's (episodes)
+
+    def loss_mask(self) -> torch.Tensor:
+        """[N, T] the tokens a loss may count: the completion's, less an environment's."""
+        return self.completion_mask if self.trained_mask is None else self.completion_mask * self.trained_mask
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -75,7 +80,8 @@ class RolloutBatch:
                             completion_ids=self.completion_ids[idx], completion_mask=self.completion_mask[idx],
                             truncated=self.truncated[idx], completions=[self.completions[i] for i in idx.tolist()],
                             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[idx],
-                            version=None if self.version is None else self.version[idx])
+                            version=None if self.version is None else self.version[idx],
+                            trained_mask=None if self.trained_mask is None else self.trained_mask[idx])
 
     def trimmed(self) -> RolloutBatch:
         """The same rows without the columns that are padding in every row (prompts' left, completions' right)."""
@@ -86,7 +92,8 @@ class RolloutBatch:
                             completion_ids=self.completion_ids[:, :t], completion_mask=self.completion_mask[:, :t],
                             truncated=self.truncated, completions=self.completions,
                             sampler_logp=None if self.sampler_logp is None else self.sampler_logp[:, :t],
-                            version=self.version)
+                            version=self.version,
+                            trained_mask=None if self.trained_mask is None else self.trained_mask[:, :t])
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         return RolloutBatch(prompt_ids=self.prompt_ids.to(device), prompt_mask=self.prompt_mask.to(device),
@@ -94,7 +101,8 @@ class RolloutBatch:
                             completion_mask=self.completion_mask.to(device), truncated=self.truncated.to(device),
                             completions=self.completions,
                             sampler_logp=None if self.sampler_logp is None else self.sampler_logp.to(device),
-                            version=None if self.version is None else self.version.to(device))
+                            version=None if self.version is None else self.version.to(device),
+                            trained_mask=None if self.trained_mask is None else self.trained_mask.to(device))
 
     @staticmethod
     def cat(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -117,7 +125,26 @@ class RolloutBatch:
             sampler_logp=None if any(b.sampler_logp is None for b in batches) else
             torch.cat([rpad(b.sampler_logp, T, 0.0) for b in batches]),
             version=None if any(b.version is None for b in batches) else torch.cat([b.version for b in batches]),
+            trained_mask=None if all(b.trained_mask is None for b in batches) else
+            torch.cat([rpad(b.loss_mask(), T, 0) for b in batches]),
         )
+
+
+Prompts = list[str] | list[list[int]]  # texts to tokenize, or token ids to sample from as they are
+
+
+def encode_prompts(tokenizer, prompts: Prompts, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask [P, L] of `prompts`: texts tokenized (no special tokens added), ids kept."""
+    if prompts and not isinstance(prompts[0], str):
+        L = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), L, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if p:
+                ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p, dtype=torch.long), 1
+        return ids.to(device), mask.to(device)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
 class RolloutEngine(Protocol):
@@ -130,11 +157,12 @@ class RolloutEngine(Protocol):
     def sync(self, policy: torch.nn.Module) -> None:
         """Take the policy's current weights: what the next rows are sampled with."""
 
-    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+    def generate(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
                  greedy: bool = False) -> RolloutBatch:
-        """`num_generations` completions per prompt, prompt-major [P*G]; sampling takes one seed per prompt."""
+        """`num_generations` completions per prompt, prompt-major [P*G]; sampling takes one seed per prompt.
+        Prompts given as ids are sampled from exactly those ids (an episode's turns)."""
 
-    def submit(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+    def submit(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
                greedy: bool = False) -> Callable[[], RolloutBatch]:
         """`generate`, started now; the call returned gives its batch (a vLLM server samples meanwhile)."""
 
@@ -381,16 +409,16 @@ class HFEngine:
                 p.copy_(q.to(p.device))
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+    def generate(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
                  greedy: bool = False) -> RolloutBatch:
         """Sample num_generations completions per prompt, prompt-major: [P*G] rows. Sampling needs
         one seed per prompt; its G rows draw from generators seeded by (seed, g)."""
         tok, sp = self.tokenizer, self.params
         if not prompts:
             return RolloutBatch.empty(self.device)
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        ids = enc["input_ids"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
-        mask = enc["attention_mask"].repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, self.device)  # [P, Pw]
+        ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
+        mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [P*G, Pw]
         kwargs = dict(max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
                       eos_token_id=sorted(self.eos_ids), **GENERATE_MEMORY)
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -404,7 +432,7 @@ class HFEngine:
         if self.sharded:  # a process whose rows are done keeps taking part in the others' forwards
             kwargs["synced_gpus"] = True
         elif num_generations > 1 and ids.shape[1] > 1:
-            cache = shared_prompt_cache(self.model, enc["input_ids"], enc["attention_mask"], num_generations,
+            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, num_generations,
                                         ids.shape[1] + sp.max_new_tokens)
             if cache is not None:
                 for k in ("cache_implementation", "prefill_chunk_size"):
@@ -423,7 +451,7 @@ class HFEngine:
                              truncated=truncated, completions=texts)
         return batch
 
-    def submit(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+    def submit(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
                greedy: bool = False) -> Callable[[], RolloutBatch]:
         """`generate`, run now: sampling in the training process cannot run ahead of training."""
         batch = self.generate(prompts, num_generations, seeds=seeds, greedy=greedy)

@@ -35,11 +35,13 @@ import torch
 
 from worker.algos.lora import base_model, is_lora
 from worker.engines.sampling import (
+    Prompts,
     RolloutBatch,
     SamplingParams,
     batch_logprobs,
     completion_lengths,
     cut_at_stop,
+    encode_prompts,
     eos_token_ids,
     micro_batches,
 )
@@ -375,7 +377,7 @@ class VLLMEngine:
             f.add_done_callback(done)
         return futures
 
-    def submit(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+    def submit(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
                greedy: bool = False) -> Callable[[], RolloutBatch]:
         """Start sampling num_generations completions per prompt with the weights served now; the
         returned call waits for them and gives the batch (prompt-major [P*G], with `sampler_logp` and
@@ -386,9 +388,9 @@ class VLLMEngine:
             return lambda: batch
         if not greedy and (seeds is None or len(seeds) != len(prompts)):
             raise ValueError("sampling needs one seed per prompt")
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        ids = enc["input_ids"].repeat_interleave(G, dim=0)  # [P*G, Pw] left-padded, as the hf engine has them
-        mask = enc["attention_mask"].repeat_interleave(G, dim=0)
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts)
+        ids = prompt_ids.repeat_interleave(G, dim=0)  # [P*G, Pw] left-padded, as the hf engine has them
+        mask = prompt_mask.repeat_interleave(G, dim=0)
         rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         row_seeds = [None] * len(rows) if greedy else [row_seed(s, g) for s in seeds for g in range(G)]
         version, restarts, futures = self.version, self.restarts, self._send(rows, row_seeds, greedy)
@@ -409,7 +411,7 @@ class VLLMEngine:
 
         return result
 
-    def generate(self, prompts: list[str], num_generations: int, *, seeds: list[int] | None = None,
+    def generate(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
                  greedy: bool = False) -> RolloutBatch:
         """num_generations completions per prompt, prompt-major [P*G], with `sampler_logp`."""
         return self.submit(prompts, num_generations, seeds=seeds, greedy=greedy)()

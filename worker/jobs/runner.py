@@ -75,11 +75,12 @@ def loop_for(kind: str):
             raise
         finally:
             tracing.flush()  # a pool process may end without atexit
-            from worker.engines.vllm_engine import (
-                stop_servers,  # a job's vLLM server ends with its loop, whatever its end
-            )
+            # a job's vLLM server and environment server end with its loop, whatever its end
+            from worker.engines.vllm_engine import stop_servers
+            from worker.environments.servers import stop_servers as stop_environments
 
             stop_servers()
+            stop_environments()
 
     return run_then_stop_engines
 

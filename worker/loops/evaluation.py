@@ -9,7 +9,8 @@ import torch
 
 from worker import rewards
 from worker.datasets import Example
-from worker.loops.rollouts import prompt_for
+from worker.environments.runner import EpisodeStats, episode_rewards, play
+from worker.loops.rollouts import EVAL_SEEDS, prompt_for
 from worker.loops.setup import Setup
 
 
@@ -48,8 +49,24 @@ def shard(s: Setup, examples: list[Example]) -> list[Example]:
     return [examples[i] for i in s.ranks.share(len(examples))]
 
 
+def evaluate_episodes(s: Setup) -> dict[str, float]:
+    """environment.eval_episodes greedy episodes from reset seeds no training step draws: eval/reward_mean
+    and the episodes' eval/env/* statistics."""
+    env = s.environment
+    assert env is not None
+    s.engine.sync(s.model)
+    seeds = [EVAL_SEEDS + i for i in range(env.spec.eval_episodes)]
+    episodes, env_s = play(env.players, env.url, seeds, 1, env.limits, seed_of=None)
+    stats = EpisodeStats.of(episodes, env_s).metrics()
+    return {"eval/reward_mean": float(episode_rewards(episodes, env.spec.reward).mean()),
+            **{f"eval/{k}": v for k, v in stats.items() if k.startswith("env/")}}
+
+
 def evaluate(s: Setup, step: int) -> dict[str, float]:
-    """The first grpo.eval_prompts validation examples, answered greedily, after `step`."""
+    """The first grpo.eval_prompts validation examples, answered greedily, after `step` (or, with an
+    environment, its evaluation episodes)."""
+    if s.environment is not None:
+        return evaluate_episodes(s)
     every = s.task.val[: s.spec.train.eval_prompts]
     examples = shard(s, every)
     completions = greedy_completions(s, [prompt_for(s, ex) for ex in examples], filler=prompt_for(s, every[0]))

@@ -24,6 +24,9 @@ from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
 from worker.datasets import Example, render_example
 from worker.engines.sampling import RolloutBatch
+from worker.environments import episodes as episode_rows
+from worker.environments.episodes import Episode
+from worker.environments.runner import EpisodeStats, episode_rewards, play
 from worker.loops.setup import Setup
 from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import Reporter
@@ -42,6 +45,9 @@ class Drawn(Generic[U]):
     units: list[U]  # [n_units]
     keys: list[tuple[int, int]]  # [n_units] (round, index among the round's units on every rank)
     groups_per_unit: int = 1
+    scored: GroupRewards | None = None  # rewards that came with the draw (an environment's); None: score them
+    episodes: list[Episode] | None = None  # [n_groups * G] the episodes the rows were built from
+    stats: EpisodeStats | None = None  # the draw's episodes, summed up
 
 
 Draw = Callable[[int, int], Drawn[U]]  # (round, n_units on every rank) -> this rank's share, sampled
@@ -79,6 +85,8 @@ class Rollouts(Generic[U]):
     staleness: torch.Tensor | None = None  # [N] weight versions between each row's sampler and now (vllm)
     ranks: Ranks = SINGLE
     excluded: torch.Tensor | None = None  # [N] bool: no counted reward could score it (None: every row scored)
+    episodes: list[Episode] | None = None  # [N] each row's episode (a job with an environment)
+    episode_stats: EpisodeStats | None = None  # every episode the step played, refills included
 
     def __len__(self) -> int:
         """Rows on this rank."""
@@ -135,6 +143,8 @@ class Rollouts(Generic[U]):
                 m[f"reward/{name}/mean"] = t[f"fn/{name}"] / t[f"fn_n/{name}"]
         if "stale" in t:
             m["rollout/staleness"] = t["stale"] / n
+        if self.episode_stats is not None:
+            m |= self.episode_stats.metrics()
         return m
 
     def sample_rows(self, n: int, *, influence: list[float] | None = None, selected: list[bool] | None = None,
@@ -142,11 +152,17 @@ class Rollouts(Generic[U]):
         """The whole step's first n completions as records (gathered from every rank); `extra(group)`
         adds what a kind knows about one of this rank's groups."""
         G = self.group_size
+
+        def more(i: int) -> dict[str, Any] | None:
+            out = {} if extra is None else dict(extra(i // G))
+            if self.episodes is not None:
+                out["episode"] = episode_rows.record(self.episodes[i])
+            return out or None
+
         mine = [SampleRow(index=p, prompt=self.prompts[i // G], completion=self.batch.completions[i],
                           reward=float(self.rewards[i]), advantage=float(self.advantages[i]),
                           influence=None if influence is None else float(influence[i]),
-                          selected=None if selected is None else bool(selected[i]),
-                          extra=None if extra is None else extra(i // G))
+                          selected=None if selected is None else bool(selected[i]), extra=more(i))
                 for i, p in enumerate(self.positions) if p < n]
         return sorted((row for rows in self.ranks.gather(mine) for row in rows), key=lambda row: row.index)
 
@@ -170,6 +186,8 @@ class _Scored:
                        prompts=[d.prompts[i] for i in g_idx], units=[u for u, k in zip(d.units, keep) if k],
                        keys=[u for u, k in zip(d.keys, keep) if k])
         r = rows.tolist()
+        if d.episodes is not None:
+            kept = replace(kept, episodes=[d.episodes[i] for i in r])
         return _Scored(kept, self.rewards[rows], self.excluded[rows], {n: [v[i] for i in r] for n, v in self.per_fn.items()})
 
 
@@ -191,13 +209,31 @@ def score_groups(s: Setup, completions: list[str], examples: list[Example], G: i
     items = [rewards.Item(ex.question, c, tuple(ex.answers)) for ex, c in
              zip((ex for ex in examples for _ in range(G)), completions, strict=True)]
     scored = s.scorer.score(items, step=step)  # failures become the job's warning event (setup.warn_reward_failures)
+    return with_exclusions(scored, G)
+
+
+def with_exclusions(scored: rewards.Scored, G: int) -> GroupRewards:
+    """Rewards whose NaN entries (nothing could score them) are excluded and take their group's mean:
+    zero advantage, no effect on the baseline."""
     r = torch.tensor(scored.total, dtype=torch.float32)
     excluded = torch.isnan(r)
-    if excluded.any():  # excluded completions take their group's mean: zero advantage, no effect on the baseline
+    if excluded.any():
         grouped = r.view(-1, G)
         means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
         r = torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
     return GroupRewards(rewards=r, excluded=excluded, scored=scored)
+
+
+def episode_scores(s: Setup, episodes: list[Episode], G: int) -> GroupRewards:
+    """The environment's rewards of a draw's episodes [N]: with environment.on_error `drop_group`, every
+    episode of a group the environment failed in is excluded; with `zero`, a failed episode keeps what it
+    earned (0 if nothing)."""
+    env = s.spec.environment
+    r = episode_rewards(episodes, env.reward)
+    if env.on_error == "drop_group":
+        failed = torch.tensor([e.error is not None for e in episodes]).view(-1, G).any(1)  # [n_groups]
+        r = torch.where(failed.repeat_interleave(G), torch.full_like(r, float("nan")), r)
+    return with_exclusions(rewards.Scored(total=r.tolist(), per_fn={}, failures=[]), G)  # its time is time/env_s
 
 
 def submit_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Submit[Example]:
@@ -215,10 +251,46 @@ def submit_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> S
     return submit
 
 
+# Reset seeds: training draws below EVAL_SEEDS, evaluation plays EVAL_SEEDS, EVAL_SEEDS + 1, ...
+EVAL_SEEDS = 2**31
+
+
+def submit_episodes(s: Setup, G: int, *, seed_tag: str, validation: bool = False) -> Submit[Example]:
+    """Units are reset seeds of the job's environment (drawn with `seed_tag`; `validation`: among its
+    evaluation seeds), a group of G episodes each, played now; each turn sampled with a seed from
+    (seed_tag, round, episode, turn)."""
+    rng, env = random.Random(seed_tag), s.environment
+    assert env is not None
+
+    def submit(round: int, n: int) -> Sampling[Example]:
+        seeds = [EVAL_SEEDS + rng.randrange(env.spec.eval_episodes) if validation else rng.randrange(EVAL_SEEDS)
+                 for _ in range(n)]
+        with tracing.span("rl.episodes", **{"grpo_jobs.round": round}):
+            episodes, env_s = play(env.players, env.url, seeds, G, env.limits,
+                                   seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn))
+        batch = episode_rows.rows(episodes, s.tokenizer.pad_token_id)
+        firsts = [Example(question=episodes[i * G].first_observation, answers=(), meta={"seed": seed})
+                  for i, seed in enumerate(seeds)]
+        drawn = Drawn(batch=batch, examples=firsts, prompts=[ex.question for ex in firsts], units=firsts,
+                      keys=[(round, i) for i in range(n)], scored=episode_scores(s, episodes, G),
+                      episodes=episodes, stats=EpisodeStats.of(episodes, env_s))
+        return lambda: drawn
+
+    return submit
+
+
 def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
     """submit_prompts, waiting for each draw's completions."""
     submit = submit_prompts(s, pool, G, seed_tag=seed_tag)
     return lambda round, n: submit(round, n)()
+
+
+def draw_validation(s: Setup, G: int, *, seed_tag: str) -> Draw[Example]:
+    """Groups from the validation split: its prompts, or an environment's evaluation seeds."""
+    if s.environment is not None:
+        submit = submit_episodes(s, G, seed_tag=seed_tag, validation=True)
+        return lambda round, n: submit(round, n)()
+    return draw_prompts(s, s.task.val, G, seed_tag=seed_tag)
 
 
 def _sample_round(draw: Draw[U], round: int, need: int, G: int, *, first: Sampling[U] | None) -> Drawn[U]:
@@ -229,6 +301,14 @@ def _sample_round(draw: Draw[U], round: int, need: int, G: int, *, first: Sampli
         raise RuntimeError(f"the sampler returned {len(d.batch)} completions for {len(d.prompts)} groups of "
                            f"{G} from {len(d.units)} units; expected {len(d.units) * d.groups_per_unit * G}")
     return d
+
+
+def grade(s: Setup, d: Drawn, G: int, step: int) -> GroupRewards:
+    """A draw's rewards: the environment's that came with it, or the job's reward functions'."""
+    if d.scored is not None:
+        return d.scored
+    with tracing.span("rl.reward", **{"grpo_jobs.completions": len(d.batch)}):
+        return score_groups(s, d.batch.completions, d.examples, G, step)
 
 
 def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, units: int, group_size: int,
@@ -244,11 +324,11 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     kept: list[_Scored] = []
     frac_zero: float | None = None
     need, rounds, reward_s = units, 0, 0.0
+    played: list[EpisodeStats] = []  # every round's episodes (a job with an environment)
     while need > 0:  # `need` is the same on every rank: each round draws and keeps over all of them
         d = _sample_round(draw, rounds, need, G, first=first if rounds == 0 else None)
-        with tracing.span("rl.reward", **{"grpo_jobs.completions": len(d.batch)}):
-            graded = score_groups(s, d.batch.completions, d.examples, G, step)
-        r, excluded, scored = graded.rewards, graded.excluded, graded.scored
+        played.extend([d.stats] if d.stats is not None else [])
+        r, excluded, scored = (graded := grade(s, d, G, step)).rewards, graded.excluded, graded.scored
         reward_s += scored.seconds
         tied = zero_std_groups(r, G)  # [n_groups]
         keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
@@ -272,7 +352,7 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     grouped_adv = adv.view(-1, G)  # [n_groups, G]
     if not torch.allclose(grouped_adv.mean(dim=1), torch.zeros(len(grouped_adv)), atol=1e-4):
         raise RuntimeError(f"step {step}: group advantages are not centred (rewards {r.view(-1, G)[:3].tolist()})")
-    loss_mask = batch.completion_mask.clone()
+    loss_mask = batch.loss_mask().clone()  # an episode's environment tokens are context, never trained
     if g.mask_truncated_completions:
         loss_mask[batch.truncated] = 0
     loss_mask[excluded] = 0
@@ -288,13 +368,18 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
                     groups_per_unit=first.groups_per_unit, group_size=G, rewards=r, advantages=adv, loss_mask=loss_mask,
                     per_fn={name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn},
                     train_rows=train_rows, frac_zero_std=frac_zero or 0.0, refill_rounds=rounds - 1, reward_s=reward_s,
-                    keys=keys, staleness=stale, ranks=s.ranks, excluded=excluded)
+                    keys=keys, staleness=stale, ranks=s.ranks, excluded=excluded,
+                    episodes=None if first.episodes is None else [e for k in kept for e in k.drawn.episodes],
+                    episode_stats=EpisodeStats.total(played))
 
 
 def submit_train_prompts(s: Setup, step: int) -> Submit[Example]:
     """The draws of step `step`'s training prompts."""
     g = s.spec.grpo
-    return submit_prompts(s, s.task.train, g.num_generations, seed_tag=f"prompts-train-{g.seed}-{step}")
+    tag = f"prompts-train-{g.seed}-{step}"
+    if s.environment is not None:
+        return submit_episodes(s, g.num_generations, seed_tag=tag)
+    return submit_prompts(s, s.task.train, g.num_generations, seed_tag=tag)
 
 
 def collect_train_rollouts(s: Setup, step: int, reporter: Reporter, *, submit: Submit[Example] | None = None,

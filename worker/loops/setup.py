@@ -23,8 +23,9 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task, render_example
-from worker.engines.sampling import HFEngine, RolloutEngine, SamplingParams
+from worker.engines.sampling import HFEngine, RolloutEngine, SamplingParams, eos_token_ids
 from worker.engines.vllm_engine import EngineFailed, VLLMEngine
+from worker.environments.host import EnvironmentHost, open_environment
 from worker.fingerprint import fingerprint, model_sha256
 from worker.models import enable_checkpointing, load_policy
 from worker.parallel.distributed import SINGLE, Ranks, shard
@@ -55,6 +56,7 @@ class Setup:
     ranks: Ranks = SINGLE  # this process's place among the job's processes (worker/parallel/distributed.py)
     sharded: bool = False  # the policy is sharded across the processes (FSDP2)
     memory_plan: memory.CheckpointPlan | None = None  # whether activations are recomputed, and why
+    environment: EnvironmentHost | None = None  # where a multi-turn job's episodes are played
 
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
@@ -120,10 +122,11 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                            total=g.steps * g.epochs_per_step)
     scorer = build_scorer(entries, settings=settings, device=dev, job_id=reporter.job_id,
                           on_failures=partial(warn_reward_failures, reporter))
+    environment = job_environment(spec, settings, reporter, engine, model, tok)
     return Setup(spec=spec, model=model, tokenizer=tok, engine=engine, ref_model=ref, optimizer=opt, scheduler=sched,
                  task=task, scorer=scorer, device=device, extra=dict(extra or {}),
                  extra_optimizers=dict(extra_optimizers or {}), extra_schedulers=dict(extra_schedulers or {}),
-                 ranks=ranks, sharded=sharded, memory_plan=plan)
+                 ranks=ranks, sharded=sharded, memory_plan=plan, environment=environment)
 
 
 # The train prompts whose rendered length bounds a micro-batch's rows in the memory estimate.
@@ -139,7 +142,8 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     g = spec.train
     prompts = [render_example(tok, ex, task.instruction) for ex in task.train[:PLAN_PROMPTS]]
     longest = max((len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts), default=0)
-    positions = longest + g.max_new_tokens
+    env = getattr(spec, "environment", None)
+    positions = longest + max(g.max_new_tokens, env.max_episode_tokens if env is not None else 0)
     rows = g.micro_batch_size
     if g.micro_batch_tokens is not None:
         rows = max(1, min(rows, g.micro_batch_tokens // positions))
@@ -173,6 +177,20 @@ def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model:
                       max_model_len=max_model_len, extra_args=args,
                       start_timeout_s=settings.vllm_start_timeout_s, ranks=ranks,
                       on_event=lambda kind, message, data: reporter.event(kind, message, data=data))
+
+
+def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engine: RolloutEngine,
+                    model: torch.nn.Module, tok) -> EnvironmentHost | None:
+    """The spec's environment, its server started (bundled) or its URL checked; None for single-turn jobs."""
+    env = getattr(spec, "environment", None)
+    if env is None:
+        return None
+    host = open_environment(env, settings, engine=engine, tokenizer=tok, eos_ids=eos_token_ids(tok, model),
+                            chat=spec.dataset.chat_template, max_new_tokens=spec.train.max_new_tokens,
+                            log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}")
+    reporter.event("environment", f"episodes in {env.name or env.url} at {host.url}",
+                   data={"url": host.url, "bundled": env.name})
+    return host
 
 
 def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:

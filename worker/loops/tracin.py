@@ -42,7 +42,7 @@ from worker.loops.rollouts import (
     Rollouts,
     TrainRollouts,
     collect_rollouts,
-    draw_prompts,
+    draw_validation,
 )
 from worker.loops.setup import Setup, build
 from worker.parallel.distributed import SINGLE, Ranks
@@ -120,7 +120,7 @@ def validation_batch(s: Setup, val: Validation, step: int, reporter: Reporter) -
     g, t = s.spec.grpo, s.spec.tracin
     if val.ro is not None and (step - 1) % t.val_regenerate_every:
         return {}
-    draw = draw_prompts(s, s.task.val, t.val_generations, seed_tag=f"prompts-val-{g.seed}-{step}")
+    draw = draw_validation(s, t.val_generations, seed_tag=f"prompts-val-{g.seed}-{step}")
     val.ro = collect_rollouts(s, step, reporter, draw, units=t.val_prompts, group_size=t.val_generations,
                               drop_zero_std=True)
     val.ref_logp = None if val.ro is None else update.reference_logprobs(s, val.ro.batch)  # frozen: once per batch

@@ -7,11 +7,13 @@ discovered by a worker. The package must stay importable without torch: the API 
 
 Its modules, by topic: `model` (the base model, LoRA, a starting checkpoint), `data` (datasets and their
 default rewards), `training` (the loop's schedule, GRPO's and SFT's knobs), `runtime` (devices, the
-rollout engine, processes), `extras` (sparsity reports, TracIn, the retriever) and `jobs` (a whole spec
+rollout engine, processes), `extras` (sparsity reports, TracIn, the retriever), `environment` (a multi-turn
+environment's server and episodes) and `jobs` (a whole spec
 per kind and the rules across its sections). Import from here.
 """
 
 from service.core.specs.data import DATASETS, DEFAULT_REWARDS, FILE_ID, REWARDS, DatasetName, DatasetSpec
+from service.core.specs.environment import BUNDLED_ENVIRONMENTS, EnvironmentSpec
 from service.core.specs.extras import BASELINES, RetrieverSpec, SparsityQualitySpec, SparsitySpec, TracInSpec
 from service.core.specs.jobs import (
     JOB_MODELS,
@@ -44,8 +46,8 @@ from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec
 from service.core.specs.training import GRPOSpec, LossAgg, LossName, SFTSpec, TrainSpec
 
 __all__ = [
-    "BASELINES", "DATASETS", "DEFAULT_REWARDS", "FILE_ID", "HUB_NAMES", "JOB_MODELS", "KINDS", "MODEL_PRESETS",
-    "RETRIEVER_PRESETS", "REWARDS", "STATUSES", "TERMINAL", "_HF_ID", "DatasetName", "DatasetSpec", "DevicesSpec",
+    "BASELINES", "BUNDLED_ENVIRONMENTS", "DATASETS", "DEFAULT_REWARDS", "FILE_ID", "HUB_NAMES", "JOB_MODELS", "KINDS", "MODEL_PRESETS",
+    "RETRIEVER_PRESETS", "REWARDS", "STATUSES", "TERMINAL", "_HF_ID", "DatasetName", "DatasetSpec", "DevicesSpec", "EnvironmentSpec",
     "GRPOJob", "GRPOSpec", "InitFrom", "JobSpec", "JointJob", "LoraSpec", "LossAgg", "LossName", "ModelSpec",
     "ResourcesSpec", "RetrieverSpec", "RolloutSpec", "SFTJob", "SFTSpec", "SessionJob", "SessionSpec",
     "SparsityQualitySpec", "SparsitySpec", "Status", "SubmittedSpec", "TracInJob", "TracInSpec", "TrainSpec",

@@ -12,6 +12,7 @@ from service.core.health import HealthSpec
 from service.core.reward_specs import FunctionReward, RewardSpec
 from service.core.spec_base import _Section, reject_unused
 from service.core.specs.data import DEFAULT_REWARDS, DatasetSpec
+from service.core.specs.environment import EnvironmentSpec
 from service.core.specs.extras import RetrieverSpec, SparsitySpec, TracInSpec
 from service.core.specs.model import ModelSpec
 from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec
@@ -112,6 +113,25 @@ def _vllm_rule(job: _JobBase) -> None:
                          "server takes its own device: remove devices.rollout")
 
 
+def _environment_rule(job: _JobBase) -> None:
+    """An environment's episodes replace the dataset's prompts and its reward the reward functions."""
+    env = getattr(job, "environment", None)
+    if env is None:
+        return
+    if job.kind not in ("grpo", "tracin"):
+        raise ValueError(f"environment is supported for kinds 'grpo' and 'tracin', not {job.kind!r}: its "
+                         "episodes are sampled per reset seed, which a joint query's documents are not")
+    if job.rewards is not None:
+        raise ValueError("rewards would have no effect with an environment: an episode's reward is the "
+                         "environment's; remove rewards")
+    if job.dataset != DatasetSpec():  # compared with the default: a stored spec names every field
+        raise ValueError("dataset would have no effect with an environment: its episodes start from the "
+                         "environment's reset; remove dataset")
+    if job.resources.processes > 1:
+        raise ValueError("environment: a job with an environment runs as one process; set "
+                         "resources.processes to 1")
+
+
 def _staleness_rule(job: _JobBase) -> None:
     """Sampling a step ahead is implemented by the GRPO and TracIn loops."""
     if job.rollout.max_staleness and job.kind not in ("grpo", "tracin"):
@@ -119,7 +139,7 @@ def _staleness_rule(job: _JobBase) -> None:
                          "set it to 0")
 
 
-CROSS_SECTION_RULES = (_rewards_rule, _processes_rule, _vllm_rule, _staleness_rule)
+CROSS_SECTION_RULES = (_rewards_rule, _processes_rule, _vllm_rule, _environment_rule, _staleness_rule)
 
 
 def _no_corpus(d: DatasetSpec) -> None:
@@ -133,6 +153,9 @@ class _GRPOKinds(_JobBase):
     """The kinds that train with GRPO."""
 
     grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+    environment: EnvironmentSpec | None = Field(
+        None, description="A multi-turn environment (OpenEnv) whose episodes the job trains on instead of "
+        "the dataset's single completions; omit for single-turn jobs.")
 
     @property
     def train(self) -> GRPOSpec:

@@ -1,0 +1,69 @@
+"""A multi-turn environment a job's episodes run in: an OpenEnv server (reset/step over a WebSocket
+session, the reward its own), named by URL or bundled with the worker.
+
+A job with `environment:` samples episodes instead of single completions: each of a step's
+`grpo.prompts_per_step` units is one reset seed, its group `grpo.num_generations` episodes from that
+seed; an episode's reward is the environment's. `grpo.max_new_tokens` and `grpo.stop` bound each turn.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from service.core.grader_urls import UrlRefused, parse_url
+from service.core.spec_base import _Section
+
+# Environments the worker serves itself on loopback (worker/environments/bundled).
+BUNDLED_ENVIRONMENTS = ("calculator", "guess-number")
+
+
+class EnvironmentSpec(_Section):
+    kind: Literal["openenv"] = Field("openenv", description="The protocol: an OpenEnv server (WebSocket `/ws`: "
+                                     "reset, step, state, close).")
+    name: Literal["calculator", "guess-number"] | None = Field(
+        None, description="A bundled environment the worker runs on loopback: `calculator` (word problems with a "
+        "calculator tool, rewarded on the final answer) or `guess-number` (find a number from higher/lower "
+        "feedback, rewarded per turn). Exactly one of `name` and `url`.")
+    url: str | None = Field(None, max_length=2048, description="The base URL (http or https) of an OpenEnv server "
+                            "on the admin's allow-list (GRPO_ENVIRONMENT_URLS); the worker opens `<url>/ws`.")
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode; an episode still running after "
+                           "them is truncated (its reward is what it earned so far).")
+    max_episode_tokens: int = Field(512, ge=16, le=32768, description="Tokens after the first prompt an episode "
+                                    "may hold (the model's and the observations'); a turn that would pass it "
+                                    "ends the episode, truncated.")
+    max_observation_tokens: int = Field(256, ge=1, le=8192, description="An observation longer than this many "
+                                        "tokens is cut to it (and counted in `env/observations_cut`).")
+    max_concurrent: int = Field(16, ge=1, le=1024, description="Sessions open at once on the server: a step's "
+                                "episodes run in waves of this many.")
+    timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Seconds a reset or step may take; past it the "
+                             "episode ends with an error.")
+    reward: Literal["sum", "last"] = Field("sum", description="An episode's reward: the sum of its turns' rewards, "
+                                           "or the last turn's.")
+    on_error: Literal["zero", "drop_group"] = Field(
+        "zero", description="An episode the environment failed (timed out, errored, closed the session): reward "
+        "0 and trained as sampled (`zero`), or its whole group left out of the step (`drop_group`).")
+    action_field: str = Field("message", min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                              description="The action's field that carries the model's text.")
+    observation_field: str = Field("message", min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                   description="The observation's field whose text the model reads next.")
+    eval_episodes: int = Field(16, ge=1, le=10_000, description="Greedy episodes per evaluation, from reset seeds "
+                               "no training step draws.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            return str(parse_url(v))
+        except UrlRefused as exc:
+            raise ValueError(f"url {exc}") from None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvironmentSpec:
+        if (self.name is None) == (self.url is None):
+            raise ValueError("environment: give exactly one of `name` (a bundled environment: "
+                             f"{', '.join(BUNDLED_ENVIRONMENTS)}) and `url` (an OpenEnv server)")
+        return self

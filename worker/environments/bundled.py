@@ -1,0 +1,152 @@
+"""The environments the worker serves itself (`environment.name`), as OpenEnv environments.
+
+Both read the model's text and answer in text, so any model can play them; each task comes from the
+reset seed alone, so a group's episodes play the same task and a run is reproducible.
+
+- `calculator`: an arithmetic word problem. The model may call the calculator, `<calc>17*3+4</calc>`,
+  and is told the result; `<answer>55</answer>` ends the episode. Reward 1 for the right answer,
+  0.1 for a well-formed wrong one, 0 otherwise: the format is learned first, then the answers.
+- `guess-number`: find a number from 1 to 20 with `<guess>N</guess>`, told `higher` or `lower` after each
+  guess. Every well-formed guess earns 0.1, the right one 1 and ends the episode.
+
+Observations carry `tool_call` and `tool_error` (a calculator call, one that failed), which the
+worker counts per step.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+from uuid import uuid4
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+
+class TextAction(Action):
+    message: str = Field(..., max_length=100_000, description="The model's turn, as text.")
+
+
+class TextObservation(Observation):
+    message: str = Field("", description="What the model reads next.")
+    tool_call: bool = Field(False, description="The turn called a tool.")
+    tool_error: bool = Field(False, description="The tool call failed.")
+
+
+_CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
+_ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+_GUESS = re.compile(r"<guess>\s*(-?\d+)\s*</guess>")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+        ast.Div: operator.truediv}
+
+
+def calculate(expression: str) -> int | float:
+    """+ - * / // and parentheses over numbers below a million: nothing else is evaluated."""
+    if len(expression) > 200:
+        raise ValueError("the expression is longer than 200 characters")
+
+    def ev(node: ast.AST) -> int | float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float) and abs(node.value) < 1e6:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, (ast.Div, ast.FloorDiv)) and right == 0:
+                raise ValueError("division by zero")
+            out = _OPS[type(node.op)](left, right)
+            if abs(out) > 1e12:
+                raise ValueError("the result is too large")
+            return out
+        raise ValueError("only numbers, + - * / and parentheses")
+
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError("not an arithmetic expression") from None
+    return ev(tree.body)
+
+
+_NAMES = ("Ada", "Ben", "Chen", "Dana", "Eli", "Fay")
+_THINGS = ("apples", "books", "coins", "stamps", "marbles", "shells")
+
+
+def word_problem(seed: int) -> tuple[str, int]:
+    """A two-step arithmetic word problem and its answer, from the seed alone."""
+    rng = random.Random(seed)
+    who, what = rng.choice(_NAMES), rng.choice(_THINGS)
+    a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(2, 9)
+    if rng.random() < 0.5:
+        return f"{who} has {a} {what} and gets {b} more, then gives away {c}. How many {what} are left?", a + b - c
+    return f"{who} buys {c} boxes of {a} {what} and already had {b}. How many {what} now?", c * a + b
+
+
+class CalculatorEnvironment(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    INSTRUCTIONS = ("Solve the problem. To compute, write <calc>expression</calc> and you will be told the "
+                    "result. When you know it, write the answer as <answer>number</answer>.")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = State(episode_id=str(uuid4()), step_count=0)
+        self._answer = 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
+        self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
+        problem, self._answer = word_problem(seed if seed is not None else random.randrange(2**31))
+        return TextObservation(message=f"{self.INSTRUCTIONS}\nProblem: {problem}", reward=None, done=False)
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kwargs) -> TextObservation:  # type: ignore[override]
+        self._state.step_count += 1
+        text = action.message
+        if (m := _ANSWER.search(text)) is not None:
+            right = int(m.group(1)) == self._answer
+            return TextObservation(message="Correct." if right else "Wrong.", reward=1.0 if right else 0.1, done=True)
+        if (m := _CALC.search(text)) is not None:
+            try:
+                value = calculate(m.group(1))
+            except ValueError as exc:
+                return TextObservation(message=f"calculator error: {exc}", reward=0.0, tool_call=True, tool_error=True)
+            shown = int(value) if float(value).is_integer() else round(value, 6)
+            return TextObservation(message=f"= {shown}", reward=0.0, tool_call=True)
+        return TextObservation(message="Write <calc>expression</calc> or <answer>number</answer>.", reward=0.0)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+class GuessNumberEnvironment(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    HIGH = 20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = State(episode_id=str(uuid4()), step_count=0)
+        self._secret = 1
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
+        self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
+        self._secret = random.Random(seed).randint(1, self.HIGH)
+        return TextObservation(message=f"I am thinking of a number from 1 to {self.HIGH}. Guess it: write "
+                               "<guess>number</guess>. After each guess I say higher or lower.", reward=None)
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kwargs) -> TextObservation:  # type: ignore[override]
+        self._state.step_count += 1
+        m = _GUESS.search(action.message)
+        if m is None:
+            return TextObservation(message="Write your guess as <guess>number</guess>.", reward=0.0)
+        guess = int(m.group(1))
+        if guess == self._secret:
+            return TextObservation(message="Correct!", reward=1.1, done=True)
+        return TextObservation(message="higher" if guess < self._secret else "lower", reward=0.1)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": CalculatorEnvironment, "guess-number": GuessNumberEnvironment}

@@ -1,0 +1,119 @@
+"""One episode's session with an OpenEnv server, over its WebSocket protocol.
+
+OpenEnv's own client (`openenv.core.EnvClient`) speaks the same messages; this one is a few lines of
+`websockets` because the worker needs what that client leaves open and must not import what it
+brings (its package imports a web UI and an MCP stack, ~10 s per process): every message capped in
+size (`max_size`, the admin's GRPO_ENVIRONMENT_MAX_MESSAGE_BYTES), every answer bounded in time
+(a slow drip cannot hold the step), and the server's errors raised as one exception type.
+
+Messages (JSON text frames on `<url>/ws`): `{"type": "reset", "data": {"seed": ...}}` and
+`{"type": "step", "data": <action>}` are answered `{"type": "observation", "data": {"observation": {...},
+"reward": r, "done": d}}`, or `{"type": "error", "data": {"message", "code"}}`; `{"type": "close"}` ends
+the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, PayloadTooBig, WebSocketException
+
+
+class EnvironmentFailed(RuntimeError):
+    """The environment could not answer: down, too slow, too large, garbled, or it said it failed."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: dict[str, Any]
+    reward: float | None
+    done: bool
+
+
+def ws_url(base: str) -> str:
+    """The session endpoint of an OpenEnv server at `base` (http(s)://host:port/path)."""
+    scheme, rest = base.split("://", 1)
+    return f"{'wss' if scheme == 'https' else 'ws'}://{rest.rstrip('/')}/ws"
+
+
+class Session:
+    """One episode's session (`async with Session(...) as env:` then `reset`, `step`)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float, max_bytes: int) -> None:
+        self.url, self.timeout_s, self.max_bytes = ws_url(base_url), timeout_s, max_bytes
+        self._ws: ClientConnection | None = None
+
+    async def __aenter__(self) -> Session:
+        try:
+            self._ws = await asyncio.wait_for(
+                connect(self.url, max_size=self.max_bytes, open_timeout=self.timeout_s, proxy=None),
+                self.timeout_s)
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            raise EnvironmentFailed(f"could not open a session at {self.url}: {exc or type(exc).__name__}") from None
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        ws, self._ws = self._ws, None
+        if ws is None:
+            return
+        try:  # the server closes the connection on `close`; closing it first from here races its close
+            await asyncio.wait_for(ws.send(json.dumps({"type": "close"})), 1.0)
+            await asyncio.wait_for(ws.wait_closed(), 2.0)
+        except (OSError, TimeoutError, WebSocketException):
+            pass
+        try:
+            await asyncio.wait_for(ws.close(), 2.0)
+        except (OSError, TimeoutError, WebSocketException):
+            pass
+
+    async def _call(self, message: dict[str, Any]) -> StepResult:
+        if self._ws is None:
+            raise EnvironmentFailed("the session is closed")
+        try:
+            await asyncio.wait_for(self._ws.send(json.dumps(message)), self.timeout_s)
+            raw = await asyncio.wait_for(self._ws.recv(), self.timeout_s)
+        except TimeoutError:
+            raise EnvironmentFailed(f"no answer to {message['type']} within {self.timeout_s:g} s") from None
+        except PayloadTooBig:
+            raise EnvironmentFailed(f"its answer to {message['type']} is larger than {self.max_bytes} bytes") from None
+        except ConnectionClosed as exc:
+            if isinstance(exc.__cause__, PayloadTooBig):
+                raise EnvironmentFailed(f"its answer to {message['type']} is larger than {self.max_bytes} bytes") \
+                    from None
+            raise EnvironmentFailed(f"the server closed the session ({exc.rcvd.code if exc.rcvd else 'no close frame'})") \
+                from None
+        except (OSError, WebSocketException) as exc:
+            raise EnvironmentFailed(f"the session failed: {exc}") from None
+        return parse_answer(raw, message["type"])
+
+    async def reset(self, seed: int) -> StepResult:
+        return await self._call({"type": "reset", "data": {"seed": seed}})
+
+    async def step(self, action: dict[str, Any]) -> StepResult:
+        return await self._call({"type": "step", "data": action})
+
+
+def parse_answer(raw: str | bytes, asked: str) -> StepResult:
+    """An observation message as a StepResult; EnvironmentFailed for an error or anything malformed."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise EnvironmentFailed(f"its answer to {asked} is not JSON") from None
+    if not isinstance(msg, dict):
+        raise EnvironmentFailed(f"its answer to {asked} is not a JSON object")
+    data = msg.get("data")
+    if msg.get("type") == "error":
+        detail = data.get("message") if isinstance(data, dict) else None
+        raise EnvironmentFailed(f"it answered {asked} with an error: {str(detail)[:300]}")
+    if msg.get("type") != "observation" or not isinstance(data, dict) or not isinstance(data.get("observation"), dict):
+        raise EnvironmentFailed(f"its answer to {asked} is not an observation message")
+    reward = data.get("reward")
+    if reward is not None and (not isinstance(reward, (int, float)) or not math.isfinite(reward)):  # a bool counts 0/1
+        raise EnvironmentFailed(f"its reward for {asked} is not a finite number: {str(reward)[:40]}")
+    return StepResult(observation=data["observation"], reward=None if reward is None else float(reward),
+                      done=bool(data.get("done", False)))

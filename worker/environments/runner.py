@@ -1,0 +1,221 @@
+"""Episodes played turn by turn: every live episode's next turn sampled in one engine call, then every
+environment step awaited at once.
+
+A wave of at most `max_concurrent` episodes opens one session each, resets them (a group's episodes
+share a seed), and then, turn after turn, samples each live episode's turn from exactly its ids so far
+(checked against the ids the engine reports it sampled from), sends the text to the environment, and
+appends the environment's answer as tokens of its own (worker/environments/turns.py). An environment
+that fails one episode ends that episode with the error; one that fails every episode of a wave before
+any turn (down, refusing sessions) fails the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import torch
+
+from worker.engines.sampling import RolloutEngine
+from worker.environments.client import EnvironmentFailed, Session, StepResult
+from worker.environments.episodes import Episode, Segment, Turn
+from worker.environments.turns import TurnFormat
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds an episode and the worker's exposure to the environment (the job's spec and the admin's cap)."""
+
+    max_turns: int
+    max_episode_tokens: int
+    max_observation_tokens: int
+    max_concurrent: int
+    timeout_s: float
+    max_bytes: int
+    action_field: str = "message"
+    observation_field: str = "message"
+
+
+@dataclass(frozen=True)
+class Players:
+    """What plays an episode's turns."""
+
+    engine: RolloutEngine
+    tokenizer: object
+    turns: TurnFormat
+    eos_ids: frozenset[int]
+    max_new_tokens: int  # per turn: an episode with fewer tokens left than this is not given another turn
+
+
+TurnSeed = Callable[[int, int], int]  # (episode index, turn) -> that turn's sampling seed
+
+
+def observation_text(result: StepResult, field: str) -> str:
+    """The observation's text for the model: its `field` (any JSON value shown as text)."""
+    value = result.observation.get(field, "")
+    return value if isinstance(value, str) else str(value)
+
+
+def cut_observation(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
+    """`text` cut to its first `max_tokens` tokens (a hostile server's 1 MB line, say); whether it was cut."""
+    if len(text) <= max_tokens:  # no tokenizer makes more tokens than characters here
+        return text, False
+    ids = tokenizer.encode(text[: max_tokens * 32], add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text, False
+    return tokenizer.decode(ids[:max_tokens], skip_special_tokens=True), True
+
+
+async def _guarded(coro, episode: Episode) -> StepResult | None:
+    """The environment's answer, or None with the episode ended by its error."""
+    try:
+        return await coro
+    except EnvironmentFailed as exc:
+        episode.error = str(exc)
+        return None
+
+
+async def _start(p: Players, url: str, episodes: list[Episode], limits: Limits,
+                 stack: AsyncExitStack) -> list[Session | None]:
+    """A session per episode, reset to its seed and its first prompt set; None where the environment failed
+    it. EnvironmentFailed when it failed every one (down, refusing sessions)."""
+
+    async def open_session(e: Episode) -> Session | None:
+        try:
+            return await stack.enter_async_context(Session(url, timeout_s=limits.timeout_s, max_bytes=limits.max_bytes))
+        except EnvironmentFailed as exc:
+            e.error = str(exc)
+            return None
+
+    sessions = await asyncio.gather(*(open_session(e) for e in episodes))
+    resets = await asyncio.gather(*(_guarded(s.reset(e.seed), e) if s is not None else asyncio.sleep(0)
+                                    for s, e in zip(sessions, episodes)))
+    if all(r is None for r in resets):
+        raise EnvironmentFailed(f"no episode could start: {episodes[0].error}")
+    for e, r in zip(episodes, resets):
+        if r is not None:
+            text, cut = cut_observation(p.tokenizer, observation_text(r, limits.observation_field),
+                                        limits.max_observation_tokens)
+            e.first_observation, e.observations_cut, e.done = text, int(cut), r.done
+            e.prompt_ids = p.turns.first(text)
+    return sessions
+
+
+def _sample_turn(p: Players, live: list[Episode], seeds: list[int] | None) -> list[tuple[str, bool]]:
+    """Each live episode's next turn, sampled from exactly its ids and appended; (its text, ended with EOS)."""
+    batch = p.engine.generate([e.context for e in live], 1, seeds=seeds, greedy=seeds is None)
+    out = []
+    for row, e in enumerate(live):
+        e.check_sampled_from(batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist())
+        real = batch.completion_mask[row].bool()
+        ids = batch.completion_ids[row][real].tolist()
+        logp = None if batch.sampler_logp is None else tuple(batch.sampler_logp[row][real].tolist())
+        e.segments.append(Segment(ids=tuple(ids), sampled=True, logprobs=logp))
+        out.append((batch.completions[row], bool(ids) and ids[-1] in p.eos_ids))
+    return out
+
+
+def _answered(p: Players, e: Episode, text: str, eos: bool, r: StepResult | None, limits: Limits, last: bool) -> None:
+    """The environment's answer `r` to the episode's turn `text` recorded, and its observation appended as
+    tokens when the episode goes on (done, failed, or out of turns or tokens: it ends here)."""
+    if r is None:  # the environment failed it: the turn stays, unanswered
+        e.turns.append(Turn(action=text, observation=None, reward=None))
+        return
+    obs, cut = cut_observation(p.tokenizer, observation_text(r, limits.observation_field), limits.max_observation_tokens)
+    e.observations_cut += int(cut)
+    e.turns.append(Turn(action=text, observation=obs, reward=r.reward, tool_call=bool(r.observation.get("tool_call")),
+                        tool_error=bool(r.observation.get("tool_error"))))
+    if r.done:
+        e.done = True
+        return
+    between = p.turns.between(obs, ended_with_eos=eos)
+    room = limits.max_episode_tokens - len(e.ids) - len(between)
+    if last or room < min(p.max_new_tokens, limits.max_episode_tokens // 4):
+        e.truncated = True  # no room for another turn: what it earned so far is its reward
+        return
+    e.segments.append(Segment(ids=tuple(between), sampled=False))
+
+
+async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, seed_of: TurnSeed | None,
+                first: int) -> float:
+    """Play `episodes` (indices first.. in the step) to the end; returns the wall time spent waiting on the
+    environment."""
+    async with AsyncExitStack() as stack:
+        t0 = time.monotonic()
+        sessions = await _start(p, url, episodes, limits, stack)
+        env_s = time.monotonic() - t0
+        for turn in range(limits.max_turns):
+            live = [(i, e) for i, e in enumerate(episodes) if e.live]
+            if not live:
+                break
+            seeds = None if seed_of is None else [seed_of(first + i, turn) for i, _ in live]
+            actions = await asyncio.to_thread(_sample_turn, p, [e for _, e in live], seeds)
+            t0 = time.monotonic()
+            answers = await asyncio.gather(*(_guarded(sessions[i].step({limits.action_field: text}), e)
+                                             for (i, e), (text, _) in zip(live, actions)))
+            env_s += time.monotonic() - t0
+            for (_, e), (text, eos), r in zip(live, actions, answers):
+                _answered(p, e, text, eos, r, limits, last=turn == limits.max_turns - 1)
+    return env_s
+
+
+def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits, *,
+         seed_of: TurnSeed | None) -> tuple[list[Episode], float]:
+    """`group_size` episodes per reset seed, seed-major [len(seeds) * G]; `seed_of` None: greedy turns.
+    Returns the episodes and the wall time spent waiting on the environment."""
+    episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="") for s in seeds for g in range(group_size)]
+    env_s = 0.0
+    for at in range(0, len(episodes), limits.max_concurrent):
+        env_s += asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at))
+    return episodes, env_s
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """A step's episodes, summed up as metrics."""
+
+    episodes: int
+    turns: float
+    tool_calls: float
+    tool_errors: float
+    tokens: float  # after the first prompt, the model's and the environment's
+    truncated: float
+    errors: float
+    observations_cut: float
+    env_s: float
+
+    @staticmethod
+    def of(episodes: list[Episode], env_s: float) -> EpisodeStats:
+        return EpisodeStats(episodes=len(episodes), turns=sum(len(e.turns) for e in episodes),
+                            tool_calls=sum(t.tool_call for e in episodes for t in e.turns),
+                            tool_errors=sum(t.tool_error for e in episodes for t in e.turns),
+                            tokens=sum(len(e.ids) for e in episodes), truncated=sum(e.truncated for e in episodes),
+                            errors=sum(e.error is not None for e in episodes),
+                            observations_cut=sum(e.observations_cut for e in episodes), env_s=env_s)
+
+    @staticmethod
+    def total(parts: list[EpisodeStats]) -> EpisodeStats | None:
+        """The sum of `parts` (a step's rounds); None for none."""
+        if not parts:
+            return None
+        return EpisodeStats(*(sum(values) for values in zip(*(dataclasses.astuple(p) for p in parts))))
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.episodes, 1)
+        return {"env/turns_mean": self.turns / n, "env/tool_calls_mean": self.tool_calls / n,
+                "env/tool_errors_mean": self.tool_errors / n, "env/episode_tokens_mean": self.tokens / n,
+                "env/truncated_ratio": self.truncated / n, "env/error_ratio": self.errors / n,
+                "env/observations_cut": self.observations_cut, "time/env_s": self.env_s}
+
+
+def episode_rewards(episodes: list[Episode], how: str) -> torch.Tensor:
+    """[N] each episode's reward (0 for one the environment failed before any reward)."""
+    r = torch.tensor([e.reward(how) for e in episodes], dtype=torch.float32)
+    if not all(math.isfinite(x) for x in r.tolist()):
+        raise EnvironmentFailed("the environment's rewards are not finite")
+    return r

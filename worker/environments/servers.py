@@ -1,0 +1,89 @@
+"""A bundled environment's server, started by the job's process on loopback and ended with it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from worker.environments.client import EnvironmentFailed
+
+START_TIMEOUT_S = 120.0
+_OPEN: list[BundledServer] = []  # servers this process started; stop_servers() ends them
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BundledServer:
+    """`python -m worker.environments.serve NAME` on 127.0.0.1, ending when this process does."""
+
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name, self.log_path = name, log_path
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> str:
+        """Start it and wait until it answers /health; its base URL."""
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "worker.environments.serve", self.name, "--port", str(self.port),
+                 "--parent", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        _OPEN.append(self)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise EnvironmentFailed(f"the {self.name} environment server exited with {self.proc.returncode} "
+                                            f"while starting: {self.log_tail()}")
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return self.url
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        self.stop()
+        raise EnvironmentFailed(f"the {self.name} environment server was not ready within {START_TIMEOUT_S:.0f} s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self in _OPEN:
+            _OPEN.remove(self)
+
+
+def stop_servers() -> None:
+    """Stop every environment server this process started (the job's loop has ended, or failed)."""
+    for server in list(_OPEN):
+        server.stop()
+
+    def log_tail(self, lines: int = 10) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(line.strip()[:300] for line in text[-lines:] if line.strip())

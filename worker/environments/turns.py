@@ -1,0 +1,99 @@
+"""How an episode's turns become tokens, without ever re-rendering the conversation.
+
+An episode's ids grow by appending: the first prompt (the chat template applied to the reset's
+observation), then per turn the ids the model sampled, then the tokens that close the model's turn
+and open the next one around the observation, tokenized on their own. Earlier ids are never
+decoded and encoded again, so the ids the model is trained on are the ids it sampled (a re-rendered
+conversation tokenizes differently at turn boundaries, and the log-prob mismatch that creates
+collapses training even on-policy).
+
+That is only sound when the template renders every conversation as a prefix of its continuation;
+a template that rewrites earlier turns (one that drops earlier reasoning, say) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+# Probe texts: nothing a template would special-case, and distinct from each other.
+_USER, _MODEL, _NEXT = "PROBE-USER-7f3a", "PROBE-MODEL-2c9e", "PROBE-NEXT-b41d"
+
+
+class TemplateRefused(ValueError):
+    """The tokenizer's chat template cannot be extended turn by turn."""
+
+
+class TurnFormat(Protocol):
+    def first(self, observation: str) -> list[int]:
+        """The ids of the first prompt: the reset's observation, ready for the model's first turn."""
+
+    def between(self, observation: str, *, ended_with_eos: bool) -> list[int]:
+        """The ids appended after a model turn: what closes it (less the EOS the model sampled) and the
+        observation as the next user turn, ready for the model's next turn."""
+
+
+def _render(tokenizer, messages: list[dict[str, str]], *, prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+@dataclass(frozen=True)
+class ChatTurns:
+    """Turns in the tokenizer's chat template: the observation is the user's message."""
+
+    tokenizer: object
+    close: str  # what the template writes after a model turn's text ("<|im_end|>\n")
+    eos_text: str  # the EOS token's text: a turn that sampled it has written that much of `close`
+
+    @staticmethod
+    def of(tokenizer) -> ChatTurns:
+        """The format of `tokenizer`'s template, checked to keep every turn a prefix of the next
+        conversation; TemplateRefused when it does not."""
+        u, um = [{"role": "user", "content": _USER}], [{"role": "user", "content": _USER},
+                                                      {"role": "assistant", "content": _MODEL}]
+        asked = _render(tokenizer, u, prompt=True)
+        answered = _render(tokenizer, um, prompt=False)
+        following = _render(tokenizer, um + [{"role": "user", "content": _NEXT}], prompt=True)
+        if not answered.startswith(asked) or not answered[len(asked):].startswith(_MODEL):
+            raise TemplateRefused("the chat template does not render the model's turn right after its generation "
+                                  "prompt, so the sampled ids would not be the conversation's")
+        if not following.startswith(answered):
+            raise TemplateRefused("the chat template rewrites earlier turns when a turn is added, so an episode "
+                                  "cannot be extended turn by turn without re-tokenizing what the model sampled")
+        eos = tokenizer.eos_token or ""
+        close = answered[len(asked) + len(_MODEL):]
+        return ChatTurns(tokenizer=tokenizer, close=close, eos_text=eos if close.startswith(eos) else "")
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def first(self, observation: str) -> list[int]:
+        return self._encode(_render(self.tokenizer, [{"role": "user", "content": observation}], prompt=True))
+
+    def between(self, observation: str, *, ended_with_eos: bool) -> list[int]:
+        close = self.close[len(self.eos_text):] if ended_with_eos else self.close
+        # the next user turn and generation prompt, as the template writes them after a closed model turn
+        um = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _MODEL}]
+        answered = _render(self.tokenizer, um, prompt=False)
+        following = _render(self.tokenizer, um + [{"role": "user", "content": observation}], prompt=True)
+        return self._encode(close + following[len(answered):])
+
+
+@dataclass(frozen=True)
+class PlainTurns:
+    """Turns for a tokenizer with no chat template: each observation on its own lines."""
+
+    tokenizer: object
+
+    def first(self, observation: str) -> list[int]:
+        return self.tokenizer.encode(observation + "\n", add_special_tokens=False)
+
+    def between(self, observation: str, *, ended_with_eos: bool) -> list[int]:
+        return self.tokenizer.encode("\n" + observation + "\n", add_special_tokens=False)
+
+
+def turn_format(tokenizer, *, chat: bool) -> TurnFormat:
+    """The chat template's turns where the tokenizer has one and the job uses it, else plain lines."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return ChatTurns.of(tokenizer)
+    return PlainTurns(tokenizer)

@@ -37,6 +37,11 @@ JOINT_JOB = {"kind": "joint", "name": "joint-tiny", "model": {"name": "tiny-rand
              "dataset": {"name": "persona-facts", "corpus_size": 12, "num_val": 4},
              "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 6, "eval_prompts": 2}}
 
+AGENT_JOB = {"kind": "grpo", "name": "agent-tiny", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+             "environment": {"name": "guess-number", "max_turns": 2, "max_episode_tokens": 192,
+                             "max_observation_tokens": 48, "eval_episodes": 2},
+             "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 8}}
+
 
 def _need(reason: str):
     if CI:
@@ -94,7 +99,8 @@ def service(tmp_path_factory, models_root):
 
         store_url = Settings(GRPO_DATA_DIR=tmp / "data").store_url
         svc = Service(base, key_file.read_text().strip(), procs, store_url)
-        for name, spec in (("sparse", SPARSE_JOB), ("tracin", TRACIN_JOB), ("joint", JOINT_JOB), ("sft", SFT_JOB)):
+        for name, spec in (("sparse", SPARSE_JOB), ("tracin", TRACIN_JOB), ("joint", JOINT_JOB), ("sft", SFT_JOB),
+                           ("agent", AGENT_JOB)):
             svc.jobs[name] = svc.submit(spec)
         for name, job in svc.jobs.items():
             svc.jobs[name] = done = wait_job(svc.client, job["id"], procs)

@@ -304,3 +304,18 @@ def test_files_upload_insert_delete_and_checkpoint_download(page, service, tmp_p
     assert info.value.suggested_filename == f"job-{job['id']}-step-{step}.tar.gz"
     with tarfile.open(saved) as tar:
         assert f"job-{job['id']}-step-{step}/adapter_model.safetensors" in tar.getnames()
+
+
+def test_an_agent_jobs_samples_show_each_episode_turn_by_turn(page, service):
+    job = service.jobs["agent"]
+    sign_in(page, service)
+    page.goto(f"{service.base}/#/jobs/{job['id']}")
+    page.wait_for_selector("#samples-body tr td.episode")
+    samples = service.client.get(f"/v1/jobs/{job['id']}/samples", params={"step": job["total_steps"]}).json()
+    first = samples[0]["extra"]["episode"]
+    cell = page.locator("#samples-body tr td.episode").first
+    assert cell.locator(".turn").count() == len(first["turns"]) > 0
+    assert first["turns"][0]["observation"] in cell.locator(".turn .env").first.inner_text()
+    assert f"{first['tokens']['sampled']} sampled" in cell.inner_text()
+    page.wait_for_selector('.chart[data-title="Reward"] canvas')
+    page.shot("agent")

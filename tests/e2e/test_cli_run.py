@@ -35,6 +35,8 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
         train["eval_prompts"] = min(4, train.get("eval_prompts", 32))
         if kind != "joint":  # the joint example's groups of 2 need its 4 queries to find rewards that differ
             train["prompts_per_step"] = min(2, train["prompts_per_step"])
+    if "environment" in spec:  # an agent example's evaluation: 2 episodes
+        spec["environment"]["eval_episodes"] = min(2, spec["environment"]["eval_episodes"])
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"

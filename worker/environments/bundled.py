@@ -3,11 +3,16 @@
 Both read the model's text and answer in text, so any model can play them; each task comes from the
 reset seed alone, so a group's episodes play the same task and a run is reproducible.
 
-- `calculator`: an arithmetic word problem. The model may call the calculator, `<calc>17*3+4</calc>`,
-  and is told the result; `<answer>55</answer>` ends the episode. Reward 1 for the right answer,
-  0.1 for a well-formed wrong one, 0 otherwise: the format is learned first, then the answers.
-- `guess-number`: find a number from 1 to 20 with `<guess>N</guess>`, told `higher` or `lower` after each
-  guess. Every well-formed guess earns 0.1, the right one 1 and ends the episode.
+- `calculator`: a one-step arithmetic word problem. The model may call the calculator, `<calc>17+8</calc>`,
+  and is told the result (`= 25`); a turn without a call is its answer (`<answer>25</answer>`, else the last
+  number it writes) and ends the episode. Reward 1 for the right answer (0.5 for a wrong one whose turn
+  wrote the right number on the way), plus 0.1 for the tag.
+- `guess-number`: find a number from 1 to 20 (`<guess>N</guess>`, else the first number of the reply), told
+  `higher` or `lower` after each guess. Every guess in range earns 0.1, the right one 1.1 and ends the
+  episode.
+
+Both read answers leniently (a small model rarely writes the tags at first) and reward the tags a little,
+so a model learns answering first and the format with it.
 
 Observations carry `tool_call` and `tool_error` (a calculator call, one that failed), which the
 worker counts per step.
@@ -72,22 +77,31 @@ def calculate(expression: str) -> int | float:
 
 _NAMES = ("Ada", "Ben", "Chen", "Dana", "Eli", "Fay")
 _THINGS = ("apples", "books", "coins", "stamps", "marbles", "shells")
+_INT = re.compile(r"-?\d+")
 
 
 def word_problem(seed: int) -> tuple[str, int]:
-    """A two-step arithmetic word problem and its answer, from the seed alone."""
+    """A one-step arithmetic word problem and its answer, from the seed alone."""
     rng = random.Random(seed)
     who, what = rng.choice(_NAMES), rng.choice(_THINGS)
-    a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(2, 9)
+    a, b = rng.randint(10, 40), rng.randint(2, 9)
     if rng.random() < 0.5:
-        return f"{who} has {a} {what} and gets {b} more, then gives away {c}. How many {what} are left?", a + b - c
-    return f"{who} buys {c} boxes of {a} {what} and already had {b}. How many {what} now?", c * a + b
+        return f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?", a + b
+    return f"{who} has {a} {what} and gives away {b}. How many {what} does {who} have now?", a - b
+
+
+def final_answer(text: str) -> tuple[int | None, bool]:
+    """The answer a turn gives: <answer>N</answer>, else the last whole number it writes; and whether tagged."""
+    if (m := _ANSWER.search(text)) is not None:
+        return int(m.group(1)), True
+    numbers = _INT.findall(text)
+    return (int(numbers[-1]), False) if numbers else (None, False)
 
 
 class CalculatorEnvironment(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True
-    INSTRUCTIONS = ("Solve the problem. To compute, write <calc>expression</calc> and you will be told the "
-                    "result. When you know it, write the answer as <answer>number</answer>.")
+    INSTRUCTIONS = ("You may use a calculator: write <calc>expression</calc>, for example <calc>12+7</calc>, and "
+                    "you will be told the result. Give the answer as <answer>number</answer>.")
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,14 +111,11 @@ class CalculatorEnvironment(Environment):
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         problem, self._answer = word_problem(seed if seed is not None else random.randrange(2**31))
-        return TextObservation(message=f"{self.INSTRUCTIONS}\nProblem: {problem}", reward=None, done=False)
+        return TextObservation(message=f"{problem}\n{self.INSTRUCTIONS}", reward=None, done=False)
 
     def step(self, action: TextAction, timeout_s: float | None = None, **kwargs) -> TextObservation:  # type: ignore[override]
         self._state.step_count += 1
         text = action.message
-        if (m := _ANSWER.search(text)) is not None:
-            right = int(m.group(1)) == self._answer
-            return TextObservation(message="Correct." if right else "Wrong.", reward=1.0 if right else 0.1, done=True)
         if (m := _CALC.search(text)) is not None:
             try:
                 value = calculate(m.group(1))
@@ -112,7 +123,15 @@ class CalculatorEnvironment(Environment):
                 return TextObservation(message=f"calculator error: {exc}", reward=0.0, tool_call=True, tool_error=True)
             shown = int(value) if float(value).is_integer() else round(value, 6)
             return TextObservation(message=f"= {shown}", reward=0.0, tool_call=True)
-        return TextObservation(message="Write <calc>expression</calc> or <answer>number</answer>.", reward=0.0)
+        answer, tagged = final_answer(text)
+        if answer is None:
+            return TextObservation(message="Write <calc>expression</calc>, or the answer as <answer>number</answer>.",
+                                   reward=0.0)
+        right = answer == self._answer
+        # half for a turn that worked the answer out but ended on another number
+        worked = not right and str(self._answer) in _INT.findall(text)
+        return TextObservation(message="Correct." if right else "Wrong.",
+                               reward=float(right) + 0.5 * worked + 0.1 * tagged, done=True)
 
     @property
     def state(self) -> State:
@@ -131,15 +150,16 @@ class GuessNumberEnvironment(Environment):
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         self._secret = random.Random(seed).randint(1, self.HIGH)
-        return TextObservation(message=f"I am thinking of a number from 1 to {self.HIGH}. Guess it: write "
-                               "<guess>number</guess>. After each guess I say higher or lower.", reward=None)
+        return TextObservation(message=f"I am thinking of a number from 1 to {self.HIGH}. Guess it: reply with "
+                               "<guess>number</guess>, for example <guess>7</guess>. After each guess I say higher "
+                               "or lower.", reward=None)
 
     def step(self, action: TextAction, timeout_s: float | None = None, **kwargs) -> TextObservation:  # type: ignore[override]
         self._state.step_count += 1
-        m = _GUESS.search(action.message)
-        if m is None:
-            return TextObservation(message="Write your guess as <guess>number</guess>.", reward=0.0)
-        guess = int(m.group(1))
+        m = _GUESS.search(action.message) or _INT.search(action.message)  # the tagged guess, else the first number
+        guess = None if m is None else int(m.group(1) if m.re is _GUESS else m.group(0))
+        if guess is None or not 1 <= guess <= self.HIGH:
+            return TextObservation(message=f"Reply with a number from 1 to {self.HIGH}.", reward=0.0)
         if guess == self._secret:
             return TextObservation(message="Correct!", reward=1.1, done=True)
         return TextObservation(message="higher" if guess < self._secret else "lower", reward=0.1)

@@ -28,6 +28,11 @@ class EnvironmentFailed(RuntimeError):
     """The environment could not answer: down, too slow, too large, garbled, or it said it failed."""
 
 
+class EnvironmentDown(EnvironmentFailed):
+    """The server could not start a single episode (down, or refusing sessions): the attempt, not one
+    episode, has failed."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     observation: dict[str, Any]

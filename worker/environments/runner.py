@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engines.sampling import RolloutEngine
-from worker.environments.client import EnvironmentFailed, Session, StepResult
+from worker.environments.client import EnvironmentDown, EnvironmentFailed, Session, StepResult
 from worker.environments.episodes import Episode, Segment, Turn
 from worker.environments.turns import TurnFormat
 
@@ -96,7 +96,7 @@ async def _start(p: Players, url: str, episodes: list[Episode], limits: Limits,
     resets = await asyncio.gather(*(_guarded(s.reset(e.seed), e) if s is not None else asyncio.sleep(0)
                                     for s, e in zip(sessions, episodes)))
     if all(r is None for r in resets):
-        raise EnvironmentFailed(f"no episode could start: {episodes[0].error}")
+        raise EnvironmentDown(f"no episode could start: {episodes[0].error}")
     for e, r in zip(episodes, resets):
         if r is not None:
             text, cut = cut_observation(p.tokenizer, observation_text(r, limits.observation_field),

@@ -27,6 +27,7 @@ from service.store import jobs as jobs_q
 from service.store import leases, session_ops
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
+from worker.environments.client import EnvironmentDown
 from worker.jobs.sql_reporter import SqlReporter
 from worker.parallel.distributed import Ranks
 from worker.parallel.launch import LauncherStopped, RanksFailed, launch, preload_in_ranks
@@ -133,22 +134,27 @@ def loop_on_ranks(spec: JobSpec, settings: Settings, make_reporter: Callable[[],
                                ranks=ranks)
 
 
+def _requeue(lease: leases.Lease, reporter: SqlReporter, settings: Settings, message: str) -> Outcome:
+    """An attempt that failed for a reason outside the job (a killed rank, a lost environment server):
+    queued again with `message`, it resumes from its last checkpoint (up to max_attempts attempts)."""
+    uid = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
+    if uid is None:
+        raise LeaseLost(f"job {lease.job_id}: lease lost")
+    try:
+        queue.enqueue(lease.job_id, uid, broker_url=settings.broker)
+    except Exception as err:  # the sweep enqueues a queued job nobody takes
+        log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
+    return "requeued"
+
+
 def _ranks_failed(lease: leases.Lease, reporter: SqlReporter, settings: Settings, exc: RanksFailed) -> Outcome:
     """A rank killed (out of memory, by hand) fails the attempt: queued again, it resumes from the
     last checkpoint. A rank's own error fails the job, with that error."""
     if exc.message.startswith("LeaseLost"):
         raise LeaseLost(f"job {lease.job_id}: {exc}")
     if exc.killed:
-        message = (f"attempt {lease.attempt} failed: {exc}; the other ranks were stopped. Queued again, it resumes "
-                   "from its last checkpoint")
-        uid = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
-        if uid is None:
-            raise LeaseLost(f"job {lease.job_id}: lease lost")
-        try:
-            queue.enqueue(lease.job_id, uid, broker_url=settings.broker)
-        except Exception as err:  # the sweep enqueues a queued job nobody takes
-            log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
-        return "requeued"
+        return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: {exc}; the other ranks were "
+                        "stopped. Queued again, it resumes from its last checkpoint")
     log.error("job %s failed on %s", lease.job_id, exc)
     message = without_server_paths(str(exc), settings)
     reporter.finish("failed", message, error=message, data={"error_type": exc.message.split(":")[0], "rank": exc.rank})
@@ -168,8 +174,8 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         reporter.finish("cancelled", "cancelled before this attempt started")
         return "cancelled"
     if lease.attempt > settings.max_attempts:
-        message = (f"gave up after {settings.max_attempts} attempts: the worker running it stopped without "
-                   "finishing each time (out of memory, killed, or lost)")
+        message = (f"gave up after {settings.max_attempts} attempts: none finished (the worker running it "
+                   "stopped: out of memory, killed or lost; or a rank or its environment server was lost)")
         reporter.finish("failed", message, error=message)
         return "failed"
     reporter.event("started", f"attempt {lease.attempt} on {reporter.holder}",
@@ -190,6 +196,9 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
         raise LeaseLost(f"job {lease.job_id}: {exc}") from exc
     except RanksFailed as exc:
         return _ranks_failed(lease, reporter, settings, exc)
+    except EnvironmentDown as exc:
+        return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: the environment server is "
+                        f"down ({exc}). Queued again, it resumes from its last checkpoint")
     except Exception as exc:
         if is_unreachable(exc):
             raise LeaseLost(f"job {lease.job_id}: store unreachable") from exc

@@ -49,9 +49,13 @@ def shard(s: Setup, examples: list[Example]) -> list[Example]:
     return [examples[i] for i in s.ranks.share(len(examples))]
 
 
+# what an evaluation reports of its episodes, beside their reward
+EVAL_EPISODE_METRICS = ("env/turns_mean", "env/tool_calls_mean", "env/truncated_ratio", "env/error_ratio")
+
+
 def evaluate_episodes(s: Setup) -> dict[str, float]:
     """environment.eval_episodes greedy episodes from reset seeds no training step draws: eval/reward_mean
-    and the episodes' eval/env/* statistics."""
+    and eval/env/* (EVAL_EPISODE_METRICS)."""
     env = s.environment
     assert env is not None
     s.engine.sync(s.model)
@@ -59,7 +63,7 @@ def evaluate_episodes(s: Setup) -> dict[str, float]:
     episodes, env_s = play(env.players, env.url, seeds, 1, env.limits, seed_of=None)
     stats = EpisodeStats.of(episodes, env_s).metrics()
     return {"eval/reward_mean": float(episode_rewards(episodes, env.spec.reward).mean()),
-            **{f"eval/{k}": v for k, v in stats.items() if k.startswith("env/")}}
+            **{f"eval/{k}": stats[k] for k in EVAL_EPISODE_METRICS}}
 
 
 def evaluate(s: Setup, step: int) -> dict[str, float]:

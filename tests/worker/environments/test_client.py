@@ -35,7 +35,7 @@ def _play(url, *steps, seed=7, timeout_s=5.0, max_bytes=1 << 20):
 
 def test_an_episode_in_a_bundled_environment(calculator):
     first, calc, answer = _play(calculator, {"message": "<calc>(17 + 3) * 2</calc>"}, {"message": "<answer>1</answer>"})
-    assert "Problem:" in first.observation["message"] and not first.done and first.reward is None
+    assert "<calc>" in first.observation["message"] and not first.done and first.reward is None
     assert calc.observation["message"] == "= 40" and calc.observation["tool_call"] and calc.reward == 0.0
     assert answer.done and answer.reward == 0.1  # well formed, wrong
     again = _play(calculator, seed=7)[0]

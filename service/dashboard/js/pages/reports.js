@@ -99,6 +99,19 @@ export function sparsitySection(jobId) {
   return section("Sparsity reports", "sparsity", body);
 }
 
+/** An episode (a job with an environment), turn by turn: the model's turn, then the environment's answer. */
+function episodeCell(ep) {
+  const turns = ep.turns.map((t, i) => h("div", { class: "turn" },
+    h("div", { class: "model" }, h("b", {}, `turn ${i + 1} `), t.action),
+    h("div", { class: "env" + (t.tool_error ? " error" : "") },
+      h("b", {}, t.tool_call ? "tool " : "env "), t.observation ?? "(no answer)",
+      h("span", { class: "muted" }, t.reward === null ? "" : `  reward ${fmt(t.reward)}`))));
+  const end = ep.error ? `failed: ${ep.error}` : ep.done ? "done" : ep.truncated ? "truncated" : "ended";
+  const tok = ep.tokens;
+  return h("td", { class: "text episode" }, ...turns,
+    h("div", { class: "muted" }, `${end} · seed ${ep.seed} · ${tok.sampled} sampled + ${tok.environment} environment tokens`));
+}
+
 /** Recorded completions, filterable by step. */
 export function samplesSection(jobId, job) {
   const input = h("input", { type: "number", min: 0, id: "samples-step", placeholder: "latest step", style: { width: "9em" } });
@@ -109,7 +122,8 @@ export function samplesSection(jobId, job) {
     const rows = await api(`/v1/jobs/${jobId}/samples` + qs({ step, limit: 200 }));
     note.textContent = `${rows.length} samples of step ${step}`;
     tbody.replaceChildren(...rows.map((s) => h("tr", {},
-      h("td", { class: "num" }, s.step), h("td", { class: "text" }, s.prompt), h("td", { class: "text" }, s.completion),
+      h("td", { class: "num" }, s.step), h("td", { class: "text" }, s.prompt),
+      s.extra?.episode ? episodeCell(s.extra.episode) : h("td", { class: "text" }, s.completion),
       h("td", { class: "num" }, fmt(s.reward)), h("td", { class: "num" }, fmt(s.advantage)),
       h("td", { class: "num" }, fmt(s.influence, 4)), h("td", {}, s.selected === null ? "–" : s.selected ? "yes" : "no"))));
   };

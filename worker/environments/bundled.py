@@ -8,8 +8,8 @@ reset seed alone, so a group's episodes play the same task and a run is reproduc
   number it writes) and ends the episode. Reward 1 for the right answer (0.5 for a wrong one whose turn
   wrote the right number on the way), plus 0.1 for the tag.
 - `guess-number`: find a number from 1 to 20 (`<guess>N</guess>`, else the first number of the reply), told
-  `higher` or `lower` after each guess. Every guess in range earns 0.1, the right one 1.1 and ends the
-  episode.
+  `higher` or `lower` after each guess. A guess the feedback so far still allows earns 0.1 (a repeated
+  guess, or one that ignores `higher`, earns nothing), the right one 1.1 and ends the episode.
 
 Both read answers leniently (a small model rarely writes the tags at first) and reward the tags a little,
 so a model learns answering first and the format with it.
@@ -145,11 +145,12 @@ class GuessNumberEnvironment(Environment):
     def __init__(self) -> None:
         super().__init__()
         self._state = State(episode_id=str(uuid4()), step_count=0)
-        self._secret = 1
+        self._secret, self._lo, self._hi = 1, 1, self.HIGH
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         self._secret = random.Random(seed).randint(1, self.HIGH)
+        self._lo, self._hi = 1, self.HIGH  # what the feedback so far still allows
         return TextObservation(message=f"I am thinking of a number from 1 to {self.HIGH}. Guess it: reply with "
                                "<guess>number</guess>, for example <guess>7</guess>. After each guess I say higher "
                                "or lower.", reward=None)
@@ -162,7 +163,13 @@ class GuessNumberEnvironment(Environment):
             return TextObservation(message=f"Reply with a number from 1 to {self.HIGH}.", reward=0.0)
         if guess == self._secret:
             return TextObservation(message="Correct!", reward=1.1, done=True)
-        return TextObservation(message="higher" if guess < self._secret else "lower", reward=0.1)
+        # only a guess the feedback so far allows earns anything: repeating one, or ignoring `higher`, does not
+        useful = self._lo <= guess <= self._hi
+        if guess < self._secret:
+            self._lo = max(self._lo, guess + 1)
+        else:
+            self._hi = min(self._hi, guess - 1)
+        return TextObservation(message="higher" if guess < self._secret else "lower", reward=0.1 * useful)
 
     @property
     def state(self) -> State:

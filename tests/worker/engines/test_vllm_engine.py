@@ -12,8 +12,12 @@ from transformers import AutoModelForCausalLM
 
 from service.core.specs import LoraSpec, ModelSpec
 from worker.checkpoints import Trainables, save_checkpoint
-from worker.engines.sampling import RolloutBatch, SamplingParams, sequence_logprobs
+from worker.engines.sampling import RolloutBatch, SamplingParams, eos_token_ids, sequence_logprobs
 from worker.engines.vllm_engine import ServerConfig, VLLMEngine, VLLMServer, write_model_folder
+from worker.environments.episodes import rows
+from worker.environments.runner import Limits, Players, play
+from worker.environments.servers import BundledServer
+from worker.environments.turns import ChatTurns
 from worker.models import load_policy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -150,10 +154,32 @@ def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm
         assert mismatch.abs().max() < TOLERANCE
         assert engine.server.proc.pid != pgid
         pgid2 = engine.server.proc.pid
+        _episodes_are_rows_of_what_the_engine_sampled(engine, policy, tok, tmp_path)
     finally:
         engine.close()
     assert _group_gone(pgid) and _group_gone(pgid2)
     assert sorted(p.name for p in (tmp_path / "engine").iterdir()) == ["vllm.log"]  # the weights went with it
+
+
+def _episodes_are_rows_of_what_the_engine_sampled(engine, policy, tok, tmp_path) -> None:
+    """Multi-turn episodes sampled token in, token out by the server: each training row's engine log-probs
+    are the trainer's own on the same row, turn after turn (the observations between turns are context
+    the row carries and the loss masks)."""
+    server = BundledServer("guess-number", tmp_path / "guess.log")
+    try:
+        players = Players(engine=engine, tokenizer=tok, turns=ChatTurns.of(tok), max_new_tokens=16,
+                          eos_ids=frozenset(eos_token_ids(tok, policy)))
+        limits = Limits(max_turns=3, max_episode_tokens=200, max_observation_tokens=64, max_concurrent=4,
+                        timeout_s=30.0, max_bytes=1 << 20)
+        episodes, _ = play(players, server.start(), [4, 5], 2, limits, seed_of=lambda i, turn: 10 * i + turn)
+    finally:
+        server.stop()
+    batch = rows(episodes, tok.pad_token_id)
+    assert any(len(e.turns) > 1 for e in episodes)
+    trained = batch.loss_mask().bool()
+    assert (batch.completion_mask.bool() & ~trained).any()  # observations between turns: context, not trained
+    mismatch = (batch.sampler_logp.double() - _policy_logprobs(policy, batch))[trained]
+    assert mismatch.abs().max() < TOLERANCE
 
 
 def _perturb(policy) -> None:

@@ -45,13 +45,17 @@ def test_a_wrong_answer_that_worked_out_the_right_number_earns_half():
     assert env.step(TextAction(message=f"It is {answer}, or maybe {answer + 1}")).reward == 0.5
 
 
-def test_a_guessing_game():
+def test_a_guessing_game_rewards_only_guesses_the_feedback_allows():
     env = GuessNumberEnvironment()
     env.reset(seed=11)
     secret = env._secret
-    low = env.step(TextAction(message=f"I guess {secret - 1} first" if secret > 1 else "<guess>2</guess>"))
-    assert low.message == ("higher" if secret > 1 else "lower") and low.reward == 0.1 and not low.done
+    assert 2 < secret < 19
+    low = env.step(TextAction(message=f"I guess {secret - 2} first"))  # untagged: the first number
+    assert (low.message, low.reward, low.done) == ("higher", 0.1, False)
+    assert env.step(TextAction(message=f"<guess>{secret - 2}</guess>")).reward == 0.0  # the same guess again
+    assert env.step(TextAction(message="<guess>1</guess>")).reward == 0.0  # ignores `higher`
     assert env.step(TextAction(message="<guess>99</guess>")).reward == 0.0  # out of range
+    assert env.step(TextAction(message=f"<guess>{secret + 1}</guess>")).reward == 0.1
     assert env.step(TextAction(message=f"<guess>{secret}</guess>")).done
     again = GuessNumberEnvironment()
     again.reset(seed=11)

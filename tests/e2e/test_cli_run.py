@@ -35,8 +35,10 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
         train["eval_prompts"] = min(4, train.get("eval_prompts", 32))
         if kind != "joint":  # the joint example's groups of 2 need its 4 queries to find rewards that differ
             train["prompts_per_step"] = min(2, train["prompts_per_step"])
-    if "environment" in spec:  # an agent example's evaluation: 2 episodes
-        spec["environment"]["eval_episodes"] = min(2, spec["environment"]["eval_episodes"])
+    agent = "environment" in spec
+    if agent:  # one step of 2 turns, evaluated on one episode: that it runs and records its episodes
+        train["steps"] = 1
+        spec["environment"].update(eval_episodes=1, max_turns=min(2, spec["environment"]["max_turns"]))
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"
@@ -56,6 +58,10 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
     steps = [metrics[s] for s in range(1, total + 1)]
     if kind == "sft":
         assert steps[-1]["loss/train"] < steps[0]["loss/train"] and metrics[total]["loss/val"] < metrics[0]["loss/val"]
+    elif agent:  # every recorded sample is an episode, turn by turn
+        samples = _lines(out / "samples.jsonl")
+        assert samples and all(1 <= len(x["extra"]["episode"]["turns"]) <= 2 for x in samples)
+        assert all(m["env/turns_mean"] >= 1 for m in steps)
     else:
         assert any(m["frac_reward_zero_std"] < 1 for m in steps), "no group ever had rewards that differ"
     last = out / "checkpoints" / f"step-{total}"
@@ -66,7 +72,7 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
         sels = _lines(out / "selections.jsonl")
         assert [s["step"] for s in sels] == list(range(1, total + 1))
         assert any(0 < s["selected"] < s["total"] for s in sels), [(s["selected"], s["total"]) for s in sels]
-    else:
+    elif not agent:  # an agent example's one step may have no rewards that differ
         assert all(m["grad_norm"] > 0 for m in steps)
     if kind == "joint":
         assert (last / "retriever.safetensors").exists()

@@ -144,3 +144,21 @@ def test_predicted_change_matches_the_actual_change_to_first_order(tmp_path, set
     large = run(1e-3, tmp_path / "large")
     err = lambda ms: max(abs(m["tracin/predicted_delta"] - m["tracin/actual_delta"]) for m in ms)  # noqa: E731
     assert err(large) > 10 * err(small)
+
+
+def test_tracin_selects_among_episodes_with_a_validation_batch_of_episodes(tmp_path, settings_factory):
+    """With an environment, the validation gradient comes from episodes of its evaluation seeds, and each
+    training episode's influence is taken over its own tokens only (its observations are masked)."""
+    spec = TracInJob.model_validate({
+        "kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+        "environment": {"name": "guess-number", "max_turns": 2, "max_episode_tokens": 160,
+                        "max_observation_tokens": 48, "eval_episodes": 2},
+        "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6, "learning_rate": 1e-3},
+        "tracin": {"val_prompts": 2, "val_generations": 2}})
+    assert tracin.run(spec, FileReporter(tmp_path), settings=settings_factory()).status == "succeeded"
+    (sel,) = _lines(tmp_path / "selections.jsonl")
+    assert sel["total"] == 6
+    samples = _lines(tmp_path / "samples.jsonl")
+    assert all(x["influence"] is not None and x["extra"]["episode"]["turns"] for x in samples if x["step"] == 1)
+    metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
+    assert "tracin/mean_ip" in metrics[1] and "env/turns_mean" in metrics[1] and "eval/reward_mean" in metrics[0]

@@ -77,7 +77,8 @@ PARALLEL_ARGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-
                  "--distributed-executor-backend")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on loopback now (a server of the job's own binds it next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -117,7 +118,7 @@ class VLLMServer:
     def start(self) -> None:
         """Start the server (again on its earlier port, so other ranks' address stays right) and wait
         until it answers /health."""
-        self.port = self.port or _free_port()
+        self.port = self.port or free_port()
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1",
                # the sync engine class only (the API server's engine core is a process either way); the

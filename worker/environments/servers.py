@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,16 +10,11 @@ from pathlib import Path
 
 import httpx
 
+from worker.engines.vllm_engine import free_port
 from worker.environments.client import EnvironmentFailed
 
 START_TIMEOUT_S = 120.0
 _OPEN: list[BundledServer] = []  # servers this process started; stop_servers() ends them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BundledServer:

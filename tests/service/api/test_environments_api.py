@@ -7,10 +7,17 @@ from service.core.specs import BUNDLED_ENVIRONMENTS
 from tests.conftest import Api
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def env_api(request, settings_factory):
-    url = request.getfixturevalue("pg_url") if request.param == "postgres" else None
-    return Api(settings_factory(database_url=url, GRPO_ENVIRONMENT_URLS="http://127.0.0.1:8811/envs/"))
+ALLOWED = "http://127.0.0.1:8811/envs/"
+
+
+@pytest.fixture
+def env_api(settings_factory):
+    return Api(settings_factory(GRPO_ENVIRONMENT_URLS=ALLOWED))
+
+
+@pytest.fixture
+def pg_env_api(settings_factory, pg_url):
+    return Api(settings_factory(database_url=pg_url, GRPO_ENVIRONMENT_URLS=ALLOWED))
 
 
 def _job(environment, **more):
@@ -53,3 +60,10 @@ def test_the_bundled_names_are_the_workers():
     from worker.environments.bundled import ENVIRONMENTS
 
     assert set(ENVIRONMENTS) == set(BUNDLED_ENVIRONMENTS)
+
+
+def test_on_postgresql_too(pg_env_api):
+    assert pg_env_api.post("/v1/jobs", json=_job({"url": "http://127.0.0.1:8811/envs/x"})).status_code == 201
+    r = pg_env_api.post("/v1/jobs", json=_job({"url": "http://127.0.0.1:8812/envs/x"}))
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "environment.url"
+    assert len(pg_env_api.get("/v1/jobs").json()["items"]) == 1

@@ -152,7 +152,7 @@ class FileReporter(Reporter):
     def metrics(self, step, values):
         self._append("metrics.jsonl", {"step": step, "metrics": values})
         if self.echo:
-            shown = ("reward/mean", "loss/total", "kl", "eval/accuracy", "time/step_s")
+            shown = ("reward/mean", "loss/total", "kl", "eval/accuracy", "eval/reward_mean", "env/turns_mean", "time/step_s")
             self.echo(f"step {step}: " + ", ".join(f"{k}={values[k]:.4g}" for k in shown if values.get(k) is not None))
 
     def samples(self, step, rows):

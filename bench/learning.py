@@ -1,6 +1,7 @@
 """Does a spec learn, over many seeds? Runs `grpo-jobs run` once per seed (grpo.seed: the prompt
 order, the per-row sampling streams and the LoRA initialisation) and prints each seed's greedy
-held-out `eval/accuracy` at steps 0, 5 and 10 (or whatever steps the spec evaluates at), its mean
+held-out `eval/accuracy` (an agent spec's: `eval/reward_mean`) at steps 0, 5 and 10 (or whatever steps the
+spec evaluates at), its mean
 training `reward/mean`, and the mean ± standard error over seeds.
 
     python bench/learning.py                                   # the demo spec and the matched spec, 6 seeds
@@ -57,6 +58,11 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
 
 
+def eval_metric(spec: dict) -> str:
+    """What a seed is measured by: greedy accuracy, or for an agent (an environment) the episodes' reward."""
+    return "eval/reward_mean" if "environment" in spec else "eval/accuracy"
+
+
 def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag: str = "") -> SeedRun:
     """`spec` run with grpo.seed = seed by `grpo-jobs run` in its own process, in work/<tag>seed-<seed>."""
     d = json.loads(json.dumps(spec))
@@ -74,7 +80,8 @@ def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag
     if proc.returncode != 0:
         raise SystemExit(f"seed {seed} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    acc = {m["step"]: m["metrics"]["eval/accuracy"] for m in lines if "eval/accuracy" in m["metrics"]}
+    measured = eval_metric(spec)
+    acc = {m["step"]: m["metrics"][measured] for m in lines if measured in m["metrics"]}
     rewards = [m["metrics"]["reward/mean"] for m in lines if m["step"] > 0 and "reward/mean" in m["metrics"]]
     per_key: dict[str, list[float]] = {}
     for m in lines:
@@ -94,7 +101,7 @@ def bench_spec(path: Path, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
         runs = list(pool.map(lambda s: run_seed(spec, s, code=args.code, threads=args.threads, work=Path(tmp)), seeds))
     shown = sorted({step for r in runs for step in r.accuracy})
-    print(f"\n{path.name} ({steps} steps, code: {args.code})")
+    print(f"\n{path.name} ({steps} steps, code: {args.code}; acc@ is {eval_metric(spec)})")
     print("seed  " + "  ".join(f"acc@{s:<3}" for s in shown) + "  gain    reward  wall_s")
     for r in runs:
         print(f"{r.seed:<5} " + "  ".join(f"{r.accuracy.get(s, float('nan')):6.3f}" for s in shown)

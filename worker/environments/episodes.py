@@ -151,4 +151,15 @@ def record(e: Episode) -> dict:
             "tokens": {"prompt": len(e.prompt_ids), "sampled": sum(len(s.ids) for s in e.segments if s.sampled),
                        "environment": sum(len(s.ids) for s in e.segments if not s.sampled)},
             "turns": [{"action": t.action, "observation": t.observation, "reward": t.reward, "tool_call": t.tool_call,
-                       "tool_error": t.tool_error} for t in e.turns]}
+                       "tool_error": t.tool_error, **trained} for t, trained in zip(e.turns, _turn_tokens(e))]}
+
+
+def _turn_tokens(e: Episode) -> list[dict[str, int]]:
+    """Per turn: the tokens the model sampled (trained) and the environment's that followed (not trained)."""
+    out: list[dict[str, int]] = []
+    for s in e.segments:
+        if s.sampled:
+            out.append({"trained_tokens": len(s.ids), "environment_tokens": 0})
+        elif out:
+            out[-1]["environment_tokens"] += len(s.ids)
+    return out

@@ -6,7 +6,6 @@ import pytest
 from service.core.specs import BUNDLED_ENVIRONMENTS
 from tests.conftest import Api
 
-
 ALLOWED = "http://127.0.0.1:8811/envs/"
 
 

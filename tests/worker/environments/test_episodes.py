@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from worker.environments.episodes import Episode, Segment, TokenMismatch, Turn, check_rows, rows
+from worker.environments.episodes import Episode, Segment, TokenMismatch, Turn, check_rows, record, rows
 
 PAD = 0
 
@@ -49,3 +49,11 @@ def test_rows_whose_trained_ids_are_not_the_sampled_ones_are_caught():
     batch.completion_ids[0, 1] = 99
     with pytest.raises(TokenMismatch, match="not the 2 it sampled"):
         check_rows(batch, [e])
+
+
+def test_the_record_says_which_tokens_each_turn_trained():
+    e = _episode(1, [5, 6, 7], ([10, 11], True), ([20, 21, 22], False), ([12], True))
+    e.turns.append(Turn(action="b", observation=None, reward=None))
+    r = record(e)
+    assert r["tokens"] == {"prompt": 3, "sampled": 3, "environment": 3}
+    assert [(t["trained_tokens"], t["environment_tokens"]) for t in r["turns"]] == [(2, 3), (1, 0)]

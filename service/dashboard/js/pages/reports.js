@@ -102,7 +102,8 @@ export function sparsitySection(jobId) {
 /** An episode (a job with an environment), turn by turn: the model's turn, then the environment's answer. */
 function episodeCell(ep) {
   const turns = ep.turns.map((t, i) => h("div", { class: "turn" },
-    h("div", { class: "model" }, h("b", {}, `turn ${i + 1} `), t.action),
+    h("div", { class: "model" }, h("b", {}, `turn ${i + 1} `), t.action,
+      h("span", { class: "muted" }, t.trained_tokens === undefined ? "" : `  (${t.trained_tokens} trained tokens)`)),
     h("div", { class: "env" + (t.tool_error ? " error" : "") },
       h("b", {}, t.tool_call ? "tool " : "env "), t.observation ?? "(no answer)",
       h("span", { class: "muted" }, t.reward === null ? "" : `  reward ${fmt(t.reward)}`))));

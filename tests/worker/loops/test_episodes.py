@@ -1,0 +1,66 @@
+"""A GRPO job whose episodes run on an OpenEnv server named by URL: the admin's allow-list checked again by
+the worker, and a server that answers some steps too slowly costs those episodes, not the job."""
+
+import asyncio
+import json
+
+import pytest
+
+from service.core.grader_urls import UrlRefused
+from service.core.specs import GRPOJob
+from tests.worker.environments.test_client import Hostile
+from worker.environments.servers import BundledServer
+from worker.loops import grpo
+from worker.reporting import FileReporter
+
+
+def _spec(url, steps=2, **env):
+    return GRPOJob.model_validate({
+        "kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+        "environment": {"url": url, "max_turns": 2, "max_episode_tokens": 160, "max_observation_tokens": 48,
+                        "eval_episodes": 2, "timeout_s": 1.0, **env},
+        "grpo": {"steps": steps, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 6}})
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_server_by_url_on_the_allow_list(tmp_path, settings_factory):
+    server = BundledServer("calculator", tmp_path / "calculator.log")
+    url = server.start()
+    try:
+        spec = _spec(url + "/")
+        with pytest.raises(UrlRefused, match="not on the admin's allow-list"):  # the worker checks again
+            grpo.run(spec, FileReporter(tmp_path / "refused"), settings=settings_factory())
+        result = grpo.run(spec, FileReporter(tmp_path / "out"), settings=settings_factory(GRPO_ENVIRONMENT_URLS=url))
+    finally:
+        server.stop()
+    assert result.status == "succeeded"
+    metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "out" / "metrics.jsonl")}
+    assert metrics[1]["env/error_ratio"] == 0.0 and metrics[1]["env/turns_mean"] >= 1
+
+
+async def _slow_every_other(ws, calls=[0]):  # noqa: B006  (one counter for the server's life)
+    calls[0] += 1
+    if calls[0] % 2:
+        await asyncio.sleep(3.0)  # past the spec's timeout_s
+    await ws.send(json.dumps({"type": "observation", "data": {"observation": {"message": "ok"}, "reward": 1.0,
+                                                             "done": True}}))
+
+
+@pytest.mark.parametrize("on_error", ["zero", "drop_group"])
+def test_episodes_the_server_fails_are_counted_and_the_job_goes_on(tmp_path, settings_factory, on_error):
+    server = Hostile(_slow_every_other)
+    spec = _spec(server.url, steps=1, on_error=on_error, eval_episodes=1)
+    result = grpo.run(spec, FileReporter(tmp_path), settings=settings_factory(GRPO_ENVIRONMENT_URLS=server.url))
+    assert result.status == "succeeded"
+    metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
+    assert 0 < metrics[1]["env/error_ratio"] < 1
+    failed = [x for x in _lines(tmp_path / "samples.jsonl") if x["extra"]["episode"]["error"]]
+    assert failed and all("no answer to step within 1 s" in x["extra"]["episode"]["error"] for x in failed)
+    if on_error == "zero":  # kept, with what they earned: nothing
+        assert all(x["reward"] == 0.0 for x in failed)
+    else:  # their groups left out: no advantage for any of their episodes
+        groups = {x["index"] // 2 for x in failed}
+        assert all(x["advantage"] == 0.0 for x in _lines(tmp_path / "samples.jsonl") if x["index"] // 2 in groups)

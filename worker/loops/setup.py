@@ -185,6 +185,11 @@ def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engin
     env = getattr(spec, "environment", None)
     if env is None:
         return None
+    positions = getattr(base_model(model).config, "max_position_embeddings", None)
+    if positions is not None and env.max_observation_tokens + env.max_episode_tokens > positions:
+        raise ValueError(f"environment.max_observation_tokens + environment.max_episode_tokens ({env.max_observation_tokens}"
+                         f" + {env.max_episode_tokens}) is more than {spec.model.name} holds ({positions} positions, "
+                         "the first prompt included): lower them")
     host = open_environment(env, settings, engine=engine, tokenizer=tok, eos_ids=eos_token_ids(tok, model),
                             chat=spec.dataset.chat_template, max_new_tokens=spec.train.max_new_tokens,
                             log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}")

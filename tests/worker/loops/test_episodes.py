@@ -64,3 +64,9 @@ def test_episodes_the_server_fails_are_counted_and_the_job_goes_on(tmp_path, set
     else:  # their groups left out: no advantage for any of their episodes
         groups = {x["index"] // 2 for x in failed}
         assert all(x["advantage"] == 0.0 for x in _lines(tmp_path / "samples.jsonl") if x["index"] // 2 in groups)
+
+
+def test_episodes_longer_than_the_model_holds_fail_at_the_start(tmp_path, settings_factory):
+    spec = _spec("http://127.0.0.1:9/", max_episode_tokens=1000, max_observation_tokens=100)
+    with pytest.raises(ValueError, match=r"\(100 \+ 1000\) is more than tiny-random-llama holds \(1024 positions"):
+        grpo.run(spec, FileReporter(tmp_path), settings=settings_factory())

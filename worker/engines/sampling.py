@@ -133,15 +133,21 @@ class RolloutBatch:
 Prompts = list[str] | list[list[int]]  # texts to tokenize, or token ids to sample from as they are
 
 
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and mask [N, L] of token rows, left-padded to the longest (L: 0 for none)."""
+    L = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, L - len(r):], mask[i, L - len(r):] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask
+
+
 def encode_prompts(tokenizer, prompts: Prompts, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask [P, L] of `prompts`: texts tokenized (no special tokens added), ids kept."""
     if prompts and not isinstance(prompts[0], str):
-        L = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), L, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            if p:
-                ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p, dtype=torch.long), 1
+        ids, mask = left_padded(prompts, tokenizer.pad_token_id)
         return ids.to(device), mask.to(device)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engines.sampling import RolloutBatch
+from worker.engines.sampling import RolloutBatch, left_padded
 
 
 class TokenMismatch(RuntimeError):
@@ -87,20 +87,14 @@ def rows(episodes: list[Episode], pad_id: int, *, device: torch.device | str = "
     """The training rows [N] of `episodes`: prompts left-padded, every segment after them right-padded,
     the trained mask 1 on sampled ids only, the engine's log-probs where every sampled segment has them."""
     N = len(episodes)
-    P = max((len(e.prompt_ids) for e in episodes), default=0)
     T = max((len(e.ids) for e in episodes), default=0)
-    prompt_ids = torch.full((N, P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(N, P, dtype=torch.long)
+    prompt_ids, prompt_mask = left_padded([e.prompt_ids for e in episodes], pad_id)  # [N, P]
     completion_ids = torch.full((N, T), pad_id, dtype=torch.long)
     completion_mask = torch.zeros(N, T, dtype=torch.long)
     trained = torch.zeros(N, T, dtype=torch.long)
     with_logp = all(s.logprobs is not None for e in episodes for s in e.segments if s.sampled)
     sampler_logp = torch.zeros(N, T) if with_logp else None
     for i, e in enumerate(episodes):
-        p = len(e.prompt_ids)
-        if p:
-            prompt_ids[i, P - p:] = torch.tensor(e.prompt_ids)
-            prompt_mask[i, P - p:] = 1
         at = 0
         for s in e.segments:
             n = len(s.ids)

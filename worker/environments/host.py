@@ -21,11 +21,6 @@ class EnvironmentHost:
     url: str  # the OpenEnv server's base URL
     players: Players
     limits: Limits
-    server: BundledServer | None  # the bundled server this process started, if any
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
 
 
 def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: RolloutEngine, tokenizer,
@@ -33,10 +28,8 @@ def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: Rollo
     """The job's environment, ready: the chat template checked to extend turn by turn (TemplateRefused
     otherwise), the URL on the allow-list (UrlRefused otherwise), a bundled server started and healthy."""
     turns = turn_format(tokenizer, chat=chat)
-    server = None
-    if spec.name is not None:
-        server = BundledServer(spec.name, log_dir / f"environment-{spec.name}.log")
-        url = server.start()
+    if spec.name is not None:  # ended with the job's loop (servers.stop_servers, from the job host)
+        url = BundledServer(spec.name, log_dir / f"environment-{spec.name}.log").start()
     else:
         assert spec.url is not None
         url = str(check_url(spec.url, settings.environment_urls, "GRPO_ENVIRONMENT_URLS", what="environment servers"))
@@ -46,4 +39,4 @@ def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: Rollo
                     action_field=spec.action_field, observation_field=spec.observation_field)
     players = Players(engine=engine, tokenizer=tokenizer, turns=turns, eos_ids=frozenset(eos_ids),
                       max_new_tokens=max_new_tokens)
-    return EnvironmentHost(spec=spec, url=url, players=players, limits=limits, server=server)
+    return EnvironmentHost(spec=spec, url=url, players=players, limits=limits)

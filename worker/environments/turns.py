@@ -18,6 +18,7 @@ from typing import Protocol
 
 # Probe texts: nothing a template would special-case, and distinct from each other.
 _USER, _MODEL, _NEXT = "PROBE-USER-7f3a", "PROBE-MODEL-2c9e", "PROBE-NEXT-b41d"
+_PROBE = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _MODEL}]
 
 
 class TemplateRefused(ValueError):
@@ -44,16 +45,15 @@ class ChatTurns:
     tokenizer: object
     close: str  # what the template writes after a model turn's text ("<|im_end|>\n")
     eos_text: str  # the EOS token's text: a turn that sampled it has written that much of `close`
+    answered: str  # the probe conversation through the model's turn: what `between` renders on from
 
     @staticmethod
     def of(tokenizer) -> ChatTurns:
         """The format of `tokenizer`'s template, checked to keep every turn a prefix of the next
         conversation; TemplateRefused when it does not."""
-        u, um = [{"role": "user", "content": _USER}], [{"role": "user", "content": _USER},
-                                                      {"role": "assistant", "content": _MODEL}]
-        asked = _render(tokenizer, u, prompt=True)
-        answered = _render(tokenizer, um, prompt=False)
-        following = _render(tokenizer, um + [{"role": "user", "content": _NEXT}], prompt=True)
+        asked = _render(tokenizer, _PROBE[:1], prompt=True)
+        answered = _render(tokenizer, _PROBE, prompt=False)
+        following = _render(tokenizer, _PROBE + [{"role": "user", "content": _NEXT}], prompt=True)
         if not answered.startswith(asked) or not answered[len(asked):].startswith(_MODEL):
             raise TemplateRefused("the chat template does not render the model's turn right after its generation "
                                   "prompt, so the sampled ids would not be the conversation's")
@@ -62,7 +62,8 @@ class ChatTurns:
                                   "cannot be extended turn by turn without re-tokenizing what the model sampled")
         eos = tokenizer.eos_token or ""
         close = answered[len(asked) + len(_MODEL):]
-        return ChatTurns(tokenizer=tokenizer, close=close, eos_text=eos if close.startswith(eos) else "")
+        return ChatTurns(tokenizer=tokenizer, close=close, eos_text=eos if close.startswith(eos) else "",
+                         answered=answered)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -73,10 +74,8 @@ class ChatTurns:
     def between(self, observation: str, *, ended_with_eos: bool) -> list[int]:
         close = self.close[len(self.eos_text):] if ended_with_eos else self.close
         # the next user turn and generation prompt, as the template writes them after a closed model turn
-        um = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _MODEL}]
-        answered = _render(self.tokenizer, um, prompt=False)
-        following = _render(self.tokenizer, um + [{"role": "user", "content": observation}], prompt=True)
-        return self._encode(close + following[len(answered):])
+        following = _render(self.tokenizer, _PROBE + [{"role": "user", "content": observation}], prompt=True)
+        return self._encode(close + following[len(self.answered):])
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,23 @@ gradient of any weighted subset be recovered without a second backward, and `fol
 micro-batch's selected samples into that gradient and frees their factors at once, so with a
 per-sample rule (`positive`) they never outlive their micro-batch. Kept for a whole batch they
 take N * r * (d_in + d_out) floats per layer (the size of N LoRA gradients).
+
+Scores in AdamW's geometry (`adam_direction`, `GhostHooks.rescore`). The update AdamW makes from the
+batch gradient gbar = sum_i w_i g_i (w_i = 1: sample i's weight in the batch loss), with the moments
+m, v it holds before step t, a_t = (1 - b1) / (1 - b1^t), b_t = (1 - b2) / (1 - b2^t):
+
+    m_hat = m / (1 - b1^t) * b1 + a_t * gbar      v_hat = v / (1 - b2^t) * b2 + b_t * gbar^2
+    delta = -lr * (m_hat / u + wd * theta)        u = sqrt(v_hat) + eps
+
+so, to first order in w_i, the validation objective moves by
+    d L_val / d w_i = <G_val, d delta / d w_i> = -lr * <g_i, D_t * G_val>,
+    D_t = a_t / u - b_t * m_hat * gbar / (sqrt(v_hat) * u^2)
+(elementwise; the decay term does not depend on w_i). The score <g_i, D_t * G_val> is read like the
+SGD one, <g_i, G_val>: positive helps. Dropping D_t's second term (the moments held fixed) gives the
+preconditioned score LESS (Xia et al. 2024) selects with. D_t needs gbar, known only once the whole
+batch's backward has run, so these scores are taken from the kept per-sample factors afterwards.
+On the first step (m = v = 0) D_1 ~ 0 where |gbar| >> eps: Adam's first step is a sign step, which
+no one sample's weight changes.
 """
 
 from __future__ import annotations
@@ -33,6 +50,30 @@ from worker.algos.lora import lora_layers
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[N, ..., d] -> [N, L, d]."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def adam_direction(val_grad: torch.Tensor, batch_grad: torch.Tensor, exp_avg: torch.Tensor | None,
+                   exp_avg_sq: torch.Tensor | None, *, step: int, betas: tuple[float, float], eps: float,
+                   moments_fixed: bool = False) -> torch.Tensor:
+    """D_t * G_val for one parameter (every tensor of its shape), in float64.
+
+    val_grad G_val; batch_grad gbar, the gradient AdamW's step `step` (1-based) will see (after
+    clipping); exp_avg m, exp_avg_sq v: AdamW's moments before that step (None: no step taken yet).
+    moments_fixed: drop D_t's second term (v_hat held fixed in w_i: the LESS preconditioner)."""
+    b1, b2 = betas
+    gbar = batch_grad.double()
+    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+    a_t, b_t = (1 - b1) / c1, (1 - b2) / c2
+    m = torch.zeros_like(gbar) if exp_avg is None else exp_avg.double()
+    v = torch.zeros_like(gbar) if exp_avg_sq is None else exp_avg_sq.double()
+    m_hat = b1 * m / c1 + a_t * gbar  # = (b1 m + (1 - b1) gbar) / (1 - b1^t), AdamW's own
+    v_hat = b2 * v / c2 + b_t * gbar * gbar
+    root = v_hat.sqrt()
+    u = root + eps
+    d = a_t / u
+    if not moments_fixed:  # where v_hat = 0, gbar = 0 too: the term is 0
+        d = d - torch.where(root > 0, b_t * m_hat * gbar / (root.clamp_min(torch.finfo(root.dtype).tiny) * u * u), 0.0)
+    return d * val_grad.double()
 
 
 class GhostHooks:
@@ -129,6 +170,22 @@ class GhostHooks:
                 total = torch.stack(parts).to(self._scores.device, torch.float64).sum(0)  # [n]
                 self._scores.index_add_(0, rows.to(self._scores.device), total)
             self._pending.clear()
+        return self._scores
+
+    def rescore(self, directions: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """[N] float64 <grad_i, X> over every kept sample, for other per-layer directions X (A's and
+        B's, like val_grads: an AdamW-preconditioned G_val). The scores become these; val_grads
+        stay G_val. Needs every sample's factors (before `fold`)."""
+        if not self.keep_factors:
+            raise RuntimeError("GhostHooks(keep_factors=True) is needed to rescore against another direction")
+        if self._scores is None:
+            raise RuntimeError("no scores before start_scoring")
+        self._pending.clear()
+        self._scores.zero_()
+        for i, rows, which, per in self.factors:
+            x = directions[i][0 if which == "A" else 1].reshape(-1).to(per.device, torch.float64)  # [r*d_in] | [d_out*r]
+            self._scores.index_add_(0, rows.to(self._scores.device), (per.reshape(per.shape[0], -1).double() @ x)
+                                    .to(self._scores.device))
         return self._scores
 
     def start_scoring(self, n: int, device: torch.device | str) -> None:

@@ -1,0 +1,120 @@
+"""AdamW-aware influence: D_t against hand-computed values and against torch's own AdamW step."""
+
+import math
+
+import pytest
+import torch
+
+from tests.numerics import SEED, assert_close
+from tests.worker.algos.test_influence import _batch, _model, _per_sample_losses
+from worker.algos.influence import GhostHooks, adam_direction
+from worker.algos.lora import lora_layers
+
+BETAS = (0.9, 0.999)
+
+
+def test_first_step_is_a_sign_step_no_sample_moves():
+    # t = 1, no moments: m_hat = gbar, v_hat = gbar^2, u = |gbar| + eps, so
+    # D_1 = 1/u - gbar^2 / (|gbar| u^2) = eps / u^2: 1e-8 / 0.25 = 4e-8 and 1e-8 / 4 = 2.5e-9
+    gbar = torch.tensor([0.5, -2.0], dtype=torch.float64)
+    d = adam_direction(torch.ones(2), gbar, None, None, step=1, betas=BETAS, eps=1e-8)
+    # D_1 is the difference of two terms of order 1/|gbar| = 2 that cancel: judged on their scale
+    assert_close(d, torch.tensor([1e-8 / (0.5 + 1e-8) ** 2, 1e-8 / (2.0 + 1e-8) ** 2], dtype=torch.float64), scale=2.0)
+    # the LESS preconditioner keeps only a_1 / u = 1 / |gbar|
+    fixed = adam_direction(torch.ones(2), gbar, None, None, step=1, betas=BETAS, eps=1e-8, moments_fixed=True)
+    assert_close(fixed, torch.tensor([1 / (0.5 + 1e-8), 1 / (2.0 + 1e-8)], dtype=torch.float64))
+
+
+def test_second_step_by_hand():
+    # two parameters after one step; eps = 0.01 so it matters.  t = 2:
+    #   c1 = 1 - 0.81 = 0.19, c2 = 1 - 0.998001 = 0.001999, a_2 = 0.1/0.19, b_2 = 0.001/0.001999
+    #   p0: m = 0.1, v = 0.001, gbar = 1.0 -> m_hat = (0.09 + 0.1)/0.19 = 1, v_hat = (0.000999 + 0.001)/0.001999 = 1
+    #       u = 1.01, D = a_2/1.01 - b_2 * 1 * 1 / (1 * 1.01^2)
+    #   p1: m = -0.2, v = 0.004, gbar = 0 -> m_hat = -0.18/0.19, v_hat = 0.003996/0.001999, D = a_2 / (sqrt(v_hat) + 0.01)
+    m, v = torch.tensor([0.1, -0.2]), torch.tensor([0.001, 0.004])
+    gbar, g_val = torch.tensor([1.0, 0.0]), torch.tensor([2.0, -3.0])
+    a2, b2 = 0.1 / 0.19, 0.001 / 0.001999
+    d0 = a2 / 1.01 - b2 / 1.01 ** 2
+    d1 = a2 / (math.sqrt(0.003996 / 0.001999) + 0.01)
+    out = adam_direction(g_val, gbar, m, v, step=2, betas=BETAS, eps=0.01)
+    # m, v, gbar enter as float32 inputs (0.1 is not exact in float32): a float32 input's rounding
+    assert_close(out, torch.tensor([2.0 * d0, -3.0 * d1], dtype=torch.float64), dtype=torch.float32, terms=8)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_derivative_of_a_real_adamw_step(weight_decay):
+    """-lr * g_i * D_t is d(delta theta)/d w_i of torch's AdamW step, by central differences in float64,
+    for a two-parameter model with three samples, after a few steps of history."""
+    gen = torch.Generator().manual_seed(SEED)
+    lr, eps = 0.05, 1e-3
+    g = torch.randn(3, 2, generator=gen, dtype=torch.float64)  # per-sample gradients [N=3, P=2]
+    history = torch.randn(4, 2, generator=gen, dtype=torch.float64)  # earlier steps' batch gradients
+
+    def delta(w: torch.Tensor) -> torch.Tensor:
+        theta = torch.nn.Parameter(torch.tensor([0.3, -0.7], dtype=torch.float64))
+        opt = torch.optim.AdamW([theta], lr=lr, betas=BETAS, eps=eps, weight_decay=weight_decay)
+        for h in history:
+            theta.grad = h.clone()
+            opt.step()
+        before = theta.detach().clone()
+        theta.grad = (w[:, None] * g).sum(0)
+        opt.step()
+        return theta.detach() - before
+
+    theta = torch.nn.Parameter(torch.tensor([0.3, -0.7], dtype=torch.float64))
+    opt = torch.optim.AdamW([theta], lr=lr, betas=BETAS, eps=eps, weight_decay=weight_decay)
+    for h in history:
+        theta.grad = h.clone()
+        opt.step()
+    state = opt.state[theta]
+    d = adam_direction(torch.ones(2), g.sum(0), state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]) + 1,
+                       betas=BETAS, eps=eps)
+    h = 1e-6
+    for i in range(3):
+        e = torch.zeros(3, dtype=torch.float64)
+        e[i] = h
+        numeric = (delta(1 + e) - delta(1 - e)) / (2 * h)  # central difference: O(h^2) error
+        # the difference of two updated parameters of size ~1, over 2h: its rounding is ~eps * 1 / h (the
+        # O(h^2) truncation, ~1e-12, is smaller)
+        assert_close(-lr * g[i] * d, numeric, dtype=torch.float64, ulps=8 / h, scale=1.0)
+
+
+def test_rescore_equals_explicit_per_sample_gradients(tmp_path):
+    """GhostHooks.rescore(X) is <grad_i, X> from each sample's own autograd gradient."""
+    model, tok = _model(tmp_path)
+    model.train()
+    train = _batch(tok, ["Question: 1+1?", "Hi", "A much longer sample with padding"])
+    val = _batch(tok, ["Question: 2+2?", "ok then"])
+    w_train, w_val = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.7, -1.2])
+    layers = lora_layers(model)
+    params = [p for layer in layers for p in (layer.a.weight, layer.b.weight)]
+    gen = torch.Generator().manual_seed(SEED)
+    directions = {i: (torch.randn(l.a.weight.shape, generator=gen), torch.randn(l.b.weight.shape, generator=gen))
+                  for i, l in enumerate(layers)}
+    flat_x = [x for i in range(len(layers)) for x in directions[i]]
+
+    losses = _per_sample_losses(model, *train, w_train)
+    expected = torch.stack([sum((a.double() * x.double()).sum() for a, x in
+                                zip(torch.autograd.grad(losses[i], params, retain_graph=True), flat_x))
+                            for i in range(3)])
+    with GhostHooks(model, keep_factors=True) as hooks:
+        _per_sample_losses(model, *val, w_val).sum().backward()
+        hooks.capture_validation_gradient()
+        losses = _per_sample_losses(model, *train, w_train)
+        hooks.start_scoring(3, "cpu")
+        losses.sum().backward()
+        sgd = hooks.scores.clone()
+        got = hooks.rescore(directions)
+    # float32 per-sample factors contracted with a float64 direction: sums over r*d terms of float32 values
+    assert_close(got, expected, dtype=torch.float32, terms=max(p.numel() for p in params))
+    assert not torch.equal(sgd, got)
+    # G_val is what the prediction check uses: rescoring leaves it alone
+    assert all(hooks.val_grads[i][0].shape == layers[i].a.weight.shape for i in range(len(layers)))
+
+
+def test_rescore_needs_the_factors(tmp_path):
+    model, _ = _model(tmp_path)
+    hooks = GhostHooks(model)
+    hooks.start_scoring(2, "cpu")
+    with pytest.raises(RuntimeError, match="keep_factors"):
+        hooks.rescore({})

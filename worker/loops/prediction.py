@@ -7,10 +7,14 @@ its ratios taken against the batch's log-probs at theta_t, so every ratio is exa
 Lower is better. Per step with an update:
 
     predicted_delta     = <G_val, theta_{t+1} - theta_t>        first order, for any optimizer (Adam too)
-    predicted_delta_sgd = -lr * sum_{i selected} <g_i, G_val>   the influence scores read as one SGD step
+    predicted_delta_trapezoid = 1/2 <G_val(theta_t) + G_val(theta_{t+1}), theta_{t+1} - theta_t>
+                                                            exact for a quadratic L_val: where it is right and the
+                                                            first order is not, the step's curvature is the gap
+    predicted_delta_sgd = -lr * sum_{i selected} score_i    the influence scores (tracin.score) read as one step
     actual_delta        = L_val(theta_{t+1}) - L_val(theta_t)   re-evaluated on the same validation rollouts
 
-Both evaluations run without dropout (eval mode), so the actual change is the weights' doing alone.
+The evaluations and G_val(theta_{t+1}) run without dropout (eval mode), so the actual change is the
+weights' doing alone.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from worker.engines.sampling import batch_logprobs
 from worker.loops import update
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
-from worker.training import eval_mode
+from worker.training import eval_mode, trainable
 
 
 def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
@@ -58,13 +62,31 @@ def before_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hook
     return Before(logp=logp, value=value, weights=weights)
 
 
+def gradient(s: Setup, ro: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, step: int,
+             hooks: GhostHooks) -> list[torch.Tensor]:
+    """The gradient of L_val (ratios against `old_logp`) at the current weights, without dropout, over
+    every LoRA A and B in GhostHooks.val_grads order: every rank's rows. Leaves .grad cleared."""
+    s.optimizer.zero_grad(set_to_none=True)
+    with eval_mode(s.model):
+        update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
+                             update.batch_normaliser(s, ro.loss_mask), old_logp, ref_logp, step, with_entropy=False)
+    s.ranks.reduce_gradients(trainable(s.model))
+    out = [(w.grad if w.grad is not None else torch.zeros_like(w)).detach().clone()
+           for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
+    s.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
 def after_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hooks: GhostHooks, before: Before,
-                 *, selected_influence: float, lr: float) -> dict[str, float]:
-    """The step's metrics: both predictions and the actual change (G_val is still in the hooks)."""
+                 *, selected_influence: float, lr: float, step: int) -> dict[str, float]:
+    """The step's metrics: the predictions and the actual change (G_val is still in the hooks)."""
     value, _ = objective(s, val_ro, before.logp, val_ref)
     grads = [g for i in range(len(hooks.layers)) for g in hooks.val_grads[i]]
+    grads_after = gradient(s, val_ro, before.logp, val_ref, step, hooks)
     now = [w for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
-    predicted = sum(float((g.double() * (w.detach().double() - w0.double())).sum())
-                    for g, w, w0 in zip(grads, now, before.weights))
-    return {"tracin/predicted_delta": predicted, "tracin/predicted_delta_sgd": -lr * selected_influence,
+    deltas = [w.detach().double() - w0.double() for w, w0 in zip(now, before.weights)]
+    predicted = sum(float((g.double() * d).sum()) for g, d in zip(grads, deltas))
+    after = sum(float((g.double() * d).sum()) for g, d in zip(grads_after, deltas))
+    return {"tracin/predicted_delta": predicted, "tracin/predicted_delta_trapezoid": 0.5 * (predicted + after),
+            "tracin/predicted_delta_sgd": -lr * selected_influence,
             "tracin/actual_delta": value - before.value, "tracin/val_objective": before.value}

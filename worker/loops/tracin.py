@@ -6,7 +6,10 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
   2. its loss (the same clipped surrogate, summed into one direction) is backpropagated and the
      LoRA gradient G_val is kept per layer;
   3. the training batch's forward/backward runs with ghost hooks: sample i's influence
-     <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py);
+     <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py); with
+     `tracin.score: adam` (or adam_fixed_state) it is <grad L_i, D_t * G_val> instead, sample i's
+     first-order effect through this step's AdamW update, read from the kept factors once the
+     batch's gradient is known;
   4. a selection policy (positive / top_fraction / top_cosine / greedy) keeps samples;
   5. the update uses only the selected samples, each with the weight it has in the whole batch's
      loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no
@@ -36,7 +39,7 @@ from service.core.settings import Settings
 from service.core.specs import BASELINES, TracInJob
 from worker import rewards
 from worker.algos import selection as sel
-from worker.algos.influence import GhostHooks
+from worker.algos.influence import GhostHooks, adam_direction
 from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -47,7 +50,7 @@ from worker.loops.rollouts import (
 from worker.loops.setup import Setup, build
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
-from worker.training import seed_everything, step_seed, trainable
+from worker.training import grad_norm, seed_everything, step_seed, trainable
 
 
 def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, step: int,
@@ -62,6 +65,31 @@ def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, s
                              update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step, with_entropy=with_entropy,
                              before=place if hooks is not None else None, after=after_micro_batch)
     return p.reduced(s.ranks).metrics()
+
+
+def adam_directions(s: Setup, hooks: GhostHooks, *, moments_fixed: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per LoRA layer, the A and B directions c * D_t * G_val that `tracin.score: adam` scores
+    against (worker/algos/influence.py): D_t from AdamW's moments before this step and the batch
+    gradient gbar it will see, which is every rank's .grad summed (so call this right after the
+    training backward), scaled by the clip factor c of max_grad_norm, held fixed in w_i."""
+    params = trainable(s.model)
+    s.ranks.reduce_gradients(params)
+    max_norm = s.spec.train.max_grad_norm
+    norm = grad_norm(params)
+    clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))  # clip_grad_norm_'s factor
+    group = s.optimizer.param_groups[0]
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, layer in enumerate(hooks.layers):
+        pair = []
+        for p, g_val in zip((layer.a.weight, layer.b.weight), hooks.val_grads[i]):
+            state = s.optimizer.state.get(p, {})
+            gbar = clip * (p.grad if p.grad is not None else torch.zeros_like(p))
+            d = adam_direction(g_val, gbar, state.get("exp_avg"), state.get("exp_avg_sq"),
+                               step=int(state["step"]) + 1 if "step" in state else 1, betas=group["betas"],
+                               eps=group["eps"], moments_fixed=moments_fixed)
+            pair.append(clip * d)
+        out[i] = (pair[0], pair[1])
+    return out
 
 
 def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int, ro: Rollouts) -> torch.Tensor:
@@ -148,7 +176,8 @@ def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Te
                      hooks: GhostHooks, *, stream_positive: bool) -> Scored:
     """2. the validation gradient G_val; 3. the training backward, scoring <grad L_i, G_val> with the
     hooks (with `stream_positive`, each micro-batch's positive samples are folded as it ends, so no
-    per-sample factors outlive it); 4. the selection over the whole batch, on the float64 scores."""
+    per-sample factors outlive it), rescored in AdamW's geometry with `tracin.score` adam*; 4. the
+    selection over the whole batch, on the float64 scores."""
     t0 = time.perf_counter()
     s.model.train()
     s.optimizer.zero_grad(set_to_none=True)
@@ -160,6 +189,8 @@ def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Te
         hooks.start_scoring(len(ro), "cpu")
         fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
         stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
+        if s.spec.tracin.score != "sgd":  # gbar is known now: rescore every sample in AdamW's geometry
+            hooks.rescore(adam_directions(s, hooks, moments_fixed=s.spec.tracin.score == "adam_fixed_state"))
     t1 = time.perf_counter()
     every = ro.gather(hooks.scores)
     chosen_all = select(s.spec, every, hooks, step, ro)
@@ -202,10 +233,11 @@ def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) 
     """2-6 on one step's rollouts: score, select, update, and check the prediction."""
     s, t = run.s, run.s.spec.tracin
     one_epoch = s.spec.grpo.epochs_per_rollout_batch == 1
-    stream_positive = one_epoch and t.selection == "positive"
+    by_sgd = t.score == "sgd"  # the adam scores need every sample's factors until the batch's gradient is known
+    stream_positive = one_epoch and t.selection == "positive" and by_sgd
     old_logp = update.old_logprobs(s, ro)
     ref_logp = update.reference_logprobs(s, ro.batch)
-    hooks = GhostHooks(s.model, keep_factors=one_epoch or t.selection in ("greedy", "top_cosine"))
+    hooks = GhostHooks(s.model, keep_factors=one_epoch or not by_sgd or t.selection in ("greedy", "top_cosine"))
     scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
     run.reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
     t_check = time.perf_counter()
@@ -216,7 +248,7 @@ def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) 
                **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}
     if theta_t is not None:
         t1 = time.perf_counter()
-        metrics.update(prediction.after_update(s, val.ro, val.ref_logp, hooks, theta_t, lr=lr,
+        metrics.update(prediction.after_update(s, val.ro, val.ref_logp, hooks, theta_t, lr=lr, step=step,
                                                selected_influence=float(scored.every[scored.chosen_all].sum())))
         metrics["time/tracin_check_s"] = t_check + time.perf_counter() - t1
     hooks.release()

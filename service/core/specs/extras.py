@@ -65,6 +65,11 @@ class TracInSpec(_Section):
     )
     fraction: float = Field(0.5, gt=0.0, le=1.0, description="Share of samples kept (every selection but positive "
                             "and all).")
+    score: Literal["sgd", "adam", "adam_fixed_state"] = Field(
+        "sgd", description="Influence geometry: sgd <g_i, G_val>; adam <g_i, D_t * G_val>, sample i's first-order "
+        "effect on the validation objective through this step's AdamW update (moments, bias correction, the batch "
+        "gradient); adam_fixed_state drops D_t's moment term (the LESS preconditioner). The adam scores keep every "
+        "sample's LoRA factors until the batch's backward ends (positive and top_fraction selections only).")
     check_prediction: bool = Field(
         True, description="Every step with an update, re-evaluate the validation objective after it and record the "
         "predicted change (tracin/predicted_delta) beside the actual one (tracin/actual_delta): two forwards of "
@@ -76,7 +81,10 @@ class TracInSpec(_Section):
             reject_unused(self, "tracin", ("fraction",), unless="to selections that keep a fraction")
         if self.selection in BASELINES:
             reject_unused(self, "tracin", ("val_prompts", "val_generations", "val_regenerate_every",
-                                           "check_prediction"), unless="to selections by influence")
+                                           "check_prediction", "score"), unless="to selections by influence")
+        if self.score != "sgd" and self.selection in ("top_cosine", "greedy"):
+            raise ValueError(f"tracin.score {self.score!r} works with selection positive or top_fraction: "
+                             f"{self.selection!r} compares samples with each other in the sgd geometry")
         return self
 
 

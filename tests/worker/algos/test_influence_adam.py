@@ -118,3 +118,84 @@ def test_rescore_needs_the_factors(tmp_path):
     hooks.start_scoring(2, "cpu")
     with pytest.raises(RuntimeError, match="keep_factors"):
         hooks.rescore({})
+
+
+def _rms_norm_in_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm without its float32 round trip (it rounds float64 activations to ~1e-7)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _losses64(model, ids, mask, pos, weights):
+    """_per_sample_losses with its log-softmax in the model's dtype (float64 here), not float32."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:].to(logp.dtype)
+    return -(weights[:, None] * logp * m).sum(1) / m.sum(1)
+
+
+def test_adam_score_predicts_what_dropping_a_sample_does(tmp_path, monkeypatch):
+    """On a LoRA model in float64 after a few AdamW steps: redoing the step without sample i changes the
+    validation loss by lr * score_i to first order with the adam score, and not with the sgd score."""
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_float64)  # all maths in float64
+    model, tok = _model(tmp_path)
+    model.double().eval()
+    train = _batch(tok, ["Question: 1+1?", "Hi", "A much longer sample with padding", "7 8 9", "two"])
+    val = _batch(tok, ["Question: 2+2?", "ok then"])
+    w_train, w_val = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.0], dtype=torch.float64), torch.tensor([0.7, -1.2])
+    layers = lora_layers(model)
+    params = [p for layer in layers for p in (layer.a.weight, layer.b.weight)]
+    lr = 1e-7  # the first order's error grows with lr (L_val's curvature): ~1e-5 relative here, ~1e-4 at 1e-6
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=BETAS, eps=1e-8)
+    for k in range(3):  # history: the moments of a few earlier steps on reweighted batches
+        opt.zero_grad()
+        _losses64(model, *train, w_train * (1 + 0.3 * k)).sum().backward()
+        opt.step()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    state = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    theta = [p.detach().clone() for p in params]
+
+    def val_loss() -> float:
+        with torch.no_grad():
+            return float(_losses64(model, *val, w_val.double()).sum())
+
+    def step_with(weights: torch.Tensor) -> float:
+        """L_val after the AdamW step from the same weights and moments on the reweighted batch."""
+        with torch.no_grad():
+            for p, t in zip(params, theta):
+                p.copy_(t)
+        for p in params:
+            opt.state[p] = {k: v.clone() for k, v in state[p].items()}
+        opt.zero_grad()
+        _losses64(model, *train, w_train * weights).sum().backward()
+        opt.step()
+        return val_loss()
+
+    with GhostHooks(model, keep_factors=True) as hooks:
+        opt.zero_grad()
+        _losses64(model, *val, w_val.double()).sum().backward()
+        hooks.capture_validation_gradient()
+        hooks.start_scoring(5, "cpu")
+        _losses64(model, *train, w_train).sum().backward()
+        sgd = hooks.scores.clone()
+        gbar = {p: p.grad.detach().clone() for p in params}
+        directions = {i: tuple(adam_direction(g, gbar[p], state[p]["exp_avg"], state[p]["exp_avg_sq"],
+                                              step=int(state[p]["step"]) + 1, betas=BETAS, eps=1e-8)
+                               for p, g in zip((layer.a.weight, layer.b.weight), hooks.val_grads[i]))
+                      for i, layer in enumerate(layers)}
+        adam = hooks.rescore(directions).clone()
+    eye = torch.eye(5, dtype=torch.float64)
+    h = 1e-3  # d L_val / d w_i by central differences of the real step in sample i's weight
+    marginal = torch.tensor([(step_with(1 - h * eye[i]) - step_with(1 + h * eye[i])) / (2 * h) for i in range(5)])
+    # lowering w_i raises L_val by lr * score_i, to O(h^2) (AdamW is not linear in w_i) and O(lr) (L_val's
+    # curvature): seen 1e-5 relative at most, against float64 rounding of ~1e-16 / (2h lr) ~ 1e-6
+    assert_close(lr * adam, marginal, dtype=torch.float64, ulps=5e11)  # rtol 1e-4: the first order's own error
+    assert (lr * sgd - marginal).abs().max() > 0.5 * marginal.abs().max(), "sgd should not predict an AdamW step"
+    # dropping the whole sample is not a small change of AdamW's normalisation (one of five): the
+    # first order still has every sign right
+    full = step_with(torch.ones(5, dtype=torch.float64))
+    dropped = torch.tensor([step_with(1 - eye[i]) - full for i in range(5)])
+    assert (torch.sign(adam) == torch.sign(dropped)).all()

@@ -26,7 +26,8 @@ from service.core.artifacts import checkpoint_key, open_store
 from service.store import metrics as metrics_q
 from service.store import records
 
-PREDICTION_KEYS = ("tracin/predicted_delta", "tracin/predicted_delta_sgd", "tracin/actual_delta")
+PREDICTION_KEYS = ("tracin/predicted_delta", "tracin/predicted_delta_trapezoid", "tracin/predicted_delta_sgd",
+                   "tracin/actual_delta")
 
 router = APIRouter(prefix="/v1/jobs", tags=["reports"], responses=error_responses(401, 404, 422, 503))
 
@@ -50,13 +51,17 @@ def tracin_prediction(job: JobDep, session: SessionDep):
     (empty for a job that records none: another kind, a baseline selection, or tracin.check_prediction off)."""
     rows = metrics_q.values_by_step(session, job_id=job.id, keys=PREDICTION_KEYS)
     points = [PredictionPoint(step=step, predicted=v["tracin/predicted_delta"], actual=v["tracin/actual_delta"],
+                              predicted_trapezoid=v.get("tracin/predicted_delta_trapezoid"),
                               predicted_sgd=v.get("tracin/predicted_delta_sgd"))
               for step, v in rows.items() if "tracin/predicted_delta" in v and "tracin/actual_delta" in v]
     actual = [p.actual for p in points]
     with_sgd = [p for p in points if p.predicted_sgd is not None]
+    with_trapezoid = [p for p in points if p.predicted_trapezoid is not None]
     return PredictionCheckOut(
         job_id=job.id, points=points,
         update=CorrelationOut.model_validate(evidence.correlation([p.predicted for p in points], actual)),
+        trapezoid=CorrelationOut.model_validate(evidence.correlation([p.predicted_trapezoid for p in with_trapezoid],
+                                                                     [p.actual for p in with_trapezoid])),
         influence=CorrelationOut.model_validate(evidence.correlation([p.predicted_sgd for p in with_sgd],
                                                                      [p.actual for p in with_sgd])))
 

@@ -194,8 +194,11 @@ class CorrelationOut(_Out):
 class PredictionPoint(BaseModel):
     step: int
     predicted: float = Field(description="tracin/predicted_delta: <G_val, theta_{t+1} - theta_t>.")
+    predicted_trapezoid: float | None = Field(
+        description="tracin/predicted_delta_trapezoid: 1/2 <G_val(theta_t) + G_val(theta_{t+1}), theta_{t+1} - "
+        "theta_t>, exact for a quadratic objective (null on steps recorded before it was measured).")
     predicted_sgd: float | None = Field(description="tracin/predicted_delta_sgd: -lr * (sum of the selected "
-                                        "samples' influence).")
+                                        "samples' influence, in the job's tracin.score geometry).")
     actual: float = Field(description="tracin/actual_delta: L_val(theta_{t+1}) - L_val(theta_t).")
 
 
@@ -207,6 +210,9 @@ class PredictionCheckOut(BaseModel):
     points: list[PredictionPoint] = Field(description="Every step with an update, by step: the values the "
                                           "correlations are computed from (also served as metrics).")
     update: CorrelationOut = Field(description="predicted (from the actual parameter update) against actual.")
+    trapezoid: CorrelationOut = Field(description="predicted_trapezoid against actual: where it tracks the actual "
+                                      "change and the first order does not, the first order's gap is curvature, "
+                                      "not noise.")
     influence: CorrelationOut = Field(description="predicted_sgd (from the influence scores) against actual.")
 
 

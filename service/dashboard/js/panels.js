@@ -55,8 +55,10 @@ export const SECTIONS = [
     { title: "Mean influence <grad L_i, grad L_val>", keys: ["tracin/mean_ip"] },
     { title: "Selected samples", keys: ["tracin/num_selected"] },
     { title: "Validation objective change: predicted vs actual",
-      keys: ["tracin/predicted_delta", "tracin/actual_delta", "tracin/predicted_delta_sgd"],
-      note: "negative: the step lowered the validation objective; predicted from the update (first order)" },
+      keys: ["tracin/predicted_delta", "tracin/predicted_delta_trapezoid", "tracin/actual_delta",
+             "tracin/predicted_delta_sgd"],
+      note: "negative: the step lowered the validation objective; predicted from the update (first order; the " +
+            "trapezoid also uses the gradient after the step, so where only it tracks the actual change the gap is curvature)" },
     { title: "Validation objective L_val", keys: ["tracin/val_objective"] },
     { title: "Scoring time (s)", keys: ["tracin/time_s", "time/tracin_check_s"] },
   ] },

@@ -96,13 +96,18 @@ def test_tracin_job_through_the_api(sqlite_api, digit_reward):
     assert "tracin/selection_ratio" in latest
     # the prediction check: its points are the served metrics, and its correlations are computed from them
     check = api.get(f"/v1/jobs/{jid}/tracin/prediction").json()
-    keys = "tracin/predicted_delta,tracin/actual_delta"
+    keys = "tracin/predicted_delta,tracin/predicted_delta_trapezoid,tracin/actual_delta"
     series = {s["key"]: {p["step"]: p["value"] for p in s["points"]}
               for s in api.get(f"/v1/jobs/{jid}/metrics", params={"keys": keys}).json()["series"]}
     assert [p["step"] for p in check["points"]] == sorted(series["tracin/actual_delta"]) != []
     for p in check["points"]:
-        assert (p["predicted"], p["actual"]) == (series["tracin/predicted_delta"][p["step"]],
-                                                 series["tracin/actual_delta"][p["step"]])
+        assert (p["predicted"], p["predicted_trapezoid"], p["actual"]) == (
+            series["tracin/predicted_delta"][p["step"]], series["tracin/predicted_delta_trapezoid"][p["step"]],
+            series["tracin/actual_delta"][p["step"]])
+    trapezoid = evidence.correlation([p["predicted_trapezoid"] for p in check["points"]],
+                                     [p["actual"] for p in check["points"]])
+    assert check["trapezoid"]["n"] == len(check["points"]) and check["trapezoid"]["pearson"] == (
+        None if trapezoid.pearson is None else dataclasses.asdict(trapezoid.pearson))
     expected = evidence.correlation([p["predicted"] for p in check["points"]], [p["actual"] for p in check["points"]])
     assert check["update"]["n"] == expected.n == len(check["points"])
     assert expected.pearson is not None and check["update"]["pearson"] == dataclasses.asdict(expected.pearson)
@@ -111,7 +116,7 @@ def test_tracin_job_through_the_api(sqlite_api, digit_reward):
     grpo_job = api.run_job({k: v for k, v in _spec().items() if k != "tracin"} | {"kind": "grpo"})
     assert api.get(f"/v1/jobs/{grpo_job}/tracin/prediction").json() == {
         "job_id": grpo_job, "points": [], "update": {"n": 0, "pearson": None, "spearman": None},
-        "influence": {"n": 0, "pearson": None, "spearman": None}}
+        "trapezoid": {"n": 0, "pearson": None, "spearman": None}, "influence": {"n": 0, "pearson": None, "spearman": None}}
 
 
 def test_validation_group_of_one_is_refused():

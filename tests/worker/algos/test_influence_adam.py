@@ -89,8 +89,8 @@ def test_rescore_equals_explicit_per_sample_gradients(tmp_path):
     layers = lora_layers(model)
     params = [p for layer in layers for p in (layer.a.weight, layer.b.weight)]
     gen = torch.Generator().manual_seed(SEED)
-    directions = {i: (torch.randn(l.a.weight.shape, generator=gen), torch.randn(l.b.weight.shape, generator=gen))
-                  for i, l in enumerate(layers)}
+    directions = {i: (torch.randn(la.a.weight.shape, generator=gen), torch.randn(la.b.weight.shape, generator=gen))
+                  for i, la in enumerate(layers)}
     flat_x = [x for i in range(len(layers)) for x in directions[i]]
 
     losses = _per_sample_losses(model, *train, w_train)

@@ -58,3 +58,19 @@ def test_a_full_fine_tuning_checkpoint_stores_tied_embeddings_under_the_input_na
     keys = _keys(tmp_path / "step-1" / "model.safetensors")
     assert EMBED in keys and LM_HEAD not in keys
     assert torch.equal(_logits(tmp_path / "step-1"), _logits(models.smollm2_dir(models_root)))
+
+
+def test_paired_arms_start_from_identical_lora_weights(tmp_path):
+    """Two jobs with the same seed start from the same adapter whatever the global random stream did
+    before (the adapter is created under the job's seed), so paired comparisons pair identical weights."""
+    from service.core.specs import LoraSpec
+
+    spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4))
+    first, _ = models.load_policy(spec, models_root=tmp_path, device="cpu", seed=3)
+    torch.randn(1000)  # another arm's work moved the global stream
+    second, _ = models.load_policy(spec, models_root=tmp_path, device="cpu", seed=3)
+    other, _ = models.load_policy(spec, models_root=tmp_path, device="cpu", seed=4)
+    a, b, c = ({n: p for n, p in m.named_parameters() if "lora_" in n} for m in (first, second, other))
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert any(not torch.equal(a[n], c[n]) for n in a), "the seed should choose the adapter"

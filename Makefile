@@ -109,6 +109,8 @@ bench: install vllm
 	$(PY) bench/distributed.py
 	$(PY) bench/learning.py
 	$(PY) bench/memory.py
+	$(PY) bench/influence_truth.py
+	$(PY) bench/prediction.py
 	$(PY) bench/selection.py
 	$(PY) bench/rl_vs_sft.py
 	GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) bench/rollout.py

@@ -66,6 +66,21 @@ def noise_floor(raw: dict) -> float:
     return abs(single - whole)
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One run's check, over its steps."""
+
+    lr: float
+    dtype: str
+    steps: int
+    first: evidence.Correlation  # first order against actual
+    trapezoid: evidence.Correlation
+    first_err: float  # median |predicted - actual| / |actual|
+    trapezoid_err: float
+    median_actual: float  # median |actual|
+    floor_ratio: float  # the noise floor / median_actual
+
+
 def fmt(iv: evidence.Interval | None) -> str:
     return "–" if iv is None else f"{iv.estimate:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}]"
 
@@ -114,22 +129,23 @@ def main() -> None:
             trap = [x["tracin/predicted_delta_trapezoid"] for x in m]
             c1, c2 = evidence.correlation(first, act), evidence.correlation(trap, act)
             med_act = statistics.median(abs(a) for a in act) if act else float("nan")
-            rows.append((lr, dtype, len(act), c1, c2, median_rel(first, act) if act else float("nan"),
-                         median_rel(trap, act) if act else float("nan"), med_act, floors[dtype] / med_act,
-                         run.wall_s))
+            rows.append(Row(lr, dtype, len(act), c1, c2, median_rel(first, act) if act else float("nan"),
+                            median_rel(trap, act) if act else float("nan"), med_act, floors[dtype] / med_act))
             print(f"lr {lr:g} {dtype}: {len(act)} checked steps in {run.wall_s:.0f} s", flush=True)
 
     print("\n| lr | dtype | steps | first order: Pearson | first order: Spearman | trapezoid: Pearson | "
           "trapezoid: Spearman | median rel. error, first / trapezoid | median abs(actual) | noise floor / it |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for lr, dtype, n, c1, c2, e1, e2, med, floor, _ in rows:
-        print(f"| {lr:g} | {dtype} | {n} | {fmt(c1.pearson)} | {fmt(c1.spearman)} | {fmt(c2.pearson)} | "
-              f"{fmt(c2.spearman)} | {e1:.3f} / {e2:.3f} | {med:.2e} | {floor:.1e} |")
-    for lr, dtype, n, c1, c2, e1, e2, med, floor, _ in rows:
-        p1 = c1.pearson.estimate if c1.pearson else float("nan")
-        p2 = c2.pearson.estimate if c2.pearson else float("nan")
-        print(f"RESULT lr={lr:g} dtype={dtype} steps={n} first_pearson={p1:.3f} trapezoid_pearson={p2:.3f} "
-              f"first_rel_err={e1:.3f} trapezoid_rel_err={e2:.3f} noise_floor_ratio={floor:.1e}")
+    for r in rows:
+        print(f"| {r.lr:g} | {r.dtype} | {r.steps} | {fmt(r.first.pearson)} | {fmt(r.first.spearman)} | "
+              f"{fmt(r.trapezoid.pearson)} | {fmt(r.trapezoid.spearman)} | {r.first_err:.3f} / {r.trapezoid_err:.3f} | "
+              f"{r.median_actual:.2e} | {r.floor_ratio:.1e} |")
+    for r in rows:
+        p1 = r.first.pearson.estimate if r.first.pearson else float("nan")
+        p2 = r.trapezoid.pearson.estimate if r.trapezoid.pearson else float("nan")
+        print(f"RESULT lr={r.lr:g} dtype={r.dtype} steps={r.steps} first_pearson={p1:.3f} trapezoid_pearson={p2:.3f} "
+              f"first_rel_err={r.first_err:.3f} trapezoid_rel_err={r.trapezoid_err:.3f} "
+              f"noise_floor_ratio={r.floor_ratio:.1e}")
 
 
 if __name__ == "__main__":

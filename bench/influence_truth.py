@@ -235,6 +235,13 @@ def main() -> None:
                 print(f"RESULT score={k} drop_pearson={one.pearson.estimate if one.pearson else float('nan'):.3f} "
                       f"drop_spearman={one.spearman.estimate if one.spearman else float('nan'):.3f} "
                       f"half_spearman={half.spearman.estimate if half.spearman else float('nan'):.3f}", flush=True)
+        for k in SCORES[1:]:  # the same points resampled together: is the Adam-aware ranking better?
+            print(f"Spearman({k}) - Spearman(sgd): drop one {fmt(spearman_gain(drops, k))}, "
+                  f"drop half {fmt(spearman_gain(parts, k))}")
+
+
+def spearman_gain(points: Points, k: str) -> evidence.Interval | None:
+    return evidence.spearman_difference(points.pooled(k), points.pooled("sgd"), points.pooled(None))
 
 
 if __name__ == "__main__":

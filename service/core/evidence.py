@@ -56,15 +56,15 @@ def _spearman(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
     return _pearson(stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis), axis=axis)
 
 
-def _interval(statistic: Callable[..., Any], x: np.ndarray, y: np.ndarray, seed: int) -> Interval | None:
+def _interval(statistic: Callable[..., Any], *data: np.ndarray, seed: int) -> Interval | None:
     from scipy import stats
 
-    estimate = float(statistic(x, y))
+    estimate = float(statistic(*data))
     if math.isnan(estimate):
         return None
     with warnings.catch_warnings():  # a few points give degenerate resamples: handled below
         warnings.simplefilter("ignore", stats.DegenerateDataWarning)
-        boot = stats.bootstrap((x, y), statistic, paired=True, vectorized=True, n_resamples=RESAMPLES,
+        boot = stats.bootstrap(data, statistic, paired=True, vectorized=True, n_resamples=RESAMPLES,
                                confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed))
     low, high = boot.confidence_interval
     # a resample that repeats one point is constant (nan); the percentile ignores none of them, so
@@ -84,7 +84,24 @@ def correlation(x: Sequence[float], y: Sequence[float], *, seed: int = 0) -> Cor
     xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if len(xs) < 3:
         return Correlation(len(xs), None, None)
-    return Correlation(len(xs), _interval(_pearson, xs, ys, seed), _interval(_spearman, xs, ys, seed))
+    return Correlation(len(xs), _interval(_pearson, xs, ys, seed=seed), _interval(_spearman, xs, ys, seed=seed))
+
+
+def spearman_difference(a: Sequence[float], b: Sequence[float], y: Sequence[float], *,
+                        seed: int = 0) -> Interval | None:
+    """Spearman(a, y) - Spearman(b, y): does predictor a rank y better than b on the same points? The
+    interval resamples the points once for both (paired), so what the two share cancels. None for fewer
+    than 3 points or a constant series."""
+    if not len(a) == len(b) == len(y):
+        raise ValueError(f"a, b and y must be paired: {len(a)}, {len(b)} and {len(y)} values")
+    if len(y) < 3:
+        return None
+    arrays = [np.asarray(v, dtype=np.float64) for v in (a, b, y)]
+
+    def diff(a: np.ndarray, b: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        return _spearman(a, y, axis=axis) - _spearman(b, y, axis=axis)
+
+    return _interval(diff, *arrays, seed=seed)
 
 
 def mean_interval(values: Sequence[float]) -> Interval | None:

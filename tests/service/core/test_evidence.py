@@ -39,3 +39,22 @@ def test_mean_interval_is_the_student_t_interval():
     assert evidence.mean_interval([0.3]) is None
     assert evidence.standard_error(d) == pytest.approx(stats.sem(d)) and evidence.standard_error([1.0]) == 0.0
     assert not math.isnan(iv.low)
+
+
+def test_spearman_difference_is_paired():
+    rng = np.random.default_rng(5)
+    y = rng.normal(size=60)
+    good = y + 0.3 * rng.normal(size=60)
+    worse = good + 0.4 * rng.normal(size=60)  # good's ranking plus noise of its own
+    iv = evidence.spearman_difference(good, worse, y)
+    expected = stats.spearmanr(good, y).statistic - stats.spearmanr(worse, y).statistic
+    assert iv.estimate == pytest.approx(expected, abs=1e-12)
+    # resampled together, the shared part cancels: the interval excludes zero, though each predictor's own
+    # Spearman interval overlaps the other's
+    assert 0 < iv.low < iv.estimate < iv.high
+    c_good, c_worse = evidence.correlation(good, y).spearman, evidence.correlation(worse, y).spearman
+    assert c_good.low < c_worse.high
+    assert evidence.spearman_difference(good, good, y) == evidence.Interval(0.0, 0.0, 0.0)
+    assert evidence.spearman_difference([1.0, 2.0], [2.0, 1.0], [1.0, 2.0]) is None
+    with pytest.raises(ValueError, match="paired"):
+        evidence.spearman_difference([1.0, 2.0, 3.0], [1.0, 2.0], [1.0, 2.0, 3.0])

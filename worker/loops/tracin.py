@@ -189,7 +189,10 @@ def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Te
         hooks.start_scoring(len(ro), "cpu")
         fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
         stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
-        if s.spec.tracin.score != "sgd":  # gbar is known now: rescore every sample in AdamW's geometry
+        # gbar is known now: rescore every sample in AdamW's geometry. Not on the first step: with no
+        # moments AdamW's step is sign(gbar), whose derivative in any sample's weight is ~0 (D_1 ~ eps/u^2),
+        # so its scores carry no ranking (bench/influence_truth.py: there the sgd score ranks best)
+        if s.spec.tracin.score != "sgd" and s.optimizer.state:
             hooks.rescore(adam_directions(s, hooks, moments_fixed=s.spec.tracin.score == "adam_fixed_state"))
     t1 = time.perf_counter()
     every = ro.gather(hooks.scores)

@@ -69,7 +69,8 @@ class TracInSpec(_Section):
         "sgd", description="Influence geometry: sgd <g_i, G_val>; adam <g_i, D_t * G_val>, sample i's first-order "
         "effect on the validation objective through this step's AdamW update (moments, bias correction, the batch "
         "gradient); adam_fixed_state drops D_t's moment term (the LESS preconditioner). The adam scores keep every "
-        "sample's LoRA factors until the batch's backward ends (positive and top_fraction selections only).")
+        "sample's LoRA factors until the batch's backward ends (positive and top_fraction selections only); a step "
+        "before AdamW holds moments (the first) is scored with sgd.")
     check_prediction: bool = Field(
         True, description="Every step with an update, re-evaluate the validation objective after it and record the "
         "predicted change (tracin/predicted_delta) beside the actual one (tracin/actual_delta): two forwards of "

@@ -55,6 +55,21 @@ def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward,
             assert x["influence"] == 0.0
 
 
+def test_adam_scores_start_once_adamw_holds_moments(tmp_path, settings_factory, digit_reward):
+    """Step 1 (no moments: AdamW's sign step) is scored with sgd, so both runs select and train alike;
+    from step 2 the adam run scores in AdamW's geometry, on the same rollouts."""
+    def scores(score):
+        spec = TracInJob.model_validate(_spec("positive", score=score) | {"grpo": {**_spec()["grpo"], "steps": 2}})
+        assert tracin.run(spec, FileReporter(tmp_path / score), settings=settings_factory()).status == "succeeded"
+        return {s["step"]: [v for _, v, _ in s["scores"]] for s in _lines(tmp_path / score / "selections.jsonl")}
+
+    sgd, adam = scores("sgd"), scores("adam")
+    assert sgd[1] == adam[1]
+    assert len(sgd[2]) == len(adam[2]) and sgd[2] != adam[2]
+    nonzero = [(a, b) for a, b in zip(sgd[2], adam[2]) if a != 0.0]
+    assert nonzero, "step 2 should have samples with a signal"
+
+
 @pytest.mark.parametrize("selection", ["random", "pass_rate", "all"])
 def test_baselines_train_without_influence(tmp_path, settings_factory, digit_reward, selection):
     spec = _spec(selection)

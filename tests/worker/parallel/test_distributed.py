@@ -40,6 +40,10 @@ CASES = {
     "tracin-positive": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                         "tracin": {"val_prompts": 3, "val_generations": 4},
                         "grpo": {**STEPS, "learning_rate": 1e-2}},
+    # scored in AdamW's geometry from step 2: D_t from the batch gradient summed over both ranks
+    "tracin-adam": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+                    "tracin": {"score": "adam", "val_prompts": 3, "val_generations": 4},
+                    "grpo": {**STEPS, "learning_rate": 1e-2}},
     "tracin-greedy": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                       "tracin": {"selection": "greedy", "fraction": 0.5, "val_prompts": 3, "val_generations": 4},
                       "grpo": {**STEPS, "learning_rate": 1e-2}},

@@ -64,7 +64,7 @@ def job(args, kind: str, steps: int) -> dict:
     }
     if kind == "tracin":
         spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": args.val_generations,
-                          "val_regenerate_every": args.val_regenerate_every}
+                          "val_regenerate_every": args.val_regenerate_every, "score": args.score}
     return spec
 
 
@@ -249,6 +249,8 @@ def main() -> None:
     ap.add_argument("--val-generations", type=int, default=4)
     ap.add_argument("--val-regenerate-every", type=int, default=4)
     ap.add_argument("--loop-steps", type=int, default=6)
+    ap.add_argument("--score", default="auto", choices=["auto", "sgd", "adam", "adam_fixed_state"],
+                    help="tracin.score of the TracIn loop (sgd streams positive's factors micro-batch by micro-batch)")
     ap.add_argument("--rounds", type=int, default=4, help="Hooks passes interleaved with the per-sample ones.")
     ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")
     ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the GRPO and TracIn loops).")

@@ -7,9 +7,9 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
      LoRA gradient G_val is kept per layer;
   3. the training batch's forward/backward runs with ghost hooks: sample i's influence
      <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py); with
-     `tracin.score: adam` (or adam_fixed_state) it is <grad L_i, D_t * G_val> instead, sample i's
-     first-order effect through this step's AdamW update, read from the kept factors once the
-     batch's gradient is known;
+     `tracin.score` adam or adam_fixed_state (auto's choice for positive and top_fraction) it is
+     <grad L_i, D_t * G_val> instead, sample i's first-order effect through this step's AdamW
+     update, read from the kept factors once the batch's gradient is known;
   4. a selection policy (positive / top_fraction / top_cosine / greedy) keeps samples;
   5. the update uses only the selected samples, each with the weight it has in the whole batch's
      loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no
@@ -192,8 +192,8 @@ def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Te
         # gbar is known now: rescore every sample in AdamW's geometry. Not on the first step: with no
         # moments AdamW's step is sign(gbar), whose derivative in any sample's weight is ~0 (D_1 ~ eps/u^2),
         # so its scores carry no ranking (bench/influence_truth.py: there the sgd score ranks best)
-        if s.spec.tracin.score != "sgd" and s.optimizer.state:
-            hooks.rescore(adam_directions(s, hooks, moments_fixed=s.spec.tracin.score == "adam_fixed_state"))
+        if s.spec.tracin.geometry != "sgd" and s.optimizer.state:
+            hooks.rescore(adam_directions(s, hooks, moments_fixed=s.spec.tracin.geometry == "adam_fixed_state"))
     t1 = time.perf_counter()
     every = ro.gather(hooks.scores)
     chosen_all = select(s.spec, every, hooks, step, ro)
@@ -236,7 +236,7 @@ def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) 
     """2-6 on one step's rollouts: score, select, update, and check the prediction."""
     s, t = run.s, run.s.spec.tracin
     one_epoch = s.spec.grpo.epochs_per_rollout_batch == 1
-    by_sgd = t.score == "sgd"  # the adam scores need every sample's factors until the batch's gradient is known
+    by_sgd = t.geometry == "sgd"  # the adam scores need every sample's factors until the batch's gradient is known
     stream_positive = one_epoch and t.selection == "positive" and by_sgd
     old_logp = update.old_logprobs(s, ro)
     ref_logp = update.reference_logprobs(s, ro.batch)

@@ -55,6 +55,15 @@ def test_selection_policies_end_to_end(tmp_path, settings_factory, digit_reward,
             assert x["influence"] == 0.0
 
 
+def test_auto_scores_in_adamw_geometry_where_the_selection_can(digit_reward):
+    def geometry(**tr):
+        return TracInJob.model_validate({**_spec(), "tracin": tr}).tracin.geometry
+
+    assert geometry() == geometry(selection="top_fraction") == "adam_fixed_state"
+    assert geometry(selection="greedy") == geometry(selection="top_cosine") == "sgd"
+    assert geometry(score="adam") == "adam" and geometry(score="sgd") == "sgd"
+
+
 def test_adam_scores_start_once_adamw_holds_moments(tmp_path, settings_factory, digit_reward):
     """Step 1 (no moments: AdamW's sign step) is scored with sgd, so both runs select and train alike;
     from step 2 the adam run scores in AdamW's geometry, on the same rollouts."""

@@ -99,7 +99,8 @@ def spearman_difference(a: Sequence[float], b: Sequence[float], y: Sequence[floa
     arrays = [np.asarray(v, dtype=np.float64) for v in (a, b, y)]
 
     def diff(a: np.ndarray, b: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
-        return _spearman(a, y, axis=axis) - _spearman(b, y, axis=axis)
+        out: np.ndarray = _spearman(a, y, axis=axis) - _spearman(b, y, axis=axis)
+        return out
 
     return _interval(diff, *arrays, seed=seed)
 

@@ -3,6 +3,7 @@ where they do not."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -261,10 +262,32 @@ def sqlite_api(settings_factory):
     return Api(settings_factory())
 
 
+_PORT_BLOCK = 1500  # ports per test process
+_ports_handed = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port no other process of this test run is handed: below the kernel's ephemeral range
+    (where bind(0) and every outgoing connection take theirs), in a block of its own per xdist
+    process, each port handed out once. The port bind(0) gave and the test released raced: another
+    test process's server could bind it first, and that server's /healthz then answered for ours."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 0
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = low - _PORT_BLOCK * (index + 1)
+    if first < 1024:  # no room below the ephemeral range: the kernel's pick, as before
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(_PORT_BLOCK):
+        port = first + next(_ports_handed) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken outside this run, or a killed server's connections linger
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{first + _PORT_BLOCK - 1}")
 
 
 class S3Server:

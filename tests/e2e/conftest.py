@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.conftest import free_port  # noqa: F401 (imported from here by the e2e and fault tests)
 
 BIN = Path(sys.executable).parent / "grpo-jobs"
 
@@ -35,12 +36,6 @@ VLLM_JOB = {"kind": "grpo", "name": "e2e-vllm", "model": {"name": "smollm2-135m-
             "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 12, "temperature": 0.8,
                      "learning_rate": 3e-4, "eval_prompts": 8, "epochs_per_rollout_batch": 2, "loss": "cispo",
                      "clip_eps_high": 2.0}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:

@@ -34,17 +34,19 @@ from worker.training import eval_mode, trainable
 def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
               ref_logp: torch.Tensor | None) -> tuple[float, torch.Tensor]:
     """(L_val over every rank's rows, this rank's log-probs [N, T]) at the current weights; old_logp
-    None: the ratios are taken against these log-probs, so L_val is its value at theta_t."""
+    None: the ratios are taken against these log-probs, so L_val is its value at theta_t. Summed micro-batch
+    by micro-batch in update.backward_pass's order, so `gradient`'s value at theta_{t+1} is comparable with
+    it to the last bit: their difference is the step's actual change."""
     g = s.spec.grpo
+    micro = update.micro(s, ro.batch, list(range(len(ro))))
     with eval_mode(s.model):
-        logp = batch_logprobs(s.model, ro.batch, g.temperature, update.micro(s, ro.batch, list(range(len(ro)))),
-                              s.device)
+        logp = batch_logprobs(s.model, ro.batch, g.temperature, micro, s.device)
     old = logp if old_logp is None else old_logp
     mask = ro.loss_mask.to(s.device)
     parts = update.losses(s, logp, old, ro.advantages.to(s.device), mask, update.batch_normaliser(s, ro.loss_mask),
                           None if ref_logp is None else ref_logp.to(s.device),
                           update.correction(s, ro.batch, old, mask))
-    return s.ranks.sum({"loss": float(parts.loss.sum())})["loss"], logp
+    return s.ranks.sum({"loss": sum(float(parts.loss[rows].sum()) for rows in micro)})["loss"], logp
 
 
 @dataclass(frozen=True)
@@ -63,26 +65,27 @@ def before_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hook
 
 
 def gradient(s: Setup, ro: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, step: int,
-             hooks: GhostHooks) -> list[torch.Tensor]:
-    """The gradient of L_val (ratios against `old_logp`) at the current weights, without dropout, over
+             hooks: GhostHooks) -> tuple[float, list[torch.Tensor]]:
+    """L_val (ratios against `old_logp`) and its gradient at the current weights, without dropout, over
     every LoRA A and B in GhostHooks.val_grads order: every rank's rows. Leaves .grad cleared."""
     s.optimizer.zero_grad(set_to_none=True)
     with eval_mode(s.model):
-        update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
-                             update.batch_normaliser(s, ro.loss_mask), old_logp, ref_logp, step, with_entropy=False)
+        totals = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
+                                      update.batch_normaliser(s, ro.loss_mask), old_logp, ref_logp, step,
+                                      with_entropy=False)
     s.ranks.reduce_gradients(trainable(s.model))
     out = [(w.grad if w.grad is not None else torch.zeros_like(w)).detach().clone()
            for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
     s.optimizer.zero_grad(set_to_none=True)
-    return out
+    return s.ranks.sum({"loss": totals.loss})["loss"], out
 
 
 def after_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hooks: GhostHooks, before: Before,
                  *, selected_influence: float, lr: float, step: int) -> dict[str, float]:
-    """The step's metrics: the predictions and the actual change (G_val is still in the hooks)."""
-    value, _ = objective(s, val_ro, before.logp, val_ref)
+    """The step's metrics: the predictions and the actual change (G_val is still in the hooks); L_val at
+    theta_{t+1} comes with its gradient, from one forward."""
     grads = [g for i in range(len(hooks.layers)) for g in hooks.val_grads[i]]
-    grads_after = gradient(s, val_ro, before.logp, val_ref, step, hooks)
+    value, grads_after = gradient(s, val_ro, before.logp, val_ref, step, hooks)
     now = [w for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
     deltas = [w.detach().double() - w0.double() for w, w0 in zip(now, before.weights)]
     predicted = sum(float((g.double() * d).sum()) for g, d in zip(grads, deltas))

@@ -36,7 +36,7 @@ import torch
 
 from service.core.records import SelectionRecord
 from service.core.settings import Settings
-from service.core.specs import BASELINES, TracInJob
+from service.core.specs import BASELINES, PAIRWISE, TracInJob
 from worker import rewards
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks, adam_direction
@@ -240,7 +240,7 @@ def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) 
     stream_positive = one_epoch and t.selection == "positive" and by_sgd
     old_logp = update.old_logprobs(s, ro)
     ref_logp = update.reference_logprobs(s, ro.batch)
-    hooks = GhostHooks(s.model, keep_factors=one_epoch or not by_sgd or t.selection in ("greedy", "top_cosine"))
+    hooks = GhostHooks(s.model, keep_factors=one_epoch or not by_sgd or t.selection in PAIRWISE)
     scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
     run.reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
     t_check = time.perf_counter()

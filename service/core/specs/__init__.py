@@ -14,7 +14,7 @@ per kind and the rules across its sections). Import from here.
 
 from service.core.specs.data import DATASETS, DEFAULT_REWARDS, FILE_ID, REWARDS, DatasetName, DatasetSpec
 from service.core.specs.environment import BUNDLED_ENVIRONMENTS, EnvironmentSpec
-from service.core.specs.extras import BASELINES, RetrieverSpec, SparsityQualitySpec, SparsitySpec, TracInSpec
+from service.core.specs.extras import BASELINES, PAIRWISE, RetrieverSpec, SparsityQualitySpec, SparsitySpec, TracInSpec
 from service.core.specs.jobs import (
     JOB_MODELS,
     KINDS,
@@ -46,7 +46,7 @@ from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec
 from service.core.specs.training import GRPOSpec, LossAgg, LossName, SFTSpec, TrainSpec
 
 __all__ = [
-    "BASELINES", "BUNDLED_ENVIRONMENTS", "DATASETS", "DEFAULT_REWARDS", "FILE_ID", "HUB_NAMES", "JOB_MODELS", "KINDS", "MODEL_PRESETS",
+    "BASELINES", "PAIRWISE", "BUNDLED_ENVIRONMENTS", "DATASETS", "DEFAULT_REWARDS", "FILE_ID", "HUB_NAMES", "JOB_MODELS", "KINDS", "MODEL_PRESETS",
     "RETRIEVER_PRESETS", "REWARDS", "STATUSES", "TERMINAL", "_HF_ID", "DatasetName", "DatasetSpec", "DevicesSpec", "EnvironmentSpec",
     "GRPOJob", "GRPOSpec", "InitFrom", "JobSpec", "JointJob", "LoraSpec", "LossAgg", "LossName", "ModelSpec",
     "ResourcesSpec", "RetrieverSpec", "RolloutSpec", "SFTJob", "SFTSpec", "SessionJob", "SessionSpec",

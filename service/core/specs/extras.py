@@ -48,6 +48,9 @@ class SparsitySpec(_Section):
 
 # Selections that use no influence: no validation batch, no hooks, the cost of plain GRPO.
 BASELINES = ("random", "pass_rate", "all")
+# Selections that compare samples with each other (a cosine, interactions): in the sgd geometry, from every
+# sample's kept LoRA factors.
+PAIRWISE = ("top_cosine", "greedy")
 
 
 class TracInSpec(_Section):
@@ -76,14 +79,14 @@ class TracInSpec(_Section):
     check_prediction: bool = Field(
         True, description="Every step with an update, re-evaluate the validation objective after it and record the "
         "predicted change (tracin/predicted_delta, and the trapezoid) beside the actual one (tracin/actual_delta): "
-        "two forwards and one backward of the validation batch.")
+        "a forward of the validation batch before the update, a forward and backward after it.")
 
     @property
     def geometry(self) -> Literal["sgd", "adam", "adam_fixed_state"]:
         """The score's geometry, `auto` resolved."""
         if self.score != "auto":
             return self.score
-        return "sgd" if self.selection in ("top_cosine", "greedy") else "adam_fixed_state"
+        return "sgd" if self.selection in PAIRWISE else "adam_fixed_state"
 
     @model_validator(mode="after")
     def _fraction(self) -> TracInSpec:
@@ -92,7 +95,7 @@ class TracInSpec(_Section):
         if self.selection in BASELINES:
             reject_unused(self, "tracin", ("val_prompts", "val_generations", "val_regenerate_every",
                                            "check_prediction", "score"), unless="to selections by influence")
-        if self.score in ("adam", "adam_fixed_state") and self.selection in ("top_cosine", "greedy"):
+        if self.score in ("adam", "adam_fixed_state") and self.selection in PAIRWISE:
             raise ValueError(f"tracin.score {self.score!r} works with selection positive or top_fraction: "
                              f"{self.selection!r} compares samples with each other in the sgd geometry")
         return self

@@ -26,7 +26,7 @@ from typing import get_args
 import torch
 from torch import Tensor
 
-from service.core.specs import LossAgg, LossName
+from service.core.loss_names import LossAgg, LossName
 
 Agg = LossAgg  # grpo.loss_agg
 AGGREGATIONS: tuple[Agg, ...] = get_args(LossAgg)

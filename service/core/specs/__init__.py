@@ -12,6 +12,7 @@ environment's server and episodes) and `jobs` (a whole spec
 per kind and the rules across its sections). Import from here.
 """
 
+from service.core.loss_names import LossAgg, LossName
 from service.core.specs.data import DATASETS, DEFAULT_REWARDS, FILE_ID, REWARDS, DatasetName, DatasetSpec
 from service.core.specs.environment import BUNDLED_ENVIRONMENTS, EnvironmentSpec
 from service.core.specs.extras import BASELINES, PAIRWISE, RetrieverSpec, SparsityQualitySpec, SparsitySpec, TracInSpec
@@ -43,7 +44,7 @@ from service.core.specs.model import (
     unavailable_model,
 )
 from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec
-from service.core.specs.training import GRPOSpec, LossAgg, LossName, SFTSpec, TrainSpec
+from service.core.specs.training import GRPOSpec, SFTSpec, TrainSpec
 
 __all__ = [
     "BASELINES", "PAIRWISE", "BUNDLED_ENVIRONMENTS", "DATASETS", "DEFAULT_REWARDS", "FILE_ID", "HUB_NAMES", "JOB_MODELS", "KINDS", "MODEL_PRESETS",

@@ -7,10 +7,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from service.core.loss_names import LossAgg, LossName
 from service.core.spec_base import _Section, reject_unused
-
-LossName = Literal["grpo", "gspo", "cispo"]  # worker/algos/losses.py: one function each
-LossAgg = Literal["token_mean", "seq_mean", "dr_grpo"]
 
 
 class TrainSpec(_Section):

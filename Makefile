@@ -26,7 +26,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook browser demo dev docs lint test test-numerics bench clean
+.PHONY: install vllm cookbook browser demo dev docs lint test test-numerics bench device-check clean
 
 install: $(VENV)/.installed
 
@@ -98,6 +98,10 @@ test: install browser vllm cookbook
 # CI runs one pass under a kernel set other than the machine's own: RUNS=1 CAPS=foreign
 test-numerics: install
 	scripts/test-numerics
+
+# On a machine with a GPU (torch with CUDA, transformers, peft): one table for docs/development/device-check.md
+device-check:
+	python3 bench/device_check.py
 
 bench: install vllm
 	$(PY) bench/step.py

@@ -30,7 +30,14 @@ from worker import allocator
 from worker.environments.client import EnvironmentDown
 from worker.jobs.sql_reporter import SqlReporter
 from worker.parallel.distributed import Ranks
-from worker.parallel.launch import LauncherStopped, RanksFailed, launch, preload_in_ranks
+from worker.parallel.launch import (
+    LauncherStopped,
+    RanksFailed,
+    launch,
+    placement_warning,
+    preload_in_ranks,
+    visible_gpus,
+)
 from worker.reporting import LeaseLost, LoopResult, RankReporter, Reporter
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,9 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
     record through `rank_reporter()` while this process waits (`grpo-jobs run` and the worker)."""
     if spec.kind == "session" or spec.resources.processes == 1:
         return loop_for(spec.kind)(spec, reporter, settings=settings)
+    if warning := placement_warning(spec.resources.processes, visible_gpus()):
+        reporter.event("placement", warning, level="warning",
+                       data={"processes": spec.resources.processes, "gpus": visible_gpus()})
     return launch(loop_on_ranks, (spec, settings, rank_reporter), processes=spec.resources.processes,
                   run_id=run_id)[0]
 

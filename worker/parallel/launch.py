@@ -97,6 +97,27 @@ _server_env: dict[int, dict[str, str]] = {}  # the environment each fork server 
 _rank_preload: list[str] = []
 
 
+def visible_gpus() -> int:
+    """The GPUs this process sees (CUDA_VISIBLE_DEVICES applied)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def rank_device(world: int, local: int, gpus: int) -> tuple[str, str]:
+    """(backend, device) of local rank `local` of `world` on a machine with `gpus` GPUs: NCCL on a GPU of
+    its own where there is one for every rank, else gloo on the CPU. NCCL refuses two ranks on one GPU
+    ("Duplicate GPU detected"), so fewer GPUs than ranks never reach it."""
+    return ("nccl", f"cuda:{local}") if gpus >= world else ("gloo", "cpu")
+
+
+def placement_warning(processes: int, gpus: int) -> str | None:
+    """What a user is told when `processes` ranks will train on the CPU of a machine that has GPUs."""
+    if 0 < gpus < processes:
+        return (f"{processes} processes on a worker with {gpus} GPU(s): the ranks train on the CPU over gloo, "
+                f"since NCCL needs a GPU of its own for each rank; set resources.processes to at most {gpus} "
+                "to train on the GPUs")
+    return None
+
+
 def preload_in_ranks(modules: list[str]) -> None:
     """Modules the fork server imports once, before it forks any rank (the runner names the loops, and
     with them torch, transformers and peft). Named before a process's first launch."""
@@ -164,12 +185,11 @@ def _rank_main(entry: Callable[..., Any], args: tuple, base_env: dict[str, str],
     _die_with_parent()
     _take_env(base_env, launcher_env)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        torch.cuda.set_device(local)
-        backend, device = "nccl", f"cuda:{local}"
-    else:
+    backend, device = rank_device(world, local, visible_gpus())
+    if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
-        backend, device = "gloo", "cpu"
+    else:
+        torch.cuda.set_device(local)
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     # On an error the group is left to the process's exit: closing it first would let the other
     # ranks fail on the closed connection before this rank's error file says what happened.

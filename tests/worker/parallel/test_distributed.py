@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 
 from service.core.specs import JobSpec
 from tests.metrics import MEASURED
-from worker.jobs.runner import loop_for, loop_on_ranks
+from worker.jobs import runner
+from worker.jobs.runner import loop_for, run_spec
 from worker.parallel.distributed import Ranks
-from worker.parallel.launch import RanksFailed, launch
+from worker.parallel.launch import RanksFailed, launch, placement_warning, rank_device
 from worker.reporting import FileReporter
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
@@ -86,10 +87,11 @@ class StopsAfter(FileReporter):
 
 
 def _run(case, out, settings, processes, *, reporter=FileReporter):
+    """One process: the loop itself; several: as the worker runs them (run_spec, then the launcher)."""
     spec = _spec(case, processes)
     if processes == 1:
         return loop_for(spec.kind)(spec, reporter(out), settings=settings)
-    return launch(loop_on_ranks, (spec, settings, partial(reporter, out)), processes=processes)[0]
+    return run_spec(spec, reporter(out), settings=settings, rank_reporter=partial(reporter, out))
 
 
 def _lines(path):
@@ -97,14 +99,19 @@ def _lines(path):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin):
+def test_two_processes_equal_one(case, tmp_path, settings_factory, digit_plugin, monkeypatch):
     settings = settings_factory(**CASE_SETTINGS.get(case, {}))
     one, two = tmp_path / "one", tmp_path / "two"
+    if case == "sft":  # a worker that sees one GPU (its ranks see none here): they train on the CPU, and it says so
+        monkeypatch.setattr(runner, "visible_gpus", lambda: 1)
     assert _run(case, one, settings, 1).status == "succeeded"
     assert _run(case, two, settings, 2).status == "succeeded"
     plans = [e["data"]["checkpointing"] for out in (one, two) for e in _lines(out / "events.jsonl")
              if e["type"] == "memory_plan"]
     assert plans == [case in CASE_SETTINGS] * 2  # rank 0 reports the plan every rank follows
+    placed = [e for e in _lines(two / "events.jsonl") if e["type"] == "placement"]
+    assert [(e["level"], e["data"]) for e in placed] == ([("warning", {"processes": 2, "gpus": 1})] if case == "sft"
+                                                         else [])
 
     # The same weights after 3 steps. Two processes sum the same per-sample gradients in another
     # order, so the summed gradient differs from one process's by rounding only (~1e-16 of its size
@@ -170,6 +177,18 @@ def test_a_sharded_job_resumes_from_its_gathered_checkpoint(tmp_path, settings_f
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)  # the same computation, resumed: bit for bit
     model = AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "step-3")
     torch.testing.assert_close(model.state_dict()["model.norm.weight"], a["model.norm.weight"])
+
+
+def test_each_rank_has_a_gpu_of_its_own_or_every_rank_trains_on_the_cpu():
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): fewer GPUs than ranks is gloo on the
+    CPU for all of them, and the job is told why and what to set."""
+    assert [rank_device(2, local, gpus=2) for local in (0, 1)] == [("nccl", "cuda:0"), ("nccl", "cuda:1")]
+    assert [rank_device(2, local, gpus=4) for local in (0, 1)] == [("nccl", "cuda:0"), ("nccl", "cuda:1")]
+    assert [rank_device(4, local, gpus=2) for local in range(4)] == [("gloo", "cpu")] * 4
+    assert rank_device(2, 0, gpus=0) == ("gloo", "cpu")
+    assert placement_warning(2, 0) is None and placement_warning(2, 2) is None  # a CPU worker; enough GPUs
+    message = placement_warning(4, 2)
+    assert message and "resources.processes to at most 2" in message and "CPU" in message
 
 
 def test_shares_are_contiguous_and_cover_everything():

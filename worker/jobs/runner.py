@@ -99,9 +99,10 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
     record through `rank_reporter()` while this process waits (`grpo-jobs run` and the worker)."""
     if spec.kind == "session" or spec.resources.processes == 1:
         return loop_for(spec.kind)(spec, reporter, settings=settings)
-    if warning := placement_warning(spec.resources.processes, visible_gpus()):
-        reporter.event("placement", warning, level="warning",
-                       data={"processes": spec.resources.processes, "gpus": visible_gpus()})
+    gpus = visible_gpus()
+    if warning := placement_warning(spec.resources.processes, gpus):
+        reporter.event("placement", warning, level="warning", data={"processes": spec.resources.processes,
+                                                                    "gpus": gpus})
     return launch(loop_on_ranks, (spec, settings, rank_reporter), processes=spec.resources.processes,
                   run_id=run_id)[0]
 

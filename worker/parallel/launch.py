@@ -111,7 +111,7 @@ def rank_device(world: int, local: int, gpus: int) -> tuple[str, str]:
 
 def placement_warning(processes: int, gpus: int) -> str | None:
     """What a user is told when `processes` ranks will train on the CPU of a machine that has GPUs."""
-    if 0 < gpus < processes:
+    if gpus and rank_device(processes, 0, gpus)[1] == "cpu":  # rank_device's rule, not a second copy of it
         return (f"{processes} processes on a worker with {gpus} GPU(s): the ranks train on the CPU over gloo, "
                 f"since NCCL needs a GPU of its own for each rank; set resources.processes to at most {gpus} "
                 "to train on the GPUs")

@@ -59,6 +59,46 @@ class EngineFailed(RuntimeError):
     """The vLLM server could not start, or died more often than it may be restarted."""
 
 
+# The share of a GPU's memory a job's server takes (vLLM's own default, 0.9, leaves a trainer on the same
+# card too little, and vLLM refuses to start when less than its share is free): TRL's colocated default
+# beside the trainer, most of a card of its own (the rest for CUDA's context and the allocator's slack).
+COLOCATED_MEMORY = 0.3
+OWN_GPU_MEMORY = 0.85
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where a job's vLLM server runs among the worker's GPUs."""
+
+    gpu: int | None  # the index of the GPU it takes among those the worker sees; None on a CPU worker
+    shared: bool  # that GPU is also the trainer's
+    gpu_memory_utilization: float | None  # the share of the GPU's memory it may take; None on a CPU worker
+
+    def describe(self) -> str:
+        if self.gpu is None:
+            return "on the CPU"
+        mine = "shared with the trainer" if self.shared else "a GPU of its own"
+        return f"on GPU {self.gpu} ({mine}), {self.gpu_memory_utilization:.0%} of its memory"
+
+
+def place_engine(trainer_gpus: set[int], gpus: int, asked: float | None) -> EnginePlacement:
+    """The server's GPU: one no rank trains on where the worker has it, else the trainer's first (shared,
+    within a small share of its memory). `asked`: rollout.gpu_memory_utilization, None for the default."""
+    if not gpus:
+        return EnginePlacement(None, False, None)
+    free = [i for i in range(gpus) if i not in trainer_gpus]
+    if free:
+        return EnginePlacement(free[0], False, asked or OWN_GPU_MEMORY)
+    return EnginePlacement(min(trainer_gpus), True, asked or COLOCATED_MEMORY)
+
+
+def visible_device_id(index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a child that is to see only this process's GPU `index` (the worker's own
+    CUDA_VISIBLE_DEVICES, where set, numbers the cards it may use)."""
+    seen = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return seen[index] if index < len(seen) else str(index)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     python: Path  # the engine environment's interpreter
@@ -70,6 +110,7 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
     scratch: tuple[Path, ...] = ()  # folders written for this server alone, removed when it closes
+    placement: EnginePlacement = EnginePlacement(None, False, None)  # its GPU and share of its memory
 
 
 # arguments that spread the model over several devices or choose the executor: left to the admin's
@@ -106,6 +147,8 @@ class VLLMServer:
         if c.lora_rank is not None:
             rank = next((r for r in LORA_RANKS if r >= c.lora_rank), c.lora_rank)
             args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+        if c.placement.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{c.placement.gpu_memory_utilization:g}"]
         if not any(a.startswith(PARALLEL_ARGS) for a in c.extra_args):
             # One device: the engine core drives the model itself instead of through a worker process.
             # On vLLM's CPU backend this needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (set in start()); on
@@ -115,10 +158,9 @@ class VLLMServer:
             args += ["--distributed-executor-backend", "uni"]
         return [str(c.python), str(WATCHDOG), str(os.getpid()), "--", *args, *c.extra_args]
 
-    def start(self) -> None:
-        """Start the server (again on its earlier port, so other ranks' address stays right) and wait
-        until it answers /health."""
-        self.port = self.port or free_port()
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, less the trainer's thread and malloc settings, plus
+        vLLM's switches and the one GPU it takes."""
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1",
                # the sync engine class only (the API server's engine core is a process either way); the
@@ -130,6 +172,15 @@ class VLLMServer:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "MALLOC_CONF"):  # nor is its malloc
             env.pop(var, None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on CPU machines
+        if self.cfg.placement.gpu is not None:  # the server sees its one card, as its cuda:0
+            env["CUDA_VISIBLE_DEVICES"] = visible_device_id(self.cfg.placement.gpu)
+        return env
+
+    def start(self) -> None:
+        """Start the server (again on its earlier port, so other ranks' address stays right) and wait
+        until it answers /health."""
+        self.port = self.port or free_port()
+        env = self.environment()
         self.cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.cfg.log_path.open("ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -237,6 +288,7 @@ class VLLMEngine:
     def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
                  python: Path, workdir: Path, max_model_len: int, extra_args: tuple[str, ...] = (),
                  start_timeout_s: float = 600.0, ranks: Ranks = SINGLE,
+                 placement: EnginePlacement = EnginePlacement(None, False, None),
                  on_event: Callable[[str, str, dict], None] = lambda kind, message, data: None) -> None:
         self.tokenizer, self.params, self.device = tokenizer, params, torch.device(device)
         self.policy, self.ranks, self.on_event = policy, ranks, on_event
@@ -262,11 +314,13 @@ class VLLMEngine:
             self.server = VLLMServer(ServerConfig(
                 python=python, model_dir=workdir / "model", dtype=VLLM_DTYPES[dtype], max_model_len=max_model_len,
                 lora_rank=lora_rank, log_path=workdir / "vllm.log", extra_args=extra_args,
-                start_timeout_s=start_timeout_s, scratch=(workdir / "model", workdir / "adapters")))
+                start_timeout_s=start_timeout_s, scratch=(workdir / "model", workdir / "adapters"),
+                placement=placement))
             t = time.monotonic()
             self.server.start()
-            on_event("engine_started", f"vLLM server ready in {time.monotonic() - t:.1f} s",
-                     {"seconds": time.monotonic() - t, "log": str(self.server.cfg.log_path)})
+            on_event("engine_started", f"vLLM server ready in {time.monotonic() - t:.1f} s {placement.describe()}",
+                     {"seconds": time.monotonic() - t, "log": str(self.server.cfg.log_path), "gpu": placement.gpu,
+                      "shared": placement.shared, "gpu_memory_utilization": placement.gpu_memory_utilization})
             url = self.server.url
         self.url = ranks.broadcast(url)  # a restart keeps the port
         self.http = self.server.http if self.server is not None else httpx.Client(timeout=600.0)

@@ -62,6 +62,7 @@ from worker.loops.setup import init_weights
 from worker.loops.update import clip_and_step
 from worker.models import load_policy
 from worker.parallel.distributed import Ranks
+from worker.parallel.launch import place, visible_gpus
 from worker.reporting import LeaseLost, LoopResult, Reporter
 from worker.session.stopping import stopping
 from worker.training import NonFiniteUpdate, trainable
@@ -215,7 +216,7 @@ def save_state(s: Session, reporter: Reporter, why: str) -> None:
 
 def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
     seed = spec.session.seed if spec.session.seed is not None else int(torch.seed() % 2**32)
-    model, tokenizer = load_policy(spec.model, models_root=settings.models_dir, device=spec.devices.policy, seed=seed,
+    model, tokenizer = load_policy(spec.model, models_root=settings.models_dir, device=place(spec.devices.policy, visible_gpus()), seed=seed,
                                    model_roots=settings.model_roots)
     init_weights(model, spec.model.init_from, reporter)  # a sampler of a path whose run has ended
     params = trainable(model)

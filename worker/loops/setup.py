@@ -24,11 +24,12 @@ from worker.checkpoints import (
 )
 from worker.datasets import TaskData, load_task, render_example
 from worker.engines.sampling import HFEngine, RolloutEngine, SamplingParams, eos_token_ids
-from worker.engines.vllm_engine import EngineFailed, VLLMEngine
+from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
 from worker.environments.host import EnvironmentHost, open_environment
 from worker.fingerprint import fingerprint, model_sha256
 from worker.models import enable_checkpointing, load_policy
 from worker.parallel.distributed import SINGLE, Ranks, shard
+from worker.parallel.launch import place, visible_gpus
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.training import make_optimizer, make_scheduler, trainable
@@ -67,8 +68,8 @@ class Setup:
 
 
 def policy_device(spec: AnySpec, ranks: Ranks) -> str:
-    """devices.policy, or with several processes each rank's own (its GPU, or the CPU)."""
-    return ranks.device if ranks.world > 1 else spec.devices.policy
+    """devices.policy as the worker places it, or with several processes each rank's own (its GPU, or the CPU)."""
+    return ranks.device if ranks.world > 1 else place(spec.devices.policy, visible_gpus())
 
 
 def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskData | None = None,
@@ -167,6 +168,14 @@ def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model:
         raise EngineFailed("rollout.engine 'vllm' needs a worker whose GRPO_VLLM_PYTHON names the Python of a vLLM "
                            "environment (`make vllm` builds one); this worker has none")
     args = tuple(shlex.split(settings.vllm_args))
+    # the job's share of a GPU's memory wins over the admin's default in GRPO_VLLM_ARGS, which wins over ours
+    admin = option_value(args, "--gpu-memory-utilization")
+    args = without_option(args, "--gpu-memory-utilization")
+    asked = spec.rollout.gpu_memory_utilization or (float(admin) if admin else None)
+    trained_on = torch.device(dev)  # with several processes, each rank's GPU is its local rank's
+    trainer = set() if trained_on.type != "cuda" else \
+        {trained_on.index or 0} if ranks.world == 1 else set(range(ranks.world))
+    placement = place_engine(trainer, visible_gpus(), asked)
     if torch.device(dev).type == "cpu" and "--enforce-eager" not in args:
         args += ("--enforce-eager",)  # compiling the model takes minutes on a CPU and gains little there
     base = base_model(model)
@@ -175,8 +184,33 @@ def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model:
     workdir = settings.data_dir / "engines" / f"{reporter.job_id or 'local'}-{os.getpid()}"
     return VLLMEngine(model, tok, dev, params, python=settings.vllm_python, workdir=workdir,
                       max_model_len=max_model_len, extra_args=args,
-                      start_timeout_s=settings.vllm_start_timeout_s, ranks=ranks,
+                      start_timeout_s=settings.vllm_start_timeout_s, ranks=ranks, placement=placement,
                       on_event=lambda kind, message, data: reporter.event(kind, message, data=data))
+
+
+def option_value(args: tuple[str, ...], option: str) -> str | None:
+    """The value of the last `option` in `args` (`--option V` or `--option=V`), None when absent."""
+    value = None
+    for a, b in zip(args, (*args[1:], None)):
+        if a == option:
+            value = b
+        elif a.startswith(option + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def without_option(args: tuple[str, ...], option: str) -> tuple[str, ...]:
+    """`args` less `option` and its value (`--option V` or `--option=V`)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return tuple(out)
 
 
 def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engine: RolloutEngine,

@@ -109,6 +109,19 @@ def rank_device(world: int, local: int, gpus: int) -> tuple[str, str]:
     return ("nccl", f"cuda:{local}") if gpus >= world else ("gloo", "cpu")
 
 
+def place(asked: str, gpus: int) -> str:
+    """The device a one-process job trains on, from its `devices.policy` on a worker that sees `gpus` GPUs:
+    'auto' is the first GPU where there is one, else the CPU; a GPU named that the worker does not have is
+    refused with the field (torch would say only that CUDA is unavailable, or an invalid ordinal)."""
+    if asked == "auto":
+        return "cuda:0" if gpus else "cpu"
+    if asked.startswith("cuda") and (int(asked.partition(":")[2] or 0) >= gpus):
+        seen = f"{gpus} GPU(s)" if gpus else "no GPU"
+        raise ValueError(f"devices.policy {asked!r}: this worker sees {seen}; use 'auto' to train where the "
+                         "worker can")
+    return asked
+
+
 def placement_warning(processes: int, gpus: int) -> str | None:
     """What a user is told when `processes` ranks will train on the CPU of a machine that has GPUs."""
     if gpus and rank_device(processes, 0, gpus)[1] == "cpu":  # rank_device's rule, not a second copy of it

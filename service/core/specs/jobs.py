@@ -75,8 +75,8 @@ def _processes_rule(job: _JobBase) -> None:
     _fsdp_rule(job)
     if job.devices.rollout is not None or ":" in job.devices.policy:
         raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
-                         "each where there are enough, else the CPU): leave devices.policy 'cpu' or "
-                         "'cuda' and devices.rollout unset")
+                         "each where there are enough, else the CPU): leave devices.policy 'auto', "
+                         "'cpu' or 'cuda' and devices.rollout unset")
 
 
 def _fsdp_rule(job: _JobBase) -> None:

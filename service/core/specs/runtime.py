@@ -12,15 +12,27 @@ from service.core.spec_base import _Section, reject_unused
 
 
 class DevicesSpec(_Section):
-    policy: str = Field("cpu", description="Device of the trained policy and the reference, e.g. 'cuda:0'.")
+    policy: str = Field(
+        "auto", description="Device of the trained policy and the reference: 'auto', the worker's first GPU where it "
+        "has one and its CPU otherwise (with several processes, a GPU per process where there are enough); or one "
+        "named, e.g. 'cuda:1', for a worker known to have it.")
     rollout: str | None = Field(None, description="Device of the frozen rollout copy, e.g. 'cuda:1'; default: policy's.")
 
-    @field_validator("policy", "rollout")
+    @field_validator("policy")
     @classmethod
-    def _device(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", v):
-            raise ValueError(f"unknown device {v!r}: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
-        return v
+    def _policy(cls, v: str) -> str:
+        return v if v == "auto" else _device(v, "'auto', ")
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout(cls, v: str | None) -> str | None:
+        return None if v is None else _device(v, "")
+
+
+def _device(v: str, auto: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", v):
+        raise ValueError(f"unknown device {v!r}: use {auto}'cpu', 'cuda', 'cuda:N' or 'mps'")
+    return v
 
 
 class RolloutSpec(_Section):
@@ -37,6 +49,10 @@ class RolloutSpec(_Section):
         "all of them).")
     correction_cap: float = Field(2.0, gt=1.0, le=1e6, description="C: the truncation cap, and the masking band "
                                   "[1/C, C].")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=0.95, description="The share of its GPU's memory the vllm server may take (weights, KV "
+        "cache, activations). Default: 0.3 where it shares the trainer's GPU, 0.85 on a GPU of its own (the worker "
+        "gives it one no process trains on, where it has one); unused on a CPU worker.")
     max_staleness: Literal[0, 1] = Field(
         0, description="Policy updates a training sample may lag behind: 0, sampled by the weights it trains; 1, "
         "step k+1's first rollouts are sampled by the engine while step k trains (refills stay on-policy). With "
@@ -53,6 +69,8 @@ class RolloutSpec(_Section):
     @model_validator(mode="after")
     def _hf_has_no_mismatch(self) -> RolloutSpec:
         if self.engine == "hf":
+            reject_unused(self, "rollout", ("gpu_memory_utilization",), unless="with rollout.engine 'vllm' (the hf "
+                          "engine's copy is on devices.rollout, in the trainer's process)")
             reject_unused(self, "rollout", ("correction", "correction_level", "correction_cap"),
                           unless="with rollout.engine 'vllm' (the hf engine's log-probs are the trainer's own)")
             if self.max_staleness:

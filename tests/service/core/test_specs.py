@@ -75,6 +75,10 @@ def _err(spec: dict) -> str:
     ({"kind": "grpo", "dataset": {"name": "jsonl", "path": "../etc/passwd"}}, "relative to the datasets root"),
     ({"kind": "grpo", "dataset": {"name": "jsonl"}}, "dataset.path is required"),
     ({"kind": "grpo", "devices": {"policy": "tpu:0"}}, "unknown device"),
+    ({"kind": "grpo", "devices": {"rollout": "auto"}}, "devices.rollout"),  # 'auto' is the policy's: the worker places it
+    ({"kind": "grpo", "rollout": {"gpu_memory_utilization": 0.5}}, "rollout.gpu_memory_utilization would have no effect"),
+    ({"kind": "grpo", "rollout": {"engine": "vllm", "gpu_memory_utilization": 1.0}}, "rollout.gpu_memory_utilization"),
+    ({"kind": "grpo", "rollout": {"engine": "vllm", "gpu_memory_utilization": 0}}, "rollout.gpu_memory_utilization"),
     ({"kind": "ppo"}, "kind"),
     ({"kind": "joint", "retriever": {"k": 8, "candidates": 4}}, "retriever.k must not exceed"),
 ])

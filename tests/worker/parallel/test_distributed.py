@@ -17,7 +17,7 @@ from tests.metrics import MEASURED
 from worker.jobs import runner
 from worker.jobs.runner import loop_for, run_spec
 from worker.parallel.distributed import Ranks
-from worker.parallel.launch import RanksFailed, launch, placement_warning, rank_device
+from worker.parallel.launch import RanksFailed, launch, place, placement_warning, rank_device
 from worker.reporting import FileReporter
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
@@ -189,6 +189,17 @@ def test_each_rank_has_a_gpu_of_its_own_or_every_rank_trains_on_the_cpu():
     assert placement_warning(2, 0) is None and placement_warning(2, 2) is None  # a CPU worker; enough GPUs
     message = placement_warning(4, 2)
     assert message and "resources.processes to at most 2" in message and "CPU" in message
+
+
+def test_a_job_with_no_devices_trains_on_the_workers_gpu_where_it_has_one():
+    """devices.policy 'auto' (the default) is the worker's first GPU, or its CPU; a GPU named that the
+    worker does not see is refused with the field, not torch's "invalid device ordinal"."""
+    assert TypeAdapter(JobSpec).validate_python({"kind": "grpo"}).devices.policy == "auto"
+    assert [place("auto", gpus) for gpus in (0, 1, 8)] == ["cpu", "cuda:0", "cuda:0"]
+    assert [place(d, 2) for d in ("cpu", "cuda", "cuda:1", "mps")] == ["cpu", "cuda", "cuda:1", "mps"]
+    for asked, gpus in (("cuda", 0), ("cuda:0", 0), ("cuda:2", 2)):
+        with pytest.raises(ValueError, match=f"devices.policy '{asked}': this worker sees"):
+            place(asked, gpus)
 
 
 def test_shares_are_contiguous_and_cover_everything():

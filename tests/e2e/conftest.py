@@ -125,6 +125,8 @@ def check_finished_job(client: httpx.Client, job: dict) -> None:
     assert len(fp["spec_sha256"]) == len(fp["data_sha256"]) == len(fp["model_sha256"]) == 64
     assert {"python", "torch", "transformers", "peft"} <= set(fp["libraries"]) and fp["hardware"]["cores"] >= 1
     assert fp["seeds"] == {"train": 0, "dataset": 0} and fp["processes"] == job["spec"]["resources"]["processes"]
+    # no devices section: devices.policy 'auto', placed by this GPU-less worker on its CPU
+    assert job["spec"]["devices"]["policy"] == "auto" and (fp["hardware"]["gpus"], fp["hardware"]["device"]) == ([], "cpu")
     # a random model never solves a sum: every group tied, and the job says so at its first step
     health = detail["health"]
     assert health["level"] == "critical", health

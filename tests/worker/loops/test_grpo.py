@@ -90,8 +90,8 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
     settings = settings_factory()
     from worker.models import load_policy
 
-    before = {n: p.detach().clone() for n, p in load_policy(spec.model, models_root=settings.models_dir,
-                                                              device="cpu")[0].named_parameters() if p.requires_grad}
+    model = load_policy(spec.model, models_root=settings.models_dir, device="cpu")[0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     grpo.run(spec, FileReporter(tmp_path), settings=settings)
     after = load_file(tmp_path / "checkpoints" / "step-1" / "adapter_model.safetensors")
     changed = [k for k in after if not torch.equal(after[k], before[k.replace(".weight", ".default.weight")])]
@@ -100,10 +100,19 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
     for key in ("reward/mean", "loss/total", "kl", "entropy", "grad_norm", "ratio/mean"):
         assert key in step1 and step1[key] == step1[key]  # present and not NaN
     assert step1["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
-    # the share of the machine's measured peak each phase reached: a real rate, never past the peak by much
-    # (the peak is one matmul's best of five; a step's own matmuls may catch a faster moment)
-    assert step1["mfu/peak_tflops"] > 0
-    assert 0 < step1["mfu/sampling"] < 1.5 and 0 < step1["mfu/train"] < 1.5, step1
+    # The share of the machine's measured peak each phase reached. Its size is a matter of timing (beside other
+    # test processes, the peak measured at start and a phase's own matmuls see different shares of the cores:
+    # 1.504 was seen in CI), so what is held is the count behind it: the rate times the phase's seconds is a
+    # FLOP count between what the phase's tokens need at least and at most, at 2 FLOPs a parameter a token.
+    peak = step1["mfu/peak_tflops"] * 1e12
+    assert peak > 0 and step1["mfu/sampling"] > 0 and step1["mfu/train"] > 0, step1
+    per_token, rows, completion = 2 * sum(p.numel() for p in model.parameters()), 2 * 3, step1["completions/mean_length"]
+    prompt = 256  # the longest arith prompt in the chat template is under 100 tokens
+    sampling_s = step1["time/rollout_s"] - step1["time/sync_s"] - step1.get("time/reward_s", 0.0)
+    sampled = step1["mfu/sampling"] * peak * sampling_s
+    assert per_token * rows * (completion - 1) <= sampled <= per_token * rows * (completion + prompt), step1
+    trained = step1["mfu/train"] * peak * step1["time/train_s"]  # reference, forward, backward (LoRA: ~1 forward)
+    assert 2 * per_token * rows * completion <= trained <= 4 * per_token * rows * (completion + prompt), step1
 
 
 def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, digit_reward):

@@ -24,6 +24,7 @@ from service.api import (
     stream,
     tinker,
     webhooks,
+    workers,
 )
 from service.api.body_limit import BodySizeLimit
 from service.api.errors import store_unavailable
@@ -35,7 +36,7 @@ from service.core.settings import Settings, get_settings
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 ROUTERS = (health.router, jobs.router, stream.router, series.router, reports.router, rewards.router,
-           specs.router, files.router, *tinker.ROUTERS, webhooks.router)
+           specs.router, files.router, *tinker.ROUTERS, webhooks.router, workers.router)
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool = False) -> FastAPI:

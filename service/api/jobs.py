@@ -19,6 +19,7 @@ from service.store import events as events_q
 from service.store import jobs as jobs_q
 from service.store import leases
 from service.store import metrics as metrics_q
+from service.store import workers as workers_q
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
 
@@ -38,12 +39,15 @@ def submit_job(
         response.headers["Idempotent-Replayed"] = "true"
         return job
     try:
-        queue.enqueue(job.id, job.uid, broker_url=settings.broker)
+        queue.enqueue(queue.Message(job.id, job.uid, job.gpus), broker_url=settings.broker)
     except Exception as exc:  # broker down: fail the job visibly rather than leave it queued forever
         message = f"could not enqueue the job: {type(exc).__name__}"
         leases.finish_job(settings.store_url, job_id=job.id, holder=None, status=Status.failed, message=message,
                           error=message)
         raise HTTPException(503, "the job queue is unreachable; the job was recorded as failed") from exc
+    if job.gpus and (why := workers_q.why_waiting(session, gpus=job.gpus, within_s=settings.lease_timeout_s)):
+        events_q.add_event(session, job_id=job.id, type="waiting", level="warning", message=why,
+                           data={"gpus": job.gpus, "queue": queue.queue_for(job.gpus)})
     return job
 
 

@@ -106,6 +106,8 @@ class JobOut(_Out):
     total_steps: int
     attempt: int
     cancel_requested: bool
+    gpus: int = Field(description="GPUs it needs on one worker, from its devices: 0 runs on any worker (its GPU "
+                      "where it has one); more waits for a worker that has them (GET /v1/workers).")
     error: str | None
     spec: JobSpec  # as submitted, every default filled in
     created_at: datetime

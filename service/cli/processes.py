@@ -34,7 +34,7 @@ def serve(host: str, port: int) -> None:
 
 
 def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "worker.jobs.celery_app", "worker", "-Q", queue.QUEUE,
+    return [sys.executable, "-m", "celery", "-A", "worker.jobs.celery_app", "worker", "-Q", queue.ANY_WORKER,
             "-c", str(concurrency), "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
 
 
@@ -42,7 +42,7 @@ def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:
 @click.option("--concurrency", default=1, type=int, help="Jobs at once (one per GPU).")
 @click.option("--loglevel", default="INFO")
 def worker(concurrency: int, loglevel: str) -> None:
-    """Run a Celery worker on the `gpu` queue."""
+    """Run a Celery worker: the `jobs` queue, and the `gpu` queues its GPUs can hold."""
     os.execve(sys.executable, _worker_cmd(concurrency, loglevel), training_env(get_settings()))
 
 

@@ -1,17 +1,22 @@
 """The broker seen from the API: enqueue by task name, never importing the worker (or torch).
 
+A job's message goes to the queue of the GPUs it needs on one worker: `jobs` for none, which every worker
+consumes, `gpu` for one and `gpuN` for N, which a worker consumes when it has that many (worker/inventory.py).
+A job that needs GPUs no worker has waits in its queue, never on a CPU.
+
 The Celery settings for long GPU jobs live here so the producer and worker/jobs/celery_app.py agree.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from celery import Celery
 
 TASK_NAME = "grpo_jobs.run_job"
-QUEUE = "gpu"
+ANY_WORKER = "jobs"
 # Longer than any job: a message not acked within this is redelivered to another worker.
 VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
 
@@ -27,8 +32,7 @@ def _transport_options(broker_url: str) -> dict[str, Any]:
 def celery_config(broker_url: str) -> dict[str, Any]:
     return {
         "broker_url": broker_url,
-        "task_default_queue": QUEUE,
-        "task_routes": {TASK_NAME: {"queue": QUEUE}},
+        "task_default_queue": ANY_WORKER,
         "task_acks_late": True,  # ack after the job, so a crashed worker's job is redelivered
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,  # one job at a time per worker process
@@ -53,10 +57,28 @@ def producer(broker_url: str) -> Celery:
     return app
 
 
-def enqueue(job_id: int, uid: str, *, broker_url: str) -> None:
-    """The message names the job by id and uid: a worker on another store with a job of the
-    same id (a shared broker, a restored database) drops it."""
-    producer(broker_url).send_task(TASK_NAME, args=[job_id, uid], queue=QUEUE)
+@dataclass(frozen=True)
+class Message:
+    """A job to run, as its message says it: by id and uid (a worker on another store with a job of the same
+    id, a shared broker or a restored database, drops it), on the queue of the GPUs it needs."""
+
+    job_id: int
+    uid: str
+    gpus: int  # the job's `gpus` column: the GPUs it needs on one worker
+
+
+def queue_for(gpus: int) -> str:
+    """The queue of a job that needs `gpus` GPUs on one worker."""
+    return ANY_WORKER if gpus == 0 else "gpu" if gpus == 1 else f"gpu{gpus}"
+
+
+def worker_queues(gpus: int) -> list[str]:
+    """The queues a worker with `gpus` GPUs consumes: every job it can hold."""
+    return [queue_for(n) for n in range(gpus + 1)]
+
+
+def enqueue(message: Message, *, broker_url: str) -> None:
+    producer(broker_url).send_task(TASK_NAME, args=[message.job_id, message.uid], queue=queue_for(message.gpus))
 
 
 def broker_reachable(broker_url: str, timeout_s: float = 2.0) -> bool:

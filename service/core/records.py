@@ -88,3 +88,23 @@ class OpState:
     result_format: str | None  # json | proto
     error: str | None  # failed: why
     category: str | None  # failed: user | server
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """A GPU a worker has, as torch sees it under the worker's CUDA_VISIBLE_DEVICES."""
+
+    index: int  # its cuda:N in the worker's jobs
+    name: str  # e.g. "NVIDIA H100 80GB HBM3"
+    memory_bytes: int  # total
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker says of itself in the registry (service/store/workers.py)."""
+
+    name: str  # hostname:pid:random, unique per worker process
+    hostname: str
+    gpus: list[GpuInfo]
+    queues: list[str]  # service/core/queue.py: `jobs`, and `gpu`..`gpuN` on a worker with N GPUs
+    concurrency: int  # jobs it runs at once

@@ -24,7 +24,7 @@ from service.store.models import (
 
 
 def create_job(
-    session: Session, *, owner: str, kind: str, spec: dict, name: str | None, total_steps: int,
+    session: Session, *, owner: str, kind: str, spec: dict, name: str | None, total_steps: int, gpus: int = 0,
     idempotency_key: str | None = None,
 ) -> tuple[Job, bool]:
     """Insert a queued job. With an idempotency key already used by this owner, return that job."""
@@ -34,7 +34,7 @@ def create_job(
         )
         if existing is not None:
             return existing, False
-    job = Job(owner=owner, kind=kind, spec=spec, name=name, total_steps=total_steps,
+    job = Job(owner=owner, kind=kind, spec=spec, name=name, total_steps=total_steps, gpus=gpus,
               idempotency_key=idempotency_key, status=Status.queued)
     session.add(job)
     try:

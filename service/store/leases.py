@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pydantic import ValidationError
 from sqlalchemy import func, or_, select, update
 
+from service.core.queue import Message
 from service.core.specs import TERMINAL, JobSpec, Status, SubmittedSpec, parse_stored_spec
 from service.store import session_ops
 from service.store.db import session_scope
@@ -29,7 +30,8 @@ def submit_job(url: str, *, owner: str, spec: SubmittedSpec, idempotency_key: st
     its message names, and a broker that is down must be able to fail a job that exists."""
     with session_scope(url) as session:
         job, created = create_job(session, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"),
-                                  name=spec.name, total_steps=spec.train.steps, idempotency_key=idempotency_key)
+                                  name=spec.name, total_steps=spec.train.steps, gpus=spec.gpus,
+                                  idempotency_key=idempotency_key)
     return Submitted(job=job, created=created)
 
 
@@ -45,6 +47,7 @@ class Lease:
     spec_error: str | None  # why, then
     attempt: int
     cancel_requested: bool
+    gpus: int  # its queue's, for enqueueing it again
 
 
 def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
@@ -64,7 +67,7 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
             q.values(status=Status.running, lease_owner=holder, heartbeat_at=now, attempt=Job.attempt + 1,
                      started_at=func.coalesce(Job.started_at, now), updated_at=now)
             .returning(Job.id.label("job_id"), Job.uid, Job.owner, Job.kind, Job.spec, Job.attempt,
-                       Job.cancel_requested)
+                       Job.cancel_requested, Job.gpus)
             .execution_options(synchronize_session=False)
         ).first()
     if row is None:
@@ -115,35 +118,27 @@ def finish_job(url: str, *, job_id: int, holder: str | None, status: str, messag
     return True
 
 
-def requeue(url: str, *, job_id: int, holder: str, message: str) -> str | None:
+def requeue(url: str, *, job_id: int, holder: str, message: str) -> Message | None:
     """An attempt that ended without an outcome of its own (a process of it was killed): back to
-    `queued` with a warning event, while `holder` holds the lease. Returns the job's uid to
-    enqueue again, or None if the lease was no longer ours."""
+    `queued` with a warning event, while `holder` holds the lease. Returns the message to enqueue
+    again, or None if the lease was no longer ours."""
     with session_scope(url) as session:
         row = session.execute(
             update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running)
             .values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=utcnow())
-            .returning(Job.uid).execution_options(synchronize_session=False)
+            .returning(Job.uid, Job.gpus).execution_options(synchronize_session=False)
         ).first()
         if row is None:
             return None
         session.add(JobEvent(job_id=job_id, type="requeued", level="warning", message=message))
-    return row.uid
-
-
-@dataclass(frozen=True)
-class Requeued:
-    """A job to enqueue again."""
-
-    job_id: int
-    uid: str
+    return Message(job_id, row.uid, row.gpus)
 
 
 @dataclass(frozen=True)
 class Swept:
     """What one sweep did: jobs to enqueue again, and stranded jobs it cancelled."""
 
-    requeue: list[Requeued]
+    requeue: list[Message]
     cancelled: list[int]
 
 
@@ -175,12 +170,12 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
                     cancelled.append(job_id)
                 continue
             row = session.execute(claim.values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=now)
-                                  .returning(Job.uid).execution_options(synchronize_session=False)).first()
+                                  .returning(Job.uid, Job.gpus).execution_options(synchronize_session=False)).first()
             if row is not None:
                 session.add(JobEvent(job_id=job_id, type="requeued", level="warning",
                                      message=f"its worker stopped renewing the lease for {lease_timeout_s:g} s; "
                                      "queued again, it resumes from its last checkpoint"))
-                requeue.append(Requeued(job_id, row.uid))
+                requeue.append(Message(job_id, row.uid, row.gpus))
     idle = now - timedelta(seconds=requeue_queued_after_s)
     with session_scope(url) as session:
         waiting = session.execute(select(Job.id, Job.updated_at)
@@ -188,11 +183,11 @@ def sweep(url: str, *, lease_timeout_s: float, requeue_queued_after_s: float) ->
     for job_id, seen in waiting:
         with session_scope(url) as session:
             row = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.queued, Job.updated_at == seen)
-                                  .values(updated_at=now).returning(Job.uid)
+                                  .values(updated_at=now).returning(Job.uid, Job.gpus)
                                   .execution_options(synchronize_session=False)).first()
         if row is not None:
-            requeue.append(Requeued(job_id, row.uid))
+            requeue.append(Message(job_id, row.uid, row.gpus))
     # an operation that reached an idle session run as its worker gave the run back
-    requeue += [Requeued(job_id, uid) for job_id, uid in session_ops.wake_stranded(url, older_than_s=5.0)]
+    requeue += session_ops.wake_stranded(url, older_than_s=5.0)
     session_ops.fail_orphaned(url)
     return Swept(requeue=requeue, cancelled=cancelled)

@@ -69,6 +69,7 @@ class Job(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int] = mapped_column(Integer, default=0)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)  # needed on one worker (its queue); from the spec's devices
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     heartbeat_at: Mapped[datetime | None]
@@ -331,3 +332,19 @@ class WebhookDelivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None]
+
+
+class Worker(Base):
+    """A running worker (its Celery main process) as it last said: the GPUs it has and the queues it consumes.
+    It says so every sweep; a row not renewed within the lease timeout is a worker that is gone."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)  # hostname:pid:random, its jobs' lease holder prefix
+    hostname: Mapped[str] = mapped_column(String(200))
+    gpus: Mapped[list] = mapped_column(JSON)  # [{index, name, memory_bytes}], worker/inventory.py
+    queues: Mapped[list] = mapped_column(JSON)
+    concurrency: Mapped[int] = mapped_column(Integer)  # jobs it runs at once
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

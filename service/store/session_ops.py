@@ -13,10 +13,12 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 from itertools import takewhile
+from typing import Literal
 
 from sqlalchemy import case, exists, func, select, update
 from sqlalchemy.orm import Session
 
+from service.core.queue import Message
 from service.core.records import OpResult, PendingOp
 from service.core.specs import TERMINAL, SessionJob, Status
 from service.core.tinker_wire import TinkerPath
@@ -55,7 +57,7 @@ def create_run(session: Session, *, owner: str, spec: SessionJob) -> Job:
     """A session run, queued; its first operation is `create_model`, whose future completes once a worker
     has loaded the model."""
     job = Job(uid=spec.session.model_id, owner=owner, kind=spec.kind, spec=spec.model_dump(mode="json"),
-              name=spec.name, total_steps=0)
+              name=spec.name, total_steps=0, gpus=spec.gpus)
     session.add(job)
     session.flush()
     session.add(JobEvent(job_id=job.id, type="created", message=f"session run of {spec.model.name} created by "
@@ -106,13 +108,13 @@ def op_for(session: Session, *, request_id: str, owner: str) -> SessionOp | None
                            .where(SessionOp.request_id == request_id, Job.owner == owner)).first()
 
 
-def wake(session: Session, *, job_id: int) -> str | None:
-    """idle -> queued, for a worker to take the run back. Returns the uid to enqueue (once this
+def wake(session: Session, *, job_id: int) -> Message | None:
+    """idle -> queued, for a worker to take the run back. Returns the message to enqueue (once this
     transaction commits), or None when the run was not idle (a worker holds it, or it is queued)."""
     row = session.execute(update(Job).where(Job.id == job_id, Job.status == Status.idle)
-                          .values(status=Status.queued, updated_at=utcnow()).returning(Job.uid)
+                          .values(status=Status.queued, updated_at=utcnow()).returning(Job.uid, Job.gpus)
                           .execution_options(synchronize_session=False)).first()
-    return None if row is None else row.uid
+    return None if row is None else Message(job_id, row.uid, row.gpus)
 
 
 def unwake(session: Session, *, job_id: int, why: str) -> bool:
@@ -130,13 +132,13 @@ def unwake(session: Session, *, job_id: int, why: str) -> bool:
     return moved
 
 
-def wake_stranded(url: str, *, older_than_s: float) -> list[tuple[int, str]]:
+def wake_stranded(url: str, *, older_than_s: float) -> list[Message]:
     """Idle runs that have a pending operation older than `older_than_s` (the sweep's safety net)."""
     cutoff = utcnow() - timedelta(seconds=older_than_s)
     pending = exists().where(SessionOp.job_id == Job.id, SessionOp.status == "pending", SessionOp.created_at < cutoff)
     with session_scope(url) as session:
         ids = session.scalars(select(Job.id).where(Job.status == Status.idle, pending)).all()
-        return [(job_id, uid) for job_id in ids if (uid := wake(session, job_id=job_id)) is not None]
+        return [m for job_id in ids if (m := wake(session, job_id=job_id)) is not None]
 
 
 def next_op(url: str, *, job_id: int) -> PendingOp | None:
@@ -192,9 +194,9 @@ def fail_orphaned(url: str) -> int:
                    for job_id, status in rows)
 
 
-def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None:
+def give_back(url: str, *, job_id: int, holder: str, message: str) -> Literal["idle"] | Message | None:
     """A run's worker is done with it for now (`message`: why, and the state it saved): `idle` while
-    nothing is pending, else `queued` (enqueue the returned uid). The lease goes, and so does the attempt
+    nothing is pending, else `queued` (enqueue the returned message). The lease goes, and so does the attempt
     it took: giving a run back is not a failed attempt. None when the lease was no longer `holder`'s."""
     pending = exists().where(SessionOp.job_id == job_id, SessionOp.status == "pending")
     with session_scope(url) as session:
@@ -202,13 +204,13 @@ def give_back(url: str, *, job_id: int, holder: str, message: str) -> str | None
             update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running)
             .values(status=case((pending, Status.queued), else_=Status.idle), lease_owner=None, heartbeat_at=None,
                     attempt=Job.attempt - 1, updated_at=utcnow())
-            .returning(Job.status, Job.uid).execution_options(synchronize_session=False)).first()
+            .returning(Job.status, Job.uid, Job.gpus).execution_options(synchronize_session=False)).first()
         if row is None:
             return None
         session.add(JobEvent(job_id=job_id, type=row.status, message=message + (
             "; the next operation brings the run back" if row.status == Status.idle else
             "; operations are pending: queued again at once")))
-    return "idle" if row.status == Status.idle else row.uid
+    return "idle" if row.status == Status.idle else Message(job_id, row.uid, row.gpus)
 
 
 def _named(session: Session, *, job_id: int, kind: str, name: str) -> SessionCheckpoint | None:

@@ -137,6 +137,28 @@ def check_finished_job(client: httpx.Client, job: dict) -> None:
     assert flagged and {e["level"] for e in flagged} <= {"info", "warning", "error"}
 
 
+def submit_gpu_job(client: httpx.Client, procs: Procs) -> int:
+    """Once the one CPU worker is in the registry: a job whose devices name a GPU is queued on the `gpu` queue
+    with an event saying why it waits; the caller checks later that no worker ran it (`check_still_waiting`)."""
+    deadline = time.time() + 60
+    while not (workers := client.get("/v1/workers").json()["items"]) and time.time() < deadline:
+        time.sleep(0.5)  # the worker says it is alive once it is ready
+    assert len(workers) == 1, (workers, procs.logs())
+    assert workers[0]["gpus"] == [] and workers[0]["queues"] == ["jobs"], workers
+    r = client.post("/v1/jobs", json={**TINY_JOB, "devices": {"policy": "cuda"}})
+    assert r.status_code == 201 and r.json()["gpus"] == 1, r.text
+    (waiting,) = [e for e in client.get(f"/v1/jobs/{r.json()['id']}/events").json() if e["type"] == "waiting"]
+    assert waiting["data"] == {"gpus": 1, "queue": "gpu"}, waiting
+    assert "the 1 live worker(s) have 0 GPU(s)" in waiting["message"], waiting
+    return r.json()["id"]
+
+
+def check_still_waiting(client: httpx.Client, job_id: int) -> None:
+    """The job that needs a GPU was never taken by the CPU worker, which ran the jobs submitted after it."""
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert (job["status"], job["attempt"], job["started_at"]) == ("queued", 0, None), job
+
+
 def check_finished_sft_job(client: httpx.Client, job: dict) -> None:
     """SFT_JOB, finished: its losses every step, evaluations at the start and the end, checkpoints and a
     sparsity report with KL on the task."""

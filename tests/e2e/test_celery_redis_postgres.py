@@ -16,7 +16,9 @@ from tests.e2e.conftest import (
     VLLM_JOB,
     check_finished_job,
     check_finished_sft_job,
+    check_still_waiting,
     free_port,
+    submit_gpu_job,
     wait_http,
     wait_job,
 )
@@ -60,6 +62,7 @@ def test_job_over_http_on_redis_and_postgres(service, procs):
     c = service(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, GRPO_WEBHOOK_URLS=f"{hooks.base}/hooks")
     assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok", "artifacts": "ok"}
     hook = c.post("/v1/webhooks", json={"url": f"{hooks.base}/hooks", "events": ["job.succeeded"]}).json()
+    gpu_job = submit_gpu_job(c, procs)  # on this CPU worker's machine, it waits for a GPU worker
     r = c.post("/v1/jobs", json=TINY_JOB)
     assert r.status_code == 201, r.text
     job = wait_job(c, r.json()["id"], procs)
@@ -81,6 +84,11 @@ def test_job_over_http_on_redis_and_postgres(service, procs):
     r = c.post("/v1/jobs", json=SFT_JOB)  # a second job on the same worker, of another kind, as 2 processes
     assert r.status_code == 201, r.text
     check_finished_sft_job(c, wait_job(c, r.json()["id"], procs))
+    check_still_waiting(c, gpu_job)
+    (worker,) = [p for name, p in procs.procs if name == "worker"]
+    worker.terminate()  # a warm shutdown: it leaves the registry at once
+    worker.wait(timeout=60)
+    assert c.get("/v1/workers").json()["items"] == []
 
 
 def _engine_processes(data_dir) -> list[int]:

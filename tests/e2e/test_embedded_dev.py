@@ -12,8 +12,10 @@ from tests.e2e.conftest import (
     TINY_JOB,
     check_finished_job,
     check_finished_sft_job,
+    check_still_waiting,
     parent_pid,
     start_dev,
+    submit_gpu_job,
     wait_job,
 )
 from tests.webhook_receiver import WebhookReceiver
@@ -24,6 +26,7 @@ def test_dev_runs_a_job_end_to_end(procs):
     base, key = start_dev(procs, GRPO_WEBHOOK_URLS=f"{hooks.base}/hooks")
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         hook = c.post("/v1/webhooks", json={"url": f"{hooks.base}/hooks", "events": ["job.succeeded"]}).json()
+        gpu_job = submit_gpu_job(c, procs)
         r = c.post("/v1/jobs", json=TINY_JOB)
         assert r.status_code == 201, r.text
         check_finished_job(c, wait_job(c, r.json()["id"], procs))
@@ -51,6 +54,7 @@ def test_dev_runs_a_job_end_to_end(procs):
         r = c.post("/v1/jobs", json=SFT_JOB)
         assert r.status_code == 201, r.text
         check_finished_sft_job(c, wait_job(c, r.json()["id"], procs))
+        check_still_waiting(c, gpu_job)
         # a long job can be cancelled while it runs and keeps what it recorded
         long = {**TINY_JOB, "grpo": {**TINY_JOB["grpo"], "steps": 500, "checkpoint_every": 0}}
         jid = c.post("/v1/jobs", json=long).json()["id"]

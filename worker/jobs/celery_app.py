@@ -1,9 +1,14 @@
 """The Celery application of the workers (settings and process hooks; the task is in worker.jobs.tasks)."""
 
 import logging
+import os
+import socket
+import uuid
+from functools import partial
 
 from celery import Celery
 from celery.signals import (
+    celeryd_after_setup,
     task_prerun,
     worker_init,
     worker_process_init,
@@ -13,14 +18,34 @@ from celery.signals import (
 )
 
 from service.core import queue
+from service.core.records import WorkerInfo
 from service.core.settings import get_settings
+from service.store import workers as workers_q
 from service.store.db import dispose_engines
+from service.store.periodic import Periodic
+from worker import inventory
 from worker.session import stopping
 
 app = Celery("grpo_jobs", include=["worker.jobs.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
-_sweeper = None
+_sweeper: Periodic | None = None
+_registry: Periodic | None = None
+_me: WorkerInfo | None = None
+
+
+@celeryd_after_setup.connect
+def _consume_what_it_can_run(sender: str, instance, **_kwargs) -> None:
+    """The queues of every job this worker's GPUs can hold (service/core/queue.py), beside the `jobs` queue
+    its command line names: a worker with two GPUs also takes the jobs that need one or two."""
+    global _me
+    gpus = inventory.gpus()
+    queues = queue.worker_queues(len(gpus))
+    for name in queues:
+        instance.app.amqp.queues.select_add(name)
+    _me = WorkerInfo(name=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+                     hostname=socket.gethostname(), gpus=gpus, queues=queues, concurrency=instance.concurrency)
+    log.info("worker %s: %d GPU(s) %s, queues %s", _me.name, len(gpus), [g.name for g in gpus], queues)
 
 
 @worker_init.connect
@@ -57,14 +82,25 @@ def _tell_pool(how: str = "", **_kwargs) -> None:
 
 @worker_ready.connect
 def _start_sweeper(**_kwargs) -> None:
-    global _sweeper
+    global _sweeper, _registry
     from worker.jobs.sweeper import sweeper
 
-    _sweeper = sweeper(get_settings())
+    settings = get_settings()
+    _sweeper = sweeper(settings)
     _sweeper.start()
+    if _me is not None:  # says it is alive as often as a job renews its lease; gone after the lease timeout
+        _registry = Periodic("worker-registry", partial(workers_q.beat, settings.store_url, info=_me),
+                             settings.heartbeat_s)
+        _registry.start()
 
 
 @worker_shutdown.connect
 def _stop_sweeper(**_kwargs) -> None:
-    if _sweeper is not None:
-        _sweeper.stop()
+    for periodic in (_sweeper, _registry):
+        if periodic is not None:
+            periodic.stop()
+    if _me is not None:
+        try:
+            workers_q.leave(get_settings().store_url, name=_me.name)
+        except Exception as exc:  # the store is away: the row expires with the lease timeout
+            log.warning("could not leave the worker registry (%s)", type(exc).__name__)

@@ -148,11 +148,11 @@ def loop_on_ranks(spec: JobSpec, settings: Settings, make_reporter: Callable[[],
 def _requeue(lease: leases.Lease, reporter: SqlReporter, settings: Settings, message: str) -> Outcome:
     """An attempt that failed for a reason outside the job (a killed rank, a lost environment server):
     queued again with `message`, it resumes from its last checkpoint (up to max_attempts attempts)."""
-    uid = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
-    if uid is None:
+    again = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
+    if again is None:
         raise LeaseLost(f"job {lease.job_id}: lease lost")
     try:
-        queue.enqueue(lease.job_id, uid, broker_url=settings.broker)
+        queue.enqueue(again, broker_url=settings.broker)
     except Exception as err:  # the sweep enqueues a queued job nobody takes
         log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
     return "requeued"
@@ -233,5 +233,5 @@ def _release_idle(lease: leases.Lease, reporter: SqlReporter, settings: Settings
         raise LeaseLost(f"job {lease.job_id}: lease lost")
     if given == "idle":
         return "idle"
-    queue.enqueue(lease.job_id, given, broker_url=settings.broker)
+    queue.enqueue(given, broker_url=settings.broker)
     return "requeued"

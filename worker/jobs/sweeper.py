@@ -28,7 +28,7 @@ def sweep_once(settings: Settings) -> leases.Swept:
     unsent = []
     for job in swept.requeue:
         try:
-            queue.enqueue(job.job_id, job.uid, broker_url=settings.broker)
+            queue.enqueue(job, broker_url=settings.broker)
         except Exception as exc:  # the broker is down: a session run goes back to idle, woken at the next sweep
             with session_scope(settings.store_url) as session:
                 session_ops.unwake(session, job_id=job.job_id, why=f"the broker was unreachable ({type(exc).__name__})")

@@ -39,20 +39,20 @@ def submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | None
     if seq is not None and (op := ops_q.sent_before(session, job_id=job.id, kind=kind, body=body, seq=seq)):
         return UntypedFuture(request_id=op.request_id, model_id=job.uid)  # a retry: the same future, stored once
     op = ops_q.add_op(session, job=job, kind=kind, body=body, seq=seq)
-    if (uid := ops_q.wake(session, job_id=job.id)) is not None:
-        after_commit(session, partial(_enqueue, settings, job_id=job.id, uid=uid))
+    if (message := ops_q.wake(session, job_id=job.id)) is not None:
+        after_commit(session, partial(_enqueue, settings, message))
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
 
 
-def _enqueue(settings, *, job_id: int, uid: str) -> None:
+def _enqueue(settings, message: queue.Message) -> None:
     """Tell a worker, once the run and its operation are committed. With the broker down the answer is still
     the stored operation's future, never a 5xx: the SDK retries a 5xx, and a retry would store the operation
     (or the run) again. The run goes back to idle and the sweep queues it once the broker answers."""
     try:
-        queue.enqueue(job_id, uid, broker_url=settings.broker)
+        queue.enqueue(message, broker_url=settings.broker)
     except Exception as exc:  # any transport error: the operation is stored, the sweep delivers it
         with session_scope(settings.store_url) as session:
-            ops_q.unwake(session, job_id=job_id, why=f"the broker was unreachable ({type(exc).__name__})")
+            ops_q.unwake(session, job_id=message.job_id, why=f"the broker was unreachable ({type(exc).__name__})")
 
 
 def start_run(settings, session, *, owner: str, spec: SessionJob,
@@ -63,7 +63,7 @@ def start_run(settings, session, *, owner: str, spec: SessionJob,
     op = ops_q.add_op(session, job=job, kind="create_model", body=job.uid.encode(), seq=0)
     if then is not None:
         op = ops_q.add_op(session, job=job, kind=then[0], body=then[1], seq=1)
-    after_commit(session, partial(_enqueue, settings, job_id=job.id, uid=job.uid))  # once they exist
+    after_commit(session, partial(_enqueue, settings, queue.Message(job.id, job.uid, job.gpus)))  # once they exist
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
 
 

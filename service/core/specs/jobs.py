@@ -15,7 +15,7 @@ from service.core.specs.data import DEFAULT_REWARDS, DatasetSpec
 from service.core.specs.environment import EnvironmentSpec
 from service.core.specs.extras import RetrieverSpec, SparsitySpec, TracInSpec
 from service.core.specs.model import ModelSpec
-from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec
+from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec, gpus_needed
 from service.core.specs.training import GRPOSpec, SFTSpec, TrainSpec
 
 
@@ -39,6 +39,11 @@ class _JobBase(_Section):
     def train(self) -> TrainSpec:
         """The kind's training section (grpo, sft): what every loop's skeleton reads."""
         raise NotImplementedError
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs this job needs on one worker (0: any worker)."""
+        return gpus_needed(self.devices, self.resources.processes)
 
     def reward_specs(self) -> list[RewardSpec]:
         if self.rewards:
@@ -243,6 +248,11 @@ class SessionJob(_Section):
     model: ModelSpec = Field(default_factory=ModelSpec)
     devices: DevicesSpec = Field(default_factory=DevicesSpec)
     session: SessionSpec
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs this run needs on one worker (0: any worker)."""
+        return gpus_needed(self.devices, 1)
 
 
 SubmittedSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob, Field(discriminator="kind")]  # what a client submits

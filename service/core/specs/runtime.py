@@ -14,8 +14,9 @@ from service.core.spec_base import _Section, reject_unused
 class DevicesSpec(_Section):
     policy: str = Field(
         "auto", description="Device of the trained policy and the reference: 'auto', the worker's first GPU where it "
-        "has one and its CPU otherwise (with several processes, a GPU per process where there are enough); or one "
-        "named, e.g. 'cuda:1', for a worker known to have it.")
+        "has one and its CPU otherwise (with several processes, a GPU per process where there are enough); 'cuda', "
+        "a GPU per process, only on a worker that has them (the job waits for one); or one named, e.g. 'cuda:1', "
+        "only on a worker with that many.")
     rollout: str | None = Field(None, description="Device of the frozen rollout copy, e.g. 'cuda:1'; default: policy's.")
 
     @field_validator("policy")
@@ -27,6 +28,16 @@ class DevicesSpec(_Section):
     @classmethod
     def _rollout(cls, v: str | None) -> str | None:
         return None if v is None else _device(v, "")
+
+
+def gpus_needed(devices: DevicesSpec, processes: int) -> int:
+    """The GPUs a job needs on one worker, from the devices it names: 0 for 'auto', 'cpu' and 'mps' (any
+    worker takes it, and trains on its GPU where it has one); a GPU per process for 'cuda'; N+1 for a named
+    'cuda:N'. Its queue follows (service/core/queue.py): a worker without them never takes it."""
+    named = [d for d in (devices.policy, devices.rollout) if d is not None and d.startswith("cuda")]
+    if not named:
+        return 0
+    return max(processes if d == "cuda" else int(d.partition(":")[2]) + 1 for d in named)
 
 
 def _device(v: str, auto: str) -> str:

@@ -5,6 +5,7 @@ tests/e2e/test_tinker_sdk.py and, through a real broker outage, tests/faults/tes
 import pytest
 from sqlalchemy import func, select
 
+from service.core.queue import Message
 from service.store import session_ops
 from service.store.db import session_scope
 from service.store.models import Job, JobEvent, SessionOp
@@ -46,7 +47,7 @@ def test_with_the_broker_down_an_operation_is_stored_once_and_delivered_by_the_s
         assert [e.message for e in s.scalars(select(JobEvent).where(JobEvent.type == "idle"))][0].startswith(
             "not queued: the broker was unreachable")
     woken = session_ops.wake_stranded(down.settings.store_url, older_than_s=0)  # the broker is back
-    assert woken == [(job.id, job.uid)]  # queued for the sweep to enqueue, its operations pending
+    assert woken == [Message(job.id, job.uid, 0)]  # queued for the sweep to enqueue, its operations pending
 
 
 def test_a_cancelled_run_fails_its_futures_and_refuses_new_operations(api):

@@ -1,0 +1,41 @@
+"""The workers that are running: their GPUs and the queues they take jobs from (service/store/workers.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from service.api.deps import OwnerDep, SessionDep, SettingsDep
+from service.api.schemas import _Out, error_responses
+from service.store import workers as workers_q
+
+router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=error_responses(401, 503))
+
+
+class GpuOut(BaseModel):
+    index: int = Field(description="Its `cuda:N` in the worker's jobs (CUDA_VISIBLE_DEVICES applied).")
+    name: str = Field(description="The device's name, e.g. 'NVIDIA H100 80GB HBM3'.")
+    memory_bytes: int = Field(description="Its total memory.")
+
+
+class WorkerOut(_Out):
+    name: str = Field(description="hostname:pid:random: the prefix of the lease holder of the jobs it runs.")
+    hostname: str
+    gpus: list[GpuOut] = Field(description="The GPUs it has; empty for a CPU worker.")
+    queues: list[str] = Field(description="The queues it takes jobs from: `jobs` (jobs that need no GPU), and "
+                              "`gpu`, `gpu2`... up to its GPU count (jobs whose devices name that many).")
+    concurrency: int = Field(description="Jobs it runs at once.")
+    started_at: datetime
+    seen_at: datetime = Field(description="When it last said it is alive (every GRPO_HEARTBEAT_S).")
+
+
+class WorkerList(BaseModel):
+    items: list[WorkerOut]
+
+
+@router.get("", response_model=WorkerList)
+def list_workers(_owner: OwnerDep, session: SessionDep, settings: SettingsDep):
+    """The live workers, the oldest first: those heard from within the lease timeout (GRPO_LEASE_TIMEOUT_S)."""
+    return {"items": workers_q.live_workers(session, within_s=settings.lease_timeout_s)}

@@ -1,0 +1,40 @@
+"""GET /v1/workers, and what a submitted job is told about where it can run."""
+
+from service.core.queue import worker_queues
+from service.core.records import GpuInfo, WorkerInfo
+from service.store import workers as workers_q
+
+A100 = GpuInfo(index=0, name="NVIDIA A100-SXM4-40GB", memory_bytes=42_505_207_808)
+JOB = {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "grpo": {"steps": 1}}
+
+
+def _register(api, name: str, gpus: int) -> None:
+    workers_q.beat(api.settings.store_url, info=WorkerInfo(name=name, hostname="node-7", gpus=[A100] * gpus,
+                                                           queues=worker_queues(gpus), concurrency=2))
+
+
+def _waiting(api, job_id: int) -> list[dict]:
+    return [e for e in api.get(f"/v1/jobs/{job_id}/events").json() if e["type"] == "waiting"]
+
+
+def test_the_live_workers_are_listed_with_their_gpus(api):
+    assert api.get("/v1/workers").json() == {"items": []}
+    assert api.client.get("/v1/workers").status_code == 401
+    _register(api, "node-7:41:ab", 1)
+    (w,) = api.get("/v1/workers", key=api.bob).json()["items"]  # every tenant sees where jobs can run
+    assert (w["name"], w["hostname"], w["queues"], w["concurrency"]) == ("node-7:41:ab", "node-7", ["jobs", "gpu"], 2)
+    assert w["gpus"] == [{"index": 0, "name": A100.name, "memory_bytes": A100.memory_bytes}]
+
+
+def test_a_job_that_names_gpus_no_live_worker_has_is_queued_with_why(api):
+    _register(api, "cpu-worker", 0)
+    _register(api, "gpu-worker", 1)
+    r = api.post("/v1/jobs", json={**JOB, "devices": {"policy": "cuda:1"}})  # needs a second GPU
+    assert r.status_code == 201 and (r.json()["status"], r.json()["gpus"]) == ("queued", 2), r.text
+    (waiting,) = _waiting(api, r.json()["id"])
+    assert waiting["level"] == "warning" and waiting["data"] == {"gpus": 2, "queue": "gpu2"}
+    assert "needs 2 GPU(s) on one worker" in waiting["message"] and "have 0, 1 GPU(s)" in waiting["message"]
+    r = api.post("/v1/jobs", json={**JOB, "devices": {"policy": "cuda"}})  # the GPU worker can take this one
+    assert r.json()["gpus"] == 1 and _waiting(api, r.json()["id"]) == []
+    r = api.post("/v1/jobs", json=JOB)  # devices auto: any worker
+    assert r.json()["gpus"] == 0 and _waiting(api, r.json()["id"]) == []

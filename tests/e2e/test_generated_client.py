@@ -204,6 +204,8 @@ def test_a_generated_client_calls_every_operation(generated):
     call("tinker.delete_checkpoint_api_v1_training_runs_model_id_checkpoints_kind_name_delete", model_id,
          m.DeleteCheckpointApiV1TrainingRunsModelIdCheckpointsKindNameDeleteKind.WEIGHTS, "first", status=204)
     call("tinker.finish_session_api_v1_sessions_session_id_finish_post", sid, status=204)
+    (worker,) = call("workers.list_workers_v1_workers_get").items  # dev's one worker, which ran the jobs
+    assert worker.gpus == [] and worker.queues == ["jobs"] and worker.concurrency == 1
     called.add("tinker.retrieve_future_api_v1_retrieve_future_post")
     assert called == operations, sorted(operations - called)
-    assert len(operations) == 57
+    assert len(operations) == 58

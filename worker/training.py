@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from worker.algos.optim import MasterWeightsAdamW
 from worker.models import trainable_parameters
 
 
@@ -36,7 +37,9 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    """AdamW; bf16/fp16 parameters (full fine-tuning of a low-precision model) step through float32 master
+    weights (worker/algos/optim.py), float32 ones exactly as torch's AdamW."""
+    return MasterWeightsAdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
 
 def make_scheduler(opt: torch.optim.Optimizer, *, schedule: str, warmup: int, total: int):

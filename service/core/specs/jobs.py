@@ -101,6 +101,11 @@ def _fsdp_rule(job: _JobBase) -> None:
     if job.sparsity is not None and job.sparsity.quality.enabled:
         raise ValueError("sparsity.quality is not supported with resources.sharding 'fsdp': its probe "
                          "rewrites the weights, which are sharded")
+    if job.model.dtype in ("bfloat16", "float16"):
+        raise ValueError(f"model.dtype {job.model.dtype!r} is not supported with resources.sharding 'fsdp': a "
+                         "fully fine-tuned low-precision model needs float32 master weights (else AdamW's small "
+                         "updates round away), which the unsharded optimizer keeps and sharded weights do not; "
+                         "use model.dtype 'float32', or sharding 'none'")
 
 
 def _vllm_rule(job: _JobBase) -> None:

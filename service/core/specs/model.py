@@ -59,7 +59,8 @@ class ModelSpec(_Section):
     )
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         "float32", description="Parameter dtype of the trained policy (float64: for numerical checks on the CPU; "
-        "log-probs and losses are computed in at least float32).",
+        "log-probs and losses are computed in at least float32). With bfloat16/float16, a LoRA adapter stays "
+        "float32 and full fine-tuning steps float32 master weights, rounded into the model after each step.",
     )
     lora: LoraSpec | None = Field(None, description="Train a LoRA adapter; omit for full fine-tuning.")
     gradient_checkpointing: bool | None = Field(

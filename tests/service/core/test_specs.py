@@ -61,6 +61,8 @@ def _err(spec: dict) -> str:
     ({"kind": "grpo", "rollout": {"engine": "vllm"}, "model": {"dtype": "float64"}}, "model.dtype"),
     ({"kind": "grpo", "rollout": {"engine": "vllm"}, "resources": {"processes": 2, "sharding": "fsdp"}},
      "resources.sharding 'fsdp'"),
+    ({"kind": "grpo", "model": {"dtype": "bfloat16"}, "resources": {"processes": 2, "sharding": "fsdp"}},
+     "needs float32 master weights"),
     ({"kind": "grpo", "dataset": {"name": "file", "train_file": "file-aaaaaaaaaaaaaaaaaaaaaaaa", "corpus_file": "file-aaaaaaaaaaaaaaaaaaaaaaaa"}}, "corpus_file would have no effect"),
     ({"kind": "grpo", "dataset": {"name": "file", "train_file": "file-aaaaaaaaaaaaaaaaaaaaaaaa", "path": "a.jsonl"}}, "dataset.path would have no effect"),
     ({"kind": "joint", "dataset": {"name": "file", "train_file": "file-aaaaaaaaaaaaaaaaaaaaaaaa"}}, "corpus_file is required"),

@@ -44,9 +44,10 @@ def _run(spec_dict, out, settings, stop_after=None):
     return grpo.run(spec, Stopping(out), settings=settings)
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 4}])
-def test_resume_equals_straight_run(tmp_path, settings_factory, lora):
-    spec = {"model": {"name": "tiny-random-llama", "lora": lora}, "dataset": {"num_train": 50, "num_val": 4},
+@pytest.mark.parametrize(("lora", "dtype"), [(None, "float32"), ({"r": 4}, "float32"), (None, "bfloat16")])
+def test_resume_equals_straight_run(tmp_path, settings_factory, lora, dtype):
+    """bf16 full fine-tuning too: its float32 master weights and moments are saved and restored in float32."""
+    spec = {"model": {"name": "tiny-random-llama", "lora": lora, "dtype": dtype}, "dataset": {"num_train": 50, "num_val": 4},
             "grpo": {"steps": 6, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6,
                      "learning_rate": 1e-2, "epochs_per_rollout_batch": 2, "micro_batch_size": 3,
                      "lr_schedule": "cosine", "warmup_steps": 1, "kl_coef": 0.05, "eval_prompts": 2}}

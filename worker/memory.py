@@ -23,10 +23,13 @@ class MemoryUse:
     rss_gb: float | None  # resident set at the end of the step
     peak_rss_gb: float | None  # highest resident set since `reset_peak`
     cuda_peak_gb: float | None  # highest allocated CUDA memory since `reset_peak` (None off the GPU)
+    # highest memory the CUDA caching allocator held from the driver meanwhile: what the card must have; its
+    # excess over the allocated peak is the allocator's slack and fragmentation (expandable_segments shrinks it)
+    cuda_reserved_peak_gb: float | None = None
 
     def metrics(self) -> dict[str, float]:
         named = {"memory/rss_gb": self.rss_gb, "memory/peak_rss_gb": self.peak_rss_gb,
-                 "memory/cuda_peak_gb": self.cuda_peak_gb}
+                 "memory/cuda_peak_gb": self.cuda_peak_gb, "memory/cuda_reserved_peak_gb": self.cuda_reserved_peak_gb}
         return {k: v for k, v in named.items() if v is not None}
 
 
@@ -55,10 +58,13 @@ def reset_peak(device: torch.device) -> None:
 
 def measure(device: torch.device) -> MemoryUse:
     kb = _status_kb("VmRSS", "VmHWM")
-    cuda = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
+    on_gpu = device.type == "cuda"
+    cuda = torch.cuda.max_memory_allocated(device) / GB if on_gpu else None
+    reserved = torch.cuda.max_memory_reserved(device) / GB if on_gpu else None
     rss, hwm = kb.get("VmRSS"), kb.get("VmHWM")
     return MemoryUse(rss_gb=None if rss is None else rss * 1024 / GB,
-                     peak_rss_gb=None if hwm is None else hwm * 1024 / GB, cuda_peak_gb=cuda)
+                     peak_rss_gb=None if hwm is None else hwm * 1024 / GB, cuda_peak_gb=cuda,
+                     cuda_reserved_peak_gb=reserved)
 
 
 # -- whether to recompute activations: chosen from what a micro-batch would keep against the memory there is --

@@ -24,6 +24,8 @@ JEMALLOC = "jemalloc"
 # again: the demo's step took 26 s that way against 22 s with none handed back, for the same peak
 # (2.9 GB). With GRPO_KEEP_FREED_MEMORY (the default) nothing is handed back until the job ends.
 KEEP_FREED = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+CUDA_ALLOC_CONF = "expandable_segments:True"
+CUDA_ALLOC_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 @functools.cache
@@ -35,8 +37,14 @@ def jemalloc_library() -> str | None:
 
 def training_env(settings: Settings, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a training process starts with: `env` (this one's by default) with the
-    chosen malloc preloaded."""
+    chosen malloc preloaded, and the CUDA allocator's settings under both names it is read by."""
     env = dict(os.environ if env is None else env)
+    # torch >= 2.9 reads PYTORCH_ALLOC_CONF first, older torch (and other stacks, a vLLM venv's own torch)
+    # PYTORCH_CUDA_ALLOC_CONF: one value, the admin's where set, under both. Expandable segments by default:
+    # a step's tensors of changing sizes (completions of every length) reuse one growing segment instead of
+    # leaving blocks the next step's sizes do not fit (vLLM's sleep mode turns them off for its own pool).
+    conf = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or CUDA_ALLOC_CONF
+    env.update(dict.fromkeys(CUDA_ALLOC_NAMES, conf))
     if settings.malloc != JEMALLOC:
         return env
     lib = jemalloc_library()
@@ -56,6 +64,7 @@ def reexec_for_training(settings: Settings) -> None:
     found). Returns only when nothing changed."""
     env = training_env(settings)
     if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+        os.environ.update({k: env[k] for k in CUDA_ALLOC_NAMES})  # read when CUDA first allocates: in time
         return
     sys.stdout.flush()
     sys.stderr.flush()

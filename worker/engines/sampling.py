@@ -172,6 +172,10 @@ class RolloutEngine(Protocol):
                greedy: bool = False) -> Callable[[], RolloutBatch]:
         """`generate`, started now; the call returned gives its batch (a vLLM server samples meanwhile)."""
 
+    def rest(self) -> None:
+        """The step's rollouts are done and the trainer trains: memory the engine can give back for a while
+        (a vLLM server's sleep on the trainer's GPU), until the next `sync`."""
+
     def logprobs(self, batch: RolloutBatch, micro_batch_size: int,
                  micro_batch_tokens: int | None = None) -> torch.Tensor:
         """[N, T] log-probs of the batch's completions under the weights synced last."""
@@ -403,6 +407,9 @@ class HFEngine:
         self.model = copy.deepcopy(policy, memo).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+
+    def rest(self) -> None:
+        """Nothing to give back: the frozen copy is the sampler, and with LoRA it shares the base weights."""
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:

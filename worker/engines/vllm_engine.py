@@ -74,10 +74,16 @@ class EnginePlacement:
     shared: bool  # that GPU is also the trainer's
     gpu_memory_utilization: float | None  # the share of the GPU's memory it may take; None on a CPU worker
 
+    @property
+    def sleeps(self) -> bool:
+        """On the trainer's GPU, the server sleeps while the trainer trains (vLLM's sleep mode: its KV cache
+        freed, its weights offloaded or dropped), so the trainer has the card's memory back for its step."""
+        return self.shared and self.gpu is not None
+
     def describe(self) -> str:
         if self.gpu is None:
             return "on the CPU"
-        mine = "shared with the trainer" if self.shared else "a GPU of its own"
+        mine = "shared with the trainer, asleep while it trains" if self.shared else "a GPU of its own"
         return f"on GPU {self.gpu} ({mine}), {self.gpu_memory_utilization:.0%} of its memory"
 
 
@@ -149,6 +155,8 @@ class VLLMServer:
             args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
         if c.placement.gpu_memory_utilization is not None:
             args += ["--gpu-memory-utilization", f"{c.placement.gpu_memory_utilization:g}"]
+        if c.placement.sleeps:
+            args += ["--enable-sleep-mode"]  # POST /sleep and /wake_up (VLLM_SERVER_DEV_MODE, set below)
         if not any(a.startswith(PARALLEL_ARGS) for a in c.extra_args):
             # One device: the engine core drives the model itself instead of through a worker process.
             # On vLLM's CPU backend this needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (set in start()); on
@@ -300,6 +308,11 @@ class VLLMEngine:
         self.last_sync_s = 0.0
         self._pushed: WeightsState | None = None  # the policy's weights when last pushed
         self._loaded: set[int] = set()  # adapter versions the server holds
+        # Sleep mode, on a GPU shared with the trainer: level 1 offloads the weights to CPU memory and keeps
+        # them (a LoRA job's base model), level 2 drops them (full fine-tuning pushes new weights anyway).
+        self.sleep_level = (1 if self.lora else 2) if placement.sleeps else None
+        self.asleep = False
+        self.last_wake_s = 0.0
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-requests")
         self._idle = threading.Condition()  # guards _in_flight; notified as requests finish
         self._in_flight: Counter[str] = Counter()  # served model name -> requests not yet answered
@@ -337,12 +350,35 @@ class VLLMEngine:
         served already are not pushed again: the evaluation's sync and the next step's share one."""
         t = time.monotonic()
         version = self.version
+        if self.ranks.main and self.asleep:
+            self._wake()
         if self.ranks.main and (state := weights_state(policy)) != self._pushed:
             version += 1
             self._push(policy, version)
             self._pushed = state
         self.version = self.ranks.broadcast(version)
         self.last_sync_s = time.monotonic() - t
+
+    def rest(self) -> None:
+        """The trainer trains now: a server on its GPU goes to sleep, unless rows are still being sampled
+        (a batch submitted ahead, max_staleness 1, samples while the trainer trains); the next sync wakes it."""
+        if self.server is None or self.sleep_level is None or self.asleep:
+            return
+        with self._idle:
+            if any(self._in_flight.values()):
+                return
+        self.server.post(f"/sleep?level={self.sleep_level}", {})
+        self.asleep = True
+
+    def _wake(self) -> None:
+        assert self.server is not None
+        t = time.monotonic()
+        self.server.post("/wake_up", {})
+        self.asleep = False
+        self.last_wake_s = time.monotonic() - t
+        # Level 2 dropped the weights; after level 1, what the server holds is what vLLM restores. Either way
+        # the policy is pushed again now, as the next version (an adapter is cheap to load; older ones unload).
+        self._pushed = None
 
     def _push(self, policy: torch.nn.Module, version: int) -> None:
         assert self.server is not None
@@ -388,6 +424,7 @@ class VLLMEngine:
                       {"log_tail": tail})
         self.server.start()
         self._loaded.clear()
+        self.asleep = False
         if self.version:
             self._push(self.policy, self.version)
 

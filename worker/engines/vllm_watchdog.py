@@ -22,12 +22,33 @@ GRACE_S = 10.0
 
 
 def _end_group(grace_s: float = GRACE_S) -> None:
-    """SIGTERM to the whole group (this process ignores it), then SIGKILL to whatever is left, this
-    process included."""
+    """SIGTERM to the whole group (this process ignores it), then, once the others have exited or `grace_s`
+    has passed, SIGKILL to whatever is left, this process included."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.killpg(0, signal.SIGTERM)
-    time.sleep(grace_s)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _others_running():
+        time.sleep(0.05)
     os.killpg(0, signal.SIGKILL)
+
+
+def _others_running() -> bool:
+    """Whether a process of this group other than this one still runs (a zombie has ended). Without /proc,
+    assumed so: the whole grace is waited."""
+    if not os.path.isdir("/proc"):
+        return True
+    me, group = os.getpid(), os.getpgid(0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
 
 
 def main() -> None:

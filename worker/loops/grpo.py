@@ -42,7 +42,7 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings, ranks: Ranks =
 
         # 2-3. sample, score, advantages
         ro = rollouts.collect(step, reporter)
-        timer.rollouts_done()
+        skeleton.rollouts_done(run, timer)
         if ro is None:
             skeleton.skip_step(run, step, "every group's rewards tied", {"frac_reward_zero_std": 1.0}, timer=timer)
             continue

@@ -232,7 +232,7 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks 
         # 1-3. retrieve k documents per query, G answers per document, advantages per document group
         ro = collect_rollouts(s, step, reporter, draw_queries(s, retriever, ref, index, step),
                               units=g.prompts_per_step, group_size=g.num_generations)
-        timer.rollouts_done()
+        skeleton.rollouts_done(run, timer)
         if ro is None:
             skeleton.skip_step(run, step, "every query's answers tied", {"frac_reward_zero_std": 1.0}, timer=timer)
             continue

@@ -143,7 +143,7 @@ def run(spec: SFTJob, reporter: Reporter, *, settings: Settings, ranks: Ranks = 
             return stopped
         timer = skeleton.begin_step(run, step)
         batch = encode(s, step_examples(s, step))  # 1-2
-        timer.rollouts_done()
+        skeleton.rollouts_done(run, timer)
         metrics = train_step(run, batch)  # 3-4
         timer.train_s = timer.elapsed() - timer.rollout_s
         metrics.update(utilisation.sft_step(s, batch, train_s=timer.train_s))  # mfu/train

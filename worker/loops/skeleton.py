@@ -126,6 +126,13 @@ def begin_step(run: Run, step: int) -> StepTimer:
     return timer
 
 
+def rollouts_done(run: Run, timer: StepTimer) -> None:
+    """The step's sampling is over and its training starts: the clock's rollout phase ends, and the engine
+    may give memory back to the trainer until the next sync (a vLLM server on its GPU sleeps)."""
+    timer.rollouts_done()
+    run.s.engine.rest()
+
+
 def evaluate_if_due(run: Run, step: int) -> dict[str, float]:
     """The evaluation after `step` when grpo.eval_every or the last step calls for one (else {})."""
     g = run.s.spec.train

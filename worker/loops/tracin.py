@@ -273,7 +273,7 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
         timer = skeleton.begin_step(run, step)  # seed, sync the rollout copy from the policy
         ro = rollouts.collect(step, reporter)
         val_stats = validation_batch(s, val, step, reporter) if by_influence else {}
-        timer.rollouts_done()
+        skeleton.rollouts_done(run, timer)
         if ro is None:
             skeleton.skip_step(run, step, "every training group's rewards tied (no signal)",
                                {**val_stats, "frac_reward_zero_std": 1.0, "tracin/num_selected": 0.0}, timer=timer)

@@ -31,7 +31,7 @@ def test_the_server_takes_a_gpu_no_rank_trains_on_or_a_small_share_of_the_traine
     assert place_engine({0, 1}, 2, None) == EnginePlacement(0, True, COLOCATED_MEMORY)
     # the trainer on the CPU of a GPU worker (devices.policy 'cpu'): the first card is the server's own
     assert place_engine(set(), 2, None) == EnginePlacement(0, False, OWN_GPU_MEMORY)
-    assert place_engine({0}, 1, None).describe() == "on GPU 0 (shared with the trainer), 30% of its memory"
+    assert place_engine({0}, 1, None).describe() == "on GPU 0 (shared with the trainer, asleep while it trains), 30% of its memory"
 
 
 def _server(placement: EnginePlacement, extra: tuple[str, ...] = ()) -> VLLMServer:

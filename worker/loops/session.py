@@ -216,7 +216,8 @@ def save_state(s: Session, reporter: Reporter, why: str) -> None:
 
 def load(spec: SessionJob, settings: Settings, reporter: Reporter) -> Session:
     seed = spec.session.seed if spec.session.seed is not None else int(torch.seed() % 2**32)
-    model, tokenizer = load_policy(spec.model, models_root=settings.models_dir, device=place(spec.devices.policy, visible_gpus()), seed=seed,
+    device = place(spec.devices.policy, visible_gpus())
+    model, tokenizer = load_policy(spec.model, models_root=settings.models_dir, device=device, seed=seed,
                                    model_roots=settings.model_roots)
     init_weights(model, spec.model.init_from, reporter)  # a sampler of a path whose run has ended
     params = trainable(model)

@@ -29,7 +29,7 @@ from worker.environments.host import EnvironmentHost, open_environment
 from worker.fingerprint import fingerprint, model_sha256
 from worker.models import enable_checkpointing, load_policy
 from worker.parallel.distributed import SINGLE, Ranks, shard
-from worker.parallel.launch import place, visible_gpus
+from worker.parallel.launch import place, trainer_gpus, visible_gpus
 from worker.reporting import Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.training import make_optimizer, make_scheduler, trainable
@@ -172,10 +172,7 @@ def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model:
     admin = option_value(args, "--gpu-memory-utilization")
     args = without_option(args, "--gpu-memory-utilization")
     asked = spec.rollout.gpu_memory_utilization or (float(admin) if admin else None)
-    trained_on = torch.device(dev)  # with several processes, each rank's GPU is its local rank's
-    trainer = set() if trained_on.type != "cuda" else \
-        {trained_on.index or 0} if ranks.world == 1 else set(range(ranks.world))
-    placement = place_engine(trainer, visible_gpus(), asked)
+    placement = place_engine(trainer_gpus(dev, ranks.world), visible_gpus(), asked)
     if torch.device(dev).type == "cpu" and "--enforce-eager" not in args:
         args += ("--enforce-eager",)  # compiling the model takes minutes on a CPU and gains little there
     base = base_model(model)

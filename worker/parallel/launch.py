@@ -109,6 +109,15 @@ def rank_device(world: int, local: int, gpus: int) -> tuple[str, str]:
     return ("nccl", f"cuda:{local}") if gpus >= world else ("gloo", "cpu")
 
 
+def trainer_gpus(device: str, world: int) -> set[int]:
+    """The GPUs a job's processes train on, from a rank's device: the one it names for a single process,
+    the first `world` for several (rank_device gives local rank i cuda:i), none on the CPU."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return set()
+    return {d.index or 0} if world == 1 else set(range(world))
+
+
 def place(asked: str, gpus: int) -> str:
     """The device a one-process job trains on, from its `devices.policy` on a worker that sees `gpus` GPUs:
     'auto' is the first GPU where there is one, else the CPU; a GPU named that the worker does not have is

@@ -17,7 +17,7 @@ from tests.metrics import MEASURED
 from worker.jobs import runner
 from worker.jobs.runner import loop_for, run_spec
 from worker.parallel.distributed import Ranks
-from worker.parallel.launch import RanksFailed, launch, place, placement_warning, rank_device
+from worker.parallel.launch import RanksFailed, launch, place, placement_warning, rank_device, trainer_gpus
 from worker.reporting import FileReporter
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
@@ -189,6 +189,9 @@ def test_each_rank_has_a_gpu_of_its_own_or_every_rank_trains_on_the_cpu():
     assert placement_warning(2, 0) is None and placement_warning(2, 2) is None  # a CPU worker; enough GPUs
     message = placement_warning(4, 2)
     assert message and "resources.processes to at most 2" in message and "CPU" in message
+    # the GPUs the trainer holds (where a vLLM server must not take most of the memory): rank_device's
+    assert trainer_gpus("cuda:1", 1) == {1} and trainer_gpus("cuda", 1) == {0}
+    assert trainer_gpus(rank_device(2, 1, gpus=2)[1], 2) == {0, 1} and trainer_gpus("cpu", 2) == set()
 
 
 def test_a_job_with_no_devices_trains_on_the_workers_gpu_where_it_has_one():

@@ -82,10 +82,12 @@ def test_a_stranded_job_can_be_cancelled(cluster):
     with cluster.client() as c:
         job_id = c.post("/v1/jobs", json=LONG_JOB).json()["id"]
         reached_step(c, job_id, 3, cluster)
+        assert len(c.get("/v1/workers").json()["items"]) == 1
         cluster.kill_group("w1")
         assert c.post(f"/v1/jobs/{job_id}/cancel").json()["cancel_requested"]  # its worker is gone
         time.sleep(LEASE_S + 1)  # once the lease has expired, a cancel takes effect at once
         assert job_state(c, job_id)["status"] == "running"  # no worker left to sweep it
+        assert c.get("/v1/workers").json()["items"] == []  # nor listed: killed, it stopped saying it is alive
         assert c.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
         # and with a worker running, the sweep cancels a stranded job whose cancel was asked for
         other = c.post("/v1/jobs", json=LONG_JOB).json()["id"]

@@ -21,7 +21,8 @@ class GpuOut(BaseModel):
 
 
 class WorkerOut(_Out):
-    name: str = Field(description="hostname:pid:random: the prefix of the lease holder of the jobs it runs.")
+    name: str = Field(description="hostname:pid:random of its main process (a job's `started` event names the pool "
+                      "process that runs it, a child of this pid).")
     hostname: str
     gpus: list[GpuOut] = Field(description="The GPUs it has; empty for a CPU worker.")
     queues: list[str] = Field(description="The queues it takes jobs from: `jobs` (jobs that need no GPU), and "

@@ -341,7 +341,7 @@ class Worker(Base):
     __tablename__ = "workers"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(200), unique=True)  # hostname:pid:random, its jobs' lease holder prefix
+    name: Mapped[str] = mapped_column(String(200), unique=True)  # hostname:pid:random of its main process
     hostname: Mapped[str] = mapped_column(String(200))
     gpus: Mapped[list] = mapped_column(JSON)  # [{index, name, memory_bytes}], worker/inventory.py
     queues: Mapped[list] = mapped_column(JSON)

@@ -29,7 +29,7 @@ class WorkerOut(_Out):
                               "`gpu`, `gpu2`... up to its GPU count (jobs whose devices name that many).")
     concurrency: int = Field(description="Jobs it runs at once.")
     started_at: datetime
-    seen_at: datetime = Field(description="When it last said it is alive (every GRPO_HEARTBEAT_S).")
+    seen_at: datetime = Field(description="When it last said it is alive (every GRPO_SWEEP_S).")
 
 
 class WorkerList(BaseModel):

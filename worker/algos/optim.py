@@ -54,10 +54,12 @@ class MasterWeightsAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As AdamW's, except that a low-precision parameter's master and moments stay float32: torch's own
         load casts every state tensor to its parameter's dtype, which would round them to bf16."""
+        params = [p for group in self.param_groups for p in group["params"]]  # the saved ids, in order
+        if not any(p.dtype in LOW_PRECISION for p in params):  # (FSDP's loader keys the state by name)
+            return super().load_state_dict(state_dict)
         saved = {i: {k: v for k, v in s.items() if k != "step" and torch.is_tensor(v)}
                  for i, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]  # the saved ids, in order
         for i, values in saved.items():
             p = params[i]
             if p.dtype in LOW_PRECISION:

@@ -4,7 +4,6 @@ import logging
 import os
 import socket
 import uuid
-from functools import partial
 
 from celery import Celery
 from celery.signals import (
@@ -30,7 +29,6 @@ app = Celery("grpo_jobs", include=["worker.jobs.tasks"])
 app.conf.update(queue.celery_config(get_settings().broker))
 log = logging.getLogger(__name__)
 _sweeper: Periodic | None = None
-_registry: Periodic | None = None
 _me: WorkerInfo | None = None
 
 
@@ -82,23 +80,17 @@ def _tell_pool(how: str = "", **_kwargs) -> None:
 
 @worker_ready.connect
 def _start_sweeper(**_kwargs) -> None:
-    global _sweeper, _registry
+    global _sweeper
     from worker.jobs.sweeper import sweeper
 
-    settings = get_settings()
-    _sweeper = sweeper(settings)
+    _sweeper = sweeper(get_settings(), _me)  # and says it is alive, every sweep; gone after the lease timeout
     _sweeper.start()
-    if _me is not None:  # says it is alive as often as a job renews its lease; gone after the lease timeout
-        _registry = Periodic("worker-registry", partial(workers_q.beat, settings.store_url, info=_me),
-                             settings.heartbeat_s)
-        _registry.start()
 
 
 @worker_shutdown.connect
 def _stop_sweeper(**_kwargs) -> None:
-    for periodic in (_sweeper, _registry):
-        if periodic is not None:
-            periodic.stop()
+    if _sweeper is not None:
+        _sweeper.stop()
     if _me is not None:
         try:
             workers_q.leave(get_settings().store_url, name=_me.name)

@@ -11,11 +11,12 @@ delivery run a job. It does not depend on the broker redelivering an unacked mes
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 from service.core import queue
+from service.core.records import WorkerInfo
 from service.core.settings import Settings
 from service.store import leases, session_ops
+from service.store import workers as workers_q
 from service.store.db import session_scope
 from service.store.periodic import Periodic
 
@@ -41,6 +42,14 @@ def sweep_once(settings: Settings) -> leases.Swept:
     return swept
 
 
-def sweeper(settings: Settings) -> Periodic:
-    """The sweep every `settings.sweep_s`, in a thread of the worker's main process."""
-    return Periodic("lease-sweeper", partial(sweep_once, settings), settings.sweep_s)
+def sweeper(settings: Settings, me: WorkerInfo | None = None) -> Periodic:
+    """The sweep every `settings.sweep_s`, in a thread of the worker's main process, after `me` says it is
+    alive in the worker registry. One thread for both: the main process forks each job's process, and a
+    round's store connections are dropped when it ends (Periodic), which a second thread's round in flight
+    would not survive (two threads on one PostgreSQL session: 'prepared statement "_pg3_0" already exists')."""
+    def one_round() -> None:
+        if me is not None:
+            workers_q.beat(settings.store_url, info=me)
+        sweep_once(settings)
+
+    return Periodic("lease-sweeper", one_round, settings.sweep_s)

@@ -238,7 +238,7 @@ def test_both_engines_implement_the_rollout_engine_protocol():
     from worker.engines.vllm_engine import VLLMEngine
 
     methods = [n for n, v in vars(RolloutEngine).items() if inspect.isfunction(v) and not n.startswith("_")]
-    assert methods == ["sync", "generate", "submit", "logprobs"]
+    assert methods == ["sync", "generate", "submit", "rest", "logprobs"]
     for engine in (HFEngine, VLLMEngine):
         for name in methods:
             declared = list(inspect.signature(getattr(RolloutEngine, name)).parameters)

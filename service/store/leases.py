@@ -47,7 +47,6 @@ class Lease:
     spec_error: str | None  # why, then
     attempt: int
     cancel_requested: bool
-    gpus: int  # its queue's, for enqueueing it again
 
 
 def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
@@ -67,7 +66,7 @@ def acquire_lease(url: str, *, job_id: int, holder: str, lease_timeout_s: float,
             q.values(status=Status.running, lease_owner=holder, heartbeat_at=now, attempt=Job.attempt + 1,
                      started_at=func.coalesce(Job.started_at, now), updated_at=now)
             .returning(Job.id.label("job_id"), Job.uid, Job.owner, Job.kind, Job.spec, Job.attempt,
-                       Job.cancel_requested, Job.gpus)
+                       Job.cancel_requested)
             .execution_options(synchronize_session=False)
         ).first()
     if row is None:

@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from service.core.specs.runtime import gpus_named
 from worker.parallel.distributed import Ranks
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def place(asked: str, gpus: int) -> str:
     refused with the field (torch would say only that CUDA is unavailable, or an invalid ordinal)."""
     if asked == "auto":
         return "cuda:0" if gpus else "cpu"
-    if asked.startswith("cuda") and (int(asked.partition(":")[2] or 0) >= gpus):
+    if gpus_named(asked) > gpus:
         seen = f"{gpus} GPU(s)" if gpus else "no GPU"
         raise ValueError(f"devices.policy {asked!r}: this worker sees {seen}; use 'auto' to train where the "
                          "worker can")

@@ -37,7 +37,12 @@ def gpus_needed(devices: DevicesSpec, processes: int) -> int:
     named = [d for d in (devices.policy, devices.rollout) if d is not None and d.startswith("cuda")]
     if not named:
         return 0
-    return max(processes if d == "cuda" else int(d.partition(":")[2]) + 1 for d in named)
+    return max(processes if d == "cuda" else gpus_named(d) for d in named)
+
+
+def gpus_named(device: str) -> int:
+    """The GPUs a worker must have for one process on `device`: N+1 for 'cuda:N' (1 for 'cuda'), 0 off CUDA."""
+    return int(device.partition(":")[2] or 0) + 1 if device.startswith("cuda") else 0
 
 
 def _device(v: str, auto: str) -> str:

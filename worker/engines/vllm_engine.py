@@ -131,6 +131,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _client() -> httpx.Client:
+    return httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), limits=httpx.Limits(max_connections=256))
+
+
 class VLLMServer:
     """One vLLM OpenAI-compatible server, started under the watchdog and stopped with its group."""
 
@@ -138,7 +142,7 @@ class VLLMServer:
         self.cfg = cfg
         self.proc: subprocess.Popen | None = None
         self.port = 0
-        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), limits=httpx.Limits(max_connections=256))
+        self.http = _client()
 
     @property
     def url(self) -> str:
@@ -423,6 +427,9 @@ class VLLMEngine:
         self.on_event("engine_restarted", f"the vLLM server died ({type(error).__name__}); starting it again",
                       {"log_tail": tail})
         self.server.start()
+        # the pooled connections were the dead server's, on the same port: a reused one fails at once
+        self.server.http.close()
+        self.http = self.server.http = _client()
         self._loaded.clear()
         self.asleep = False
         if self.version:

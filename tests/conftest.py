@@ -390,3 +390,48 @@ def pytest_collection_modifyitems(config, items):
     together): `--dist worksteal` hands the first process the long ones and the others steal from it once
     their short ones are done, so no long test starts last and ends the run alone."""
     items.sort(key=lambda item: -_weight(item))
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of every child it has waited for (the servers, workers and runs a
+    test starts, once they have exited)."""
+    import resource
+
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each test's CPU seconds, setup to teardown, ride on its teardown report: on two cores a suite is
+    as long as its computing, so the run's summary ranks tests by CPU as well as by wall time."""
+    if call.when == "setup":
+        item.stash[_CPU_AT_SETUP] = _cpu_s()
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+        outcome.get_result().user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_SETUP], 1)))
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+_cpu_by_test: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == "cpu_s" and report.when == "teardown":
+            _cpu_by_test[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _cpu_by_test:
+        return
+    ranked = sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"CPU seconds by test: {sum(_cpu_by_test.values()):,.0f} in all, the 30 most")
+    for nodeid, seconds in ranked[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu {nodeid}")
+    by_file: dict[str, float] = {}
+    for nodeid, seconds in ranked:
+        by_file[nodeid.split("::")[0]] = by_file.get(nodeid.split("::")[0], 0.0) + seconds
+    terminalreporter.write_sep("-", "CPU seconds by file, the 15 most")
+    for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu {path}")

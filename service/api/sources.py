@@ -110,6 +110,10 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
         errors.append({"loc": ("resources", "processes"), "type": "unavailable",
                        "msg": f"resources.processes: {spec.resources.processes} is more than this deployment "
                        f"allows a job ({settings.max_processes}, GRPO_MAX_PROCESSES)"})
+    if spec.resources.nodes > settings.max_nodes:
+        errors.append({"loc": ("resources", "nodes"), "type": "unavailable",
+                       "msg": f"resources.nodes: {spec.resources.nodes} is more than this deployment runs a job on "
+                       f"({settings.max_nodes}, GRPO_MAX_NODES)"})
     if spec.rollout.engine == "vllm" and settings.vllm_python is None:
         errors.append({"loc": ("rollout", "engine"), "type": "unavailable",
                        "msg": "rollout.engine: 'vllm' is not available in this deployment (its workers have no "

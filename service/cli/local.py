@@ -127,6 +127,10 @@ def run(spec_file: Path, out: Path) -> None:
         spec = parse_spec(load_spec_file(spec_file))
     except ValidationError as exc:
         raise spec_errors(spec_file, format_errors(exc.errors())["detail"]) from None
+    if spec.resources.nodes > 1:
+        raise click.ClickException(f"{spec_file}: resources.nodes {spec.resources.nodes}: a job on several machines "
+                                   "runs on the service's workers (`grpo-jobs submit`); `run` uses this machine only: "
+                                   "set resources.nodes to 1")
     _find_vllm()
     reexec_for_training(get_settings())
     from functools import partial

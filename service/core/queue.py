@@ -9,13 +9,14 @@ The Celery settings for long GPU jobs live here so the producer and worker/jobs/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
 from celery import Celery
 
 TASK_NAME = "grpo_jobs.run_job"
+NODE_TASK_NAME = "grpo_jobs.run_node"
 ANY_WORKER = "jobs"
 # Longer than any job: a message not acked within this is redelivered to another worker.
 VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
@@ -67,6 +68,20 @@ class Message:
     gpus: int  # the job's `gpus` column: the GPUs it needs on one worker
 
 
+@dataclass(frozen=True)
+class NodeMessage:
+    """Node `node` (1 or more) of a multi-node job's attempt, sent by its node 0, which hosts the attempt's
+    rendezvous at `endpoint`; on the queue of the GPUs the job needs on each worker."""
+
+    job_id: int
+    uid: str
+    gpus: int
+    attempt: int
+    node: int
+    endpoint: str  # host:port
+    head: str  # node 0's lease holder: a message of an attempt that was given back and leased again is stale
+
+
 def queue_for(gpus: int) -> str:
     """The queue of a job that needs `gpus` GPUs on one worker."""
     return ANY_WORKER if gpus == 0 else "gpu" if gpus == 1 else f"gpu{gpus}"
@@ -79,6 +94,10 @@ def worker_queues(gpus: int) -> list[str]:
 
 def enqueue(message: Message, *, broker_url: str) -> None:
     producer(broker_url).send_task(TASK_NAME, args=[message.job_id, message.uid], queue=queue_for(message.gpus))
+
+
+def enqueue_node(message: NodeMessage, *, broker_url: str) -> None:
+    producer(broker_url).send_task(NODE_TASK_NAME, kwargs=asdict(message), queue=queue_for(message.gpus))
 
 
 def broker_reachable(broker_url: str, timeout_s: float = 2.0) -> bool:

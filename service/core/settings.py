@@ -7,6 +7,7 @@ needs no Redis, PostgreSQL or Docker. In production set DATABASE_URL and BROKER_
 
 from __future__ import annotations
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -219,6 +220,32 @@ class Settings(BaseSettings):
         description="The most processes (`resources.processes`) one job may run as on a worker: "
         "one GPU each where the worker has GPUs, a share of its CPU cores otherwise.",
     )
+    max_nodes: int = Field(
+        default=1, ge=1, le=64, validation_alias="GRPO_MAX_NODES",
+        description="The most workers (`resources.nodes`) one job may span. Above 1, the workers must each name "
+        "a different node (GRPO_NODE_NAME), reach each other (GRPO_NODE_ADDRESS, GRPO_RENDEZVOUS_PORTS) and "
+        "share the artifact store (a shared GRPO_DATA_DIR or GRPO_ARTIFACT_STORE).",
+    )
+    node_name: str = Field(
+        default="", max_length=200, validation_alias="GRPO_NODE_NAME",
+        description="The node (machine) this worker is, for jobs that span several: no two nodes of one job run "
+        "on workers with the same name. Empty: the machine's hostname.",
+    )
+    node_address: str = Field(
+        default="", max_length=253, validation_alias="GRPO_NODE_ADDRESS",
+        description="The address the other nodes of a multi-node job reach this worker at, when it hosts the "
+        "job's rendezvous (its first node). Empty: the machine's hostname.",
+    )
+    rendezvous_ports: str = Field(
+        default="29400-29499", pattern=r"^\d{1,5}-\d{1,5}$", validation_alias="GRPO_RENDEZVOUS_PORTS",
+        description="The ports (first-last) a worker hosting a multi-node job's rendezvous listens on: open "
+        "them between the nodes. Single-node jobs need no inbound port.",
+    )
+    gang_wait_s: float = Field(
+        default=300.0, gt=0, le=86400, validation_alias="GRPO_GANG_WAIT_S",
+        description="How long the nodes of a multi-node job that have started wait for the others. Then they "
+        "give the job back: it waits queued (an event says why), and single-node jobs keep flowing meanwhile.",
+    )
     malloc: Literal["jemalloc", "glibc"] = Field(
         default="jemalloc", validation_alias="GRPO_MALLOC",
         description="The malloc training processes (workers, `grpo-jobs run`) start with: jemalloc, "
@@ -252,6 +279,21 @@ class Settings(BaseSettings):
         default=600.0, validation_alias="GRPO_VLLM_START_TIMEOUT_S",
         description="How long a job waits for its vLLM server to be ready before it fails.",
     )
+
+    @property
+    def node(self) -> str:
+        """This worker's node name (GRPO_NODE_NAME, else the hostname)."""
+        return self.node_name or socket.gethostname()
+
+    @property
+    def rendezvous_address(self) -> str:
+        """Where the other nodes reach this worker (GRPO_NODE_ADDRESS, else the hostname)."""
+        return self.node_address or socket.gethostname()
+
+    @property
+    def rendezvous_port_range(self) -> range:
+        first, last = (int(p) for p in self.rendezvous_ports.split("-"))
+        return range(first, last + 1)
 
     @property
     def store_url(self) -> str:

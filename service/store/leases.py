@@ -13,7 +13,7 @@ from sqlalchemy import func, or_, select, update
 
 from service.core.queue import Message
 from service.core.specs import TERMINAL, JobSpec, Status, SubmittedSpec, parse_stored_spec
-from service.store import session_ops
+from service.store import nodes, session_ops
 from service.store.db import session_scope
 from service.store.jobs import create_job, fail_pending_in
 from service.store.models import Job, JobEvent, utcnow
@@ -117,19 +117,25 @@ def finish_job(url: str, *, job_id: int, holder: str | None, status: str, messag
     return True
 
 
-def requeue(url: str, *, job_id: int, holder: str, message: str) -> Message | None:
+def requeue(url: str, *, job_id: int, holder: str, message: str, failed: bool = True,
+            data: dict | None = None) -> Message | None:
     """An attempt that ended without an outcome of its own (a process of it was killed): back to
     `queued` with a warning event, while `holder` holds the lease. Returns the message to enqueue
-    again, or None if the lease was no longer ours."""
+    again, or None if the lease was no longer ours. `failed` False: the attempt never started (a multi-node
+    job whose other nodes did not come), so it does not count towards GRPO_MAX_ATTEMPTS."""
     with session_scope(url) as session:
         row = session.execute(
             update(Job).where(Job.id == job_id, Job.lease_owner == holder, Job.status == Status.running)
-            .values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=utcnow())
-            .returning(Job.uid, Job.gpus).execution_options(synchronize_session=False)
+            .values(status=Status.queued, lease_owner=None, heartbeat_at=None, updated_at=utcnow(),
+                    attempt=Job.attempt - (0 if failed else 1))
+            .returning(Job.uid, Job.gpus, Job.attempt).execution_options(synchronize_session=False)
         ).first()
         if row is None:
             return None
-        session.add(JobEvent(job_id=job_id, type="requeued", level="warning", message=message))
+        if not failed:
+            nodes.forget_attempt(session, job_id=job_id, attempt=row.attempt + 1)
+        session.add(JobEvent(job_id=job_id, type="requeued" if failed else "waiting", level="warning",
+                             message=message, data=data))
     return Message(job_id, row.uid, row.gpus)
 
 

@@ -348,3 +348,19 @@ class Worker(Base):
     concurrency: Mapped[int] = mapped_column(Integer)  # jobs it runs at once
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     seen_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class JobNode(Base):
+    """A node of a multi-node job's attempt: the worker that took it. Node 0 is the worker that leased the job
+    and hosts its rendezvous. One row per node and per node name in an attempt, so a redelivered message never
+    joins twice and no two nodes of one attempt run on workers that say they are the same machine."""
+
+    __tablename__ = "job_nodes"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "node_name", name="uq_job_nodes_node_name"),)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_name: Mapped[str] = mapped_column(String(200))  # the worker's GRPO_NODE_NAME (or hostname)
+    holder: Mapped[str] = mapped_column(String(200))  # the worker process that runs the node's ranks
+    joined_at: Mapped[datetime] = mapped_column(default=utcnow)

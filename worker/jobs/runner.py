@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from functools import partial, wraps
@@ -25,12 +26,16 @@ from service.core.sources import for_owner
 from service.core.specs import KINDS, TERMINAL, JobSpec
 from service.store import jobs as jobs_q
 from service.store import leases, session_ops
+from service.store import nodes as nodes_q
 from service.store.db import is_unreachable, session_scope
 from worker import allocator
 from worker.environments.client import EnvironmentDown
+from worker.jobs import nodes
 from worker.jobs.sql_reporter import SqlReporter
 from worker.parallel.distributed import Ranks
 from worker.parallel.launch import (
+    Gang,
+    GangIncomplete,
     LauncherStopped,
     RanksFailed,
     launch,
@@ -43,7 +48,11 @@ from worker.reporting import LeaseLost, LoopResult, RankReporter, Reporter
 log = logging.getLogger(__name__)
 # lost: the lease went away mid-job (store unreachable too long, or taken over); the sweep requeues it
 # requeued: a process of a multi-process job was killed; the job is queued again and resumes
-Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued", "idle"]
+# waiting: a multi-node job's other nodes did not come; it is queued again, the attempt not counted
+Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missing", "lost", "requeued", "idle",
+                  "waiting"]
+# what a node other than node 0 did: ran its ranks to the end, or not (node 0 records what the job did)
+NodeOutcome = Literal["done", "failed", "refused", "gave up", "stopped"]
 LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint",
          "sft": "worker.loops.sft", "session": "worker.loops.session"}
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
@@ -94,17 +103,55 @@ def loop_for(kind: str):
 
 
 def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_reporter: Callable[[], Reporter],
-             run_id: str | None = None) -> LoopResult:
-    """Run a spec's loop to its end: in this process, or as `resources.processes` ranks that each
-    record through `rank_reporter()` while this process waits (`grpo-jobs run` and the worker)."""
-    if spec.kind == "session" or spec.resources.processes == 1:
+             run_id: str | None = None, gang: Gang | None = None) -> LoopResult:
+    """Run a spec's loop to its end: in this process, or as `resources.processes` ranks (on node 0 of `gang`
+    when the job spans several machines) that each record through `rank_reporter()` while this process waits
+    (`grpo-jobs run` and the worker)."""
+    if spec.kind == "session" or (spec.resources.processes == 1 and gang is None):
         return loop_for(spec.kind)(spec, reporter, settings=settings)
     gpus = visible_gpus()
     if warning := placement_warning(spec.resources.processes, gpus):
         reporter.event("placement", warning, level="warning", data={"processes": spec.resources.processes,
                                                                     "gpus": gpus})
     return launch(loop_on_ranks, (spec, settings, rank_reporter), processes=spec.resources.processes,
-                  run_id=run_id)[0]
+                  run_id=run_id, gang=gang)[0]
+
+
+def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
+    """Node `message.node` of a multi-node job's attempt: this node's ranks, joined to node 0's rendezvous,
+    until the attempt ends. Node 0 holds the lease and records the job; this records only that it joined, and
+    why its ranks failed if they did."""
+    holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    joined = nodes_q.join(settings.store_url, job_id=message.job_id, uid=message.uid, attempt=message.attempt,
+                          head=message.head, node=message.node, node_name=settings.node, holder=holder)
+    if joined == "same machine":  # another worker of this machine holds a node of it: one elsewhere may take this
+        log.info("job %s node %s: this machine (%s) runs another node of it; sending it back", message.job_id,
+                 message.node, settings.node)
+        time.sleep(1.0)  # bounds the churn while only this machine's workers are free
+        queue.enqueue_node(message, broker_url=settings.broker)
+        return "refused"
+    if isinstance(joined, str):
+        log.info("job %s node %s attempt %s: %s; dropping the message", message.job_id, message.node,
+                 message.attempt, joined)
+        return "refused"
+    spec, owner_settings = joined.spec, for_owner(settings, joined.owner)
+    gang = Gang(nodes=spec.resources.nodes, node=message.node, endpoint=message.endpoint, wait_s=settings.gang_wait_s)
+    rank_reporter = partial(SqlReporter, joined.job_id, uid=joined.uid, owner=joined.owner, holder=holder,
+                            settings=owner_settings)  # rank 0 reports, and it runs on node 0: never called here
+    try:
+        launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
+               run_id=f"job-{joined.uid}-{joined.attempt}", gang=gang)
+    except GangIncomplete as exc:
+        log.warning("job %s: %s", message.job_id, exc)
+        return "gave up"
+    except LauncherStopped:
+        return "stopped"
+    except RanksFailed as exc:
+        if not exc.peer_gone:  # the cause is here: say it, node 0 fails the attempt over
+            nodes_q.node_failed(settings.store_url, job_id=joined.job_id, attempt=joined.attempt, node=message.node,
+                                message=without_server_paths(str(exc), settings))
+        return "failed"
+    return "done"
 
 
 def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: str | None = None) -> Outcome:
@@ -166,6 +213,9 @@ def _ranks_failed(lease: leases.Lease, reporter: SqlReporter, settings: Settings
     if exc.killed:
         return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: {exc}; the other ranks were "
                         "stopped. Queued again, it resumes from its last checkpoint")
+    if exc.peer_gone and lease.spec is not None and lease.spec.resources.nodes > 1:  # another node's ranks went
+        return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: another node of the job was "
+                        f"lost ({exc}). Queued again, it resumes from its last checkpoint")
     log.error("job %s failed on %s", lease.job_id, exc)
     message = without_server_paths(str(exc), settings)
     reporter.finish("failed", message, error=message, data={"error_type": exc.message.split(":")[0], "rank": exc.rank})
@@ -199,12 +249,17 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
     rank_reporter = partial(SqlReporter, lease.job_id, uid=lease.uid, owner=lease.owner, holder=reporter.holder,
                             settings=owner_settings)
     try:
+        gang = nodes.host(lease, settings=settings, holder=reporter.holder) if spec.resources.nodes > 1 else None
         result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
-                          run_id=f"job-{lease.uid}-{lease.attempt}")
+                          run_id=f"job-{lease.uid}-{lease.attempt}", gang=gang)
     except LeaseLost:
         raise
     except LauncherStopped as exc:  # the worker is shutting down: like a killed worker, the sweep requeues it
         raise LeaseLost(f"job {lease.job_id}: {exc}") from exc
+    except (GangIncomplete, nodes.NoRendezvousPort) as exc:
+        if not nodes.wait_again(lease, settings=settings, holder=reporter.holder, why=str(exc)):
+            raise LeaseLost(f"job {lease.job_id}: lease lost") from exc
+        return "waiting"
     except RanksFailed as exc:
         return _ranks_failed(lease, reporter, settings, exc)
     except EnvironmentDown as exc:

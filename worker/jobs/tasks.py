@@ -1,6 +1,7 @@
-"""The one task: take a job id, run it, record the outcome (in the store, via the runner)."""
+"""The tasks: take a job id, run it, record the outcome (in the store, via the runner); and join a multi-node
+job's attempt as one of its nodes."""
 
-from service.core.queue import TASK_NAME
+from service.core.queue import NODE_TASK_NAME, TASK_NAME, NodeMessage
 from service.core.settings import get_settings
 from worker.jobs import runner
 from worker.jobs.celery_app import app
@@ -11,3 +12,8 @@ def run_job(job_id: int, uid: str | None = None) -> str:
     # A busy job (another worker's lease is live) needs no retry here: if that worker dies, the
     # sweep queues the job again once its lease expires.
     return runner.run_job(job_id, settings=get_settings(), uid=uid)
+
+
+@app.task(name=NODE_TASK_NAME)
+def run_node(job_id: int, uid: str, gpus: int, attempt: int, node: int, endpoint: str, head: str) -> str:
+    return runner.run_node(NodeMessage(job_id, uid, gpus, attempt, node, endpoint, head), settings=get_settings())

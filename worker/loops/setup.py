@@ -153,7 +153,7 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     activations = memory.activation_bytes(base.config, rows=rows, positions=positions, dtype=dtype)
     budget = settings.memory_budget_gb if settings.memory_budget_gb is not None else memory.available_gb(device)
     if budget is not None and device.type == "cpu":
-        budget /= ranks.world
+        budget /= ranks.local_world
     plan = memory.plan_checkpointing(spec.model.gradient_checkpointing, activations=activations, budget_gb=budget)
     anyone = ranks.max({"checkpointing": float(plan.checkpointing)})["checkpointing"] > 0
     return dataclasses.replace(plan, checkpointing=anyone)
@@ -172,7 +172,7 @@ def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model:
     admin = option_value(args, "--gpu-memory-utilization")
     args = without_option(args, "--gpu-memory-utilization")
     asked = spec.rollout.gpu_memory_utilization or (float(admin) if admin else None)
-    placement = place_engine(trainer_gpus(dev, ranks.world), visible_gpus(), asked)
+    placement = place_engine(trainer_gpus(dev, ranks.local_world), visible_gpus(), asked)
     if torch.device(dev).type == "cpu" and "--enforce-eager" not in args:
         args += ("--enforce-eager",)  # compiling the model takes minutes on a CPU and gains little there
     base = base_model(model)

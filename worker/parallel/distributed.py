@@ -37,6 +37,12 @@ class Ranks:
     rank: int = 0
     world: int = 1
     device: str = "cpu"  # where collectives' tensors live: cpu with gloo, this rank's GPU with nccl
+    per_node: int = 0  # the ranks on this rank's machine, when the job spans several (0: one machine, all of them)
+
+    @property
+    def local_world(self) -> int:
+        """The ranks sharing this rank's machine (its GPUs, its cores, its memory)."""
+        return self.per_node or self.world
 
     @property
     def main(self) -> bool:

@@ -57,6 +57,7 @@ class RanksFailed(Exception):
     rank: int
     message: str
     killed: bool
+    peer_gone: bool = False  # every failed rank here failed because a peer went away: the cause is on another node
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.message}"
@@ -66,10 +67,31 @@ class LauncherStopped(Exception):
     """The launching process was told to stop (SIGTERM, SIGINT): the ranks were stopped with it."""
 
 
-def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: str | None = None) -> dict[int, Any]:
-    """`entry(*args, ranks=Ranks(...))` in `processes` ranks; each rank's return value by rank."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=run_id or uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,  # 0: any free port
+@dataclass(frozen=True)
+class Gang:
+    """This process's node of a job that spans several machines: where all its nodes meet."""
+
+    nodes: int
+    node: int  # 0 hosts the rendezvous; ranks are numbered node by node
+    endpoint: str  # host:port of node 0's rendezvous store
+    wait_s: float  # how long a node waits for the others to arrive
+
+
+class GangIncomplete(Exception):
+    """The other nodes of a multi-node job did not all arrive at the rendezvous in time (or node 0's could not
+    be reached or hosted)."""
+
+
+def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: str | None = None,
+           gang: Gang | None = None) -> dict[int, Any]:
+    """`entry(*args, ranks=Ranks(...))` in `processes` ranks (on this node of `gang`, if the job spans several);
+    each rank's return value by rank."""
+    if gang is None:  # one node: a rendezvous of its own, on any free port
+        nodes = dict(min_nodes=1, max_nodes=1, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0")
+    else:  # the static rendezvous: node ranks fixed by the service (node 0 leased the job, and reports)
+        nodes = dict(min_nodes=gang.nodes, max_nodes=gang.nodes, rdzv_backend="static", rdzv_endpoint=gang.endpoint,
+                     rdzv_configs={"rank": gang.node, "timeout": max(1, round(gang.wait_s))})
+    config = LaunchConfig(**nodes, nproc_per_node=processes, run_id=run_id or uuid.uuid4().hex, max_restarts=0,
                           monitor_interval=0.5, start_method=START_METHOD, shutdown_timeout=10)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     # A Celery pool process is daemonic, and multiprocessing refuses children to daemons (so that
@@ -86,6 +108,11 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
         raise _cause(exc) from None
     except SignalException as exc:  # the agent stopped the ranks before re-raising
         raise LauncherStopped(f"the worker was told to stop ({exc.sigval.name})") from None
+    except (dist.DistError, TimeoutError) as exc:  # only the rendezvous raises these here: ranks' errors are above
+        if gang is None:
+            raise
+        raise GangIncomplete(f"node {gang.node} of {gang.nodes} at {gang.endpoint}: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     finally:
         me._config.update(saved)
         if threading.current_thread() is threading.main_thread():  # where the agent installs its own
@@ -179,7 +206,7 @@ def _cause(exc: ChildFailedError) -> RanksFailed:
         if not _text(f.message).startswith(_PEER_GONE):
             return RanksFailed(rank, _text(f.message), killed=False)
     rank, f = failures[0]
-    return RanksFailed(rank, _text(f.message), killed=False)
+    return RanksFailed(rank, _text(f.message), killed=False, peer_gone=True)
 
 
 def _text(message: str | dict) -> str:
@@ -208,16 +235,17 @@ def _rank_main(entry: Callable[..., Any], args: tuple, base_env: dict[str, str],
     _die_with_parent()
     _take_env(base_env, launcher_env)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    backend, device = rank_device(world, local, visible_gpus())
+    here = int(os.environ["LOCAL_WORLD_SIZE"])  # this node's ranks: they share its GPUs, or its cores
+    backend, device = rank_device(here, local, visible_gpus())
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))  # ranks share the cores
     else:
         torch.cuda.set_device(local)
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     # On an error the group is left to the process's exit: closing it first would let the other
     # ranks fail on the closed connection before this rank's error file says what happened.
     try:
-        out = entry(*args, ranks=Ranks(rank, world, device))
+        out = entry(*args, ranks=Ranks(rank, world, device, here))
     except Exception as exc:
         if f"{type(exc).__name__}: {exc}".startswith(_PEER_GONE):
             # a consequence: let the rank that caused it exit first, so the launcher sees its error too

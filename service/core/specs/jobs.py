@@ -68,15 +68,17 @@ def _rewards_rule(job: _JobBase) -> None:
 
 
 def _processes_rule(job: _JobBase) -> None:
-    """Several processes share a step evenly and each takes its own device."""
-    if job.resources.sharding == "fsdp" and job.resources.processes < 2:
-        raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 to shard across")
-    if (n := job.resources.processes) <= 1:
+    """Several processes (on one node or several) share a step evenly and each takes its own device."""
+    if job.resources.sharding == "fsdp" and job.resources.world < 2:
+        raise ValueError("resources.sharding 'fsdp' needs resources.processes >= 2 (or nodes >= 2) to shard across")
+    if (n := job.resources.world) <= 1:
         return
     field, units = job.train.per_step
     if units % n:
-        raise ValueError(f"{field} ({units}) must be divisible by resources.processes ({n}): each process "
-                         "takes an equal share of a step")
+        what = f"resources.processes ({n})" if job.resources.nodes == 1 else \
+            f"resources.nodes x processes ({job.resources.nodes} x {job.resources.processes} = {n})"
+        raise ValueError(f"{field} ({units}) must be divisible by {what}: each process takes an equal share of a "
+                         "step")
     _fsdp_rule(job)
     if job.devices.rollout is not None or ":" in job.devices.policy:
         raise ValueError("devices: with resources.processes > 1 each process takes its own device (a GPU "
@@ -137,9 +139,9 @@ def _environment_rule(job: _JobBase) -> None:
     if job.dataset != DatasetSpec():  # compared with the default: a stored spec names every field
         raise ValueError("dataset would have no effect with an environment: its episodes start from the "
                          "environment's reset; remove dataset")
-    if job.resources.processes > 1:
+    if job.resources.world > 1:
         raise ValueError("environment: a job with an environment runs as one process; set "
-                         "resources.processes to 1")
+                         "resources.processes and resources.nodes to 1")
 
 
 def _staleness_rule(job: _JobBase) -> None:

@@ -100,6 +100,15 @@ class ResourcesSpec(_Section):
                            "parallel over torch.distributed: each samples, scores and trains on its share of "
                            "the step's prompts, and the gradients are summed. One GPU each where the worker "
                            "has that many, a share of its CPU cores otherwise.")
+    nodes: int = Field(1, ge=1, le=64, description="Workers (machines) the job spans, each running "
+                       "`processes` ranks: the job starts when that many workers have each taken a node of it, "
+                       "and its ranks are numbered node by node. Needs workers that each say they are a "
+                       "different node (GRPO_NODE_NAME) and reach each other (GRPO_NODE_ADDRESS).")
     sharding: Literal["none", "fsdp"] = Field(
         "none", description="'fsdp': full fine-tuning with the policy (and reference) sharded across the processes "
         "by FSDP2, for a model that does not fit one device; 'none': every process holds the whole model.")
+
+    @property
+    def world(self) -> int:
+        """The job's ranks on all its nodes."""
+        return self.nodes * self.processes

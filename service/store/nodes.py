@@ -1,0 +1,75 @@
+"""The nodes of a multi-node job (`resources.nodes`). The worker that leases the job is node 0: it hosts the
+attempt's rendezvous and sends a message for each other node; a worker that takes one joins the attempt
+here. A node joins once (a redelivered message is dropped), only the attempt that sent it (a message of an
+attempt that ended is dropped), and never on a worker that says it is the same machine as another node of
+the attempt. Node 0 holds the job's lease and records everything; the others record nothing but their join."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.core.specs import JobSpec, Status, parse_stored_spec
+from service.store.db import session_scope
+from service.store.models import Job, JobEvent, JobNode
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a node's worker needs of the job it joined."""
+
+    job_id: int
+    uid: str
+    owner: str
+    spec: JobSpec
+    attempt: int
+
+
+Refused = Literal["ended", "taken", "same machine"]  # the attempt is over; the node has its worker; see above
+
+
+def forget_attempt(session: Session, *, job_id: int, attempt: int) -> None:
+    """The nodes of an attempt given back before it started: the next lease takes the same attempt number."""
+    session.execute(delete(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt))
+
+
+def join(url: str, *, job_id: int, uid: str, attempt: int, head: str, node: int, node_name: str,
+         holder: str) -> Joined | Refused:
+    """Node `node` of the job's attempt `attempt`, led by node 0 `head` (the lease's holder), runs on `holder`
+    (on machine `node_name`), with an event saying so; or why not."""
+    try:
+        with session_scope(url) as session:
+            job = session.scalars(select(Job).where(Job.id == job_id, Job.uid == uid, Job.attempt == attempt,
+                                                    Job.lease_owner == head, Job.status == Status.running)).first()
+            if job is None:
+                return "ended"
+            spec = parse_stored_spec(job.spec)
+            session.add(JobNode(job_id=job_id, attempt=attempt, node=node, node_name=node_name, holder=holder))
+            session.flush()  # the constraints decide here, before the event
+            session.add(JobEvent(job_id=job_id, type="node", message=f"node {node} of {spec.resources.nodes} "
+                                 f"(attempt {attempt}) runs on {node_name} ({holder})",
+                                 data={"node": node, "attempt": attempt, "node_name": node_name, "holder": holder}))
+            return Joined(job_id, job.uid, job.owner, spec, attempt)
+    except IntegrityError:
+        with session_scope(url, read_only=True) as session:
+            taken = session.get(JobNode, (job_id, attempt, node)) is not None
+        return "taken" if taken else "same machine"
+
+
+def nodes_of(session: Session, *, job_id: int) -> list[JobNode]:
+    """The nodes of the job's latest attempt that has any, by node."""
+    latest = select(func.max(JobNode.attempt)).where(JobNode.job_id == job_id).scalar_subquery()
+    return list(session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == latest)
+                                .order_by(JobNode.node)))
+
+
+def node_failed(url: str, *, job_id: int, attempt: int, node: int, message: str) -> None:
+    """Node `node`'s ranks failed with `message` (node 0, whose collectives break with them, fails the attempt)."""
+    with session_scope(url) as session:
+        session.add(JobEvent(job_id=job_id, type="node_failed", level="warning",
+                             message=f"node {node} (attempt {attempt}): {message}",
+                             data={"node": node, "attempt": attempt}))

@@ -1,0 +1,86 @@
+"""A job on several machines (`resources.nodes`), the worker's part.
+
+The worker that leases the job is its node 0: it picks a port of GRPO_RENDEZVOUS_PORTS on its address
+(GRPO_NODE_ADDRESS), joins the attempt as node 0 and sends one message per other node. A worker that takes
+one joins the attempt as that node (service/store/nodes.py refuses a second delivery, an ended attempt and a
+second node on the same machine). Every node then runs torch elastic's static rendezvous at node 0's address
+(node ranks fixed, so global ranks go node by node and rank 0, on node 0, reports), waiting at most
+GRPO_GANG_WAIT_S for the others. The attempt is one thing: a node whose ranks fail or whose worker dies
+breaks the others' collectives, node 0's launch fails, and it fails the attempt over (queued again, it
+resumes from its last checkpoint on whichever workers take it); a node 0 that dies leaves the others'
+collectives broken too, and its lease expires as any job's does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import time
+
+from service.core import queue
+from service.core.settings import Settings
+from service.store import leases
+from service.store import nodes as nodes_q
+from service.store.leases import Lease
+from worker.parallel.launch import Gang
+
+log = logging.getLogger(__name__)
+
+
+class NoRendezvousPort(Exception):
+    """Every port of GRPO_RENDEZVOUS_PORTS is taken on this worker's machine."""
+
+
+def rendezvous_endpoint(settings: Settings) -> str:
+    """host:port where node 0 hosts an attempt's rendezvous: a free port of the range, tried from a random
+    one so that two workers of one machine hosting at once rarely pick the same."""
+    ports = list(settings.rendezvous_port_range)
+    start = random.randrange(len(ports))
+    for port in ports[start:] + ports[:start]:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's listener: closed ones' ports
+            try:
+                s.bind(("", port))  # the store listens on every interface
+            except OSError:
+                continue
+        return f"{settings.rendezvous_address}:{port}"
+    raise NoRendezvousPort(f"every port of GRPO_RENDEZVOUS_PORTS ({settings.rendezvous_ports}) is taken on "
+                           f"{settings.node}")
+
+
+def host(lease: Lease, *, settings: Settings, holder: str) -> Gang:
+    """Node 0 of the leased attempt: the rendezvous it hosts, joined, and a message sent for each other node."""
+    assert lease.spec is not None
+    nodes, gpus = lease.spec.resources.nodes, lease.spec.gpus
+    endpoint = rendezvous_endpoint(settings)
+    joined = nodes_q.join(settings.store_url, job_id=lease.job_id, uid=lease.uid, attempt=lease.attempt, head=holder,
+                          node=0, node_name=settings.node, holder=holder)
+    if isinstance(joined, str):  # the lease is ours: only a store that lost our row could say this
+        raise RuntimeError(f"node 0 could not join its own attempt: {joined}")
+    for node in range(1, nodes):
+        queue.enqueue_node(queue.NodeMessage(lease.job_id, lease.uid, gpus, lease.attempt, node, endpoint, holder),
+                           broker_url=settings.broker)
+    return Gang(nodes=nodes, node=0, endpoint=endpoint, wait_s=settings.gang_wait_s)
+
+
+def wait_again(lease: Lease, *, settings: Settings, holder: str, why: str) -> bool:
+    """The other nodes did not come (or no port was free): the job goes back to the queue without counting the
+    attempt, with a `waiting` event saying why, and is sent again after a random pause, so that two multi-node
+    jobs that each hold some of the workers do not meet again in the same order. False: the lease was gone."""
+    nodes = lease.spec.resources.nodes if lease.spec else 0
+    again = leases.requeue(settings.store_url, job_id=lease.job_id, holder=holder, failed=False,
+                           message=f"waiting for {nodes} workers on different machines (GRPO_NODE_NAME) to take a "
+                           f"node each: {why}. Queued again; single-node jobs run meanwhile",
+                           data={"nodes": nodes})
+    if again is None:
+        return False
+    pause = random.uniform(0, min(settings.gang_wait_s, 30.0))
+    log.info("job %s: gang incomplete (%s); sending it again in %.1f s", lease.job_id, why, pause)
+    time.sleep(pause)
+    try:
+        queue.enqueue(again, broker_url=settings.broker)
+    except Exception as err:  # the sweep enqueues a queued job nobody takes
+        log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
+    return True
+

@@ -17,6 +17,7 @@ import logging
 import random
 import socket
 import time
+from pathlib import Path
 
 from service.core import queue
 from service.core.settings import Settings
@@ -58,10 +59,27 @@ def host(lease: Lease, *, settings: Settings, holder: str) -> Gang:
                           node=0, node_name=settings.node, holder=holder)
     if isinstance(joined, str):  # the lease is ours: only a store that lost our row could say this
         raise RuntimeError(f"node 0 could not join its own attempt: {joined}")
+    marker = shared_marker(settings, lease.uid, lease.attempt)  # each other node checks it sees node 0's files
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(holder)
     for node in range(1, nodes):
         queue.enqueue_node(queue.NodeMessage(lease.job_id, lease.uid, gpus, lease.attempt, node, endpoint, holder),
                            broker_url=settings.broker)
     return Gang(nodes=nodes, node=0, endpoint=endpoint, wait_s=settings.gang_wait_s)
+
+
+def shared_marker(settings: Settings, uid: str, attempt: int) -> Path:
+    """A file node 0 writes for an attempt: rank 0 hands every rank the paths of checkpoints and data files in
+    its cache, so every node must see the same GRPO_CACHE_DIR (a shared data dir)."""
+    return settings.cache_dir / "nodes" / f"{uid}-{attempt}"
+
+
+def sees_node_0(settings: Settings, message: queue.NodeMessage) -> bool:
+    marker = shared_marker(settings, message.uid, message.attempt)
+    try:
+        return marker.read_text() == message.head
+    except OSError:
+        return False
 
 
 def wait_again(lease: Lease, *, settings: Settings, holder: str, why: str) -> bool:

@@ -134,6 +134,14 @@ def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
         log.info("job %s node %s attempt %s: %s; dropping the message", message.job_id, message.node,
                  message.attempt, joined)
         return "refused"
+    if not nodes.sees_node_0(settings, message):
+        log.error("job %s node %s: node 0's files are not in this worker's GRPO_CACHE_DIR", message.job_id,
+                  message.node)
+        nodes_q.node_failed(settings.store_url, job_id=joined.job_id, attempt=joined.attempt, node=message.node,
+                            message=f"the worker on {settings.node} does not see node 0's files: the nodes of a job "
+                            "share checkpoints and data files through one GRPO_DATA_DIR (GRPO_CACHE_DIR) on shared "
+                            "storage; node 0 waits for another worker")
+        return "refused"
     spec, owner_settings = joined.spec, for_owner(settings, joined.owner)
     gang = Gang(nodes=spec.resources.nodes, node=message.node, endpoint=message.endpoint, wait_s=settings.gang_wait_s)
     rank_reporter = partial(SqlReporter, joined.job_id, uid=joined.uid, owner=joined.owner, holder=holder,

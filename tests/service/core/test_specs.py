@@ -81,6 +81,14 @@ def _err(spec: dict) -> str:
     ({"kind": "grpo", "rollout": {"gpu_memory_utilization": 0.5}}, "rollout.gpu_memory_utilization would have no effect"),
     ({"kind": "grpo", "rollout": {"engine": "vllm", "gpu_memory_utilization": 1.0}}, "rollout.gpu_memory_utilization"),
     ({"kind": "grpo", "rollout": {"engine": "vllm", "gpu_memory_utilization": 0}}, "rollout.gpu_memory_utilization"),
+    ({"kind": "grpo", "grpo": {"prompts_per_step": 4}, "resources": {"nodes": 3}},
+     "grpo.prompts_per_step (4) must be divisible by resources.nodes x processes (3 x 1 = 3)"),
+    ({"kind": "grpo", "grpo": {"prompts_per_step": 4}, "resources": {"nodes": 2, "processes": 3}},
+     "resources.nodes x processes (2 x 3 = 6)"),
+    ({"kind": "grpo", "resources": {"nodes": 0}}, "resources.nodes"),
+    ({"kind": "grpo", "resources": {"nodes": 65}}, "resources.nodes"),
+    ({"kind": "grpo", "environment": {"name": "guess-number"}, "resources": {"nodes": 2}},
+     "set resources.processes and resources.nodes to 1"),
     ({"kind": "ppo"}, "kind"),
     ({"kind": "joint", "retriever": {"k": 8, "candidates": 4}}, "retriever.k must not exceed"),
 ])
@@ -93,3 +101,14 @@ def test_names_known_to_the_worker():
 
     assert set(TINY_PRESETS) < set(MODEL_PRESETS)
     assert set(DATASETS) == {"arith", "file", "jsonl", "persona-facts"}
+
+
+def test_a_job_on_several_machines_shares_a_step_among_all_their_ranks():
+    spec = SPEC.validate_python({"kind": "grpo", "grpo": {"prompts_per_step": 8},
+                                 "resources": {"nodes": 2, "processes": 2, "sharding": "fsdp"}})
+    assert spec.resources.world == 4 and spec.gpus == 0  # each worker's own: `auto` runs anywhere
+    # fsdp shards across the machines' ranks: one process on each of two nodes is enough
+    assert SPEC.validate_python({"kind": "grpo", "resources": {"nodes": 2, "sharding": "fsdp"}}).resources.world == 2
+    cuda = SPEC.validate_python({"kind": "grpo", "grpo": {"prompts_per_step": 8}, "devices": {"policy": "cuda"},
+                                 "resources": {"nodes": 4, "processes": 2}})
+    assert cuda.gpus == 2  # GPUs on each worker, not in all

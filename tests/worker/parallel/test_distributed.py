@@ -13,11 +13,21 @@ from pydantic import TypeAdapter
 from safetensors.torch import load_file
 
 from service.core.specs import JobSpec
+from tests.conftest import free_port
 from tests.metrics import MEASURED
 from worker.jobs import runner
 from worker.jobs.runner import loop_for, run_spec
 from worker.parallel.distributed import Ranks
-from worker.parallel.launch import RanksFailed, launch, place, placement_warning, rank_device, trainer_gpus
+from worker.parallel.launch import (
+    Gang,
+    GangIncomplete,
+    RanksFailed,
+    launch,
+    place,
+    placement_warning,
+    rank_device,
+    trainer_gpus,
+)
 from worker.reporting import FileReporter
 
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
@@ -269,3 +279,39 @@ def test_a_rank_failure_passes_through_a_context_manager_unchanged():
         with around():
             raise err
     assert caught.value is err and str(caught.value) == "rank 1: FloatingPointError: loss is nan"
+
+
+def _where_am_i(*, ranks):
+    """Each rank's place, and the sum of every rank's number over all the nodes (a collective across them)."""
+    total = torch.tensor([float(ranks.rank)])
+    torch.distributed.all_reduce(total)
+    return ranks.rank, ranks.world, ranks.local_world, total.item()
+
+
+def _node(node: int, endpoint: str, out) -> None:
+    """Another machine's worker: its launcher, as node `node` of 2."""
+    out.put(launch(_where_am_i, (), processes=2, run_id="gang", gang=Gang(2, node, endpoint, wait_s=60)))
+
+
+def test_two_launchers_meet_as_two_nodes_and_number_their_ranks_node_by_node():
+    import multiprocessing
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    ctx = multiprocessing.get_context("spawn")  # a clean interpreter, as another machine's worker would be
+    out = ctx.Queue()
+    other = ctx.Process(target=_node, args=(1, endpoint, out))
+    other.start()
+    try:
+        here = launch(_where_am_i, (), processes=2, run_id="gang", gang=Gang(2, 0, endpoint, wait_s=60))
+        there = out.get(timeout=120)
+    finally:
+        other.join(30)
+    assert here == {0: (0, 4, 2, 6.0), 1: (1, 4, 2, 6.0)}  # node 0 holds ranks 0 and 1, and rank 0 reports
+    assert there == {2: (2, 4, 2, 6.0), 3: (3, 4, 2, 6.0)}
+
+
+def test_a_node_alone_gives_up_after_its_wait():
+    t0 = time.monotonic()
+    with pytest.raises(GangIncomplete, match="node 0 of 2 at 127.0.0.1:.*1/2 clients joined"):
+        launch(_where_am_i, (), processes=1, run_id="alone", gang=Gang(2, 0, f"127.0.0.1:{free_port()}", wait_s=1))
+    assert time.monotonic() - t0 < 30

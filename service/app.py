@@ -36,7 +36,8 @@ from service.core.settings import Settings, get_settings
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 ROUTERS = (health.router, jobs.router, stream.router, series.router, reports.router, rewards.router,
-           specs.router, files.router, *tinker.ROUTERS, webhooks.router, workers.router)
+           specs.router, files.router, *tinker.ROUTERS, webhooks.router, workers.router,
+           workers.nodes_router)
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool = False) -> FastAPI:

@@ -1,4 +1,5 @@
-"""The workers that are running: their GPUs and the queues they take jobs from (service/store/workers.py)."""
+"""The workers that are running: their GPUs and the queues they take jobs from (service/store/workers.py); and
+which worker runs each node of a multi-node job (service/store/nodes.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from datetime import datetime
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from service.api.deps import OwnerDep, SessionDep, SettingsDep
+from service.api.deps import JobDep, OwnerDep, SessionDep, SettingsDep
 from service.api.schemas import _Out, error_responses
+from service.store import nodes as nodes_q
 from service.store import workers as workers_q
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=error_responses(401, 503))
+nodes_router = APIRouter(prefix="/v1/jobs", tags=["workers"], responses=error_responses(401, 404, 422, 503))
 
 
 class GpuOut(BaseModel):
@@ -40,3 +43,22 @@ class WorkerList(BaseModel):
 def list_workers(_owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     """The live workers, the oldest first: those heard from within the lease timeout (GRPO_LEASE_TIMEOUT_S)."""
     return {"items": workers_q.live_workers(session, within_s=settings.lease_timeout_s)}
+
+
+class NodeOut(_Out):
+    node: int = Field(description="0 leased the job, hosts its rendezvous and reports; ranks go node by node.")
+    attempt: int = Field(description="The attempt it ran (each attempt's nodes may be other workers).")
+    node_name: str = Field(description="The machine, as its worker names it (GRPO_NODE_NAME, else its hostname).")
+    holder: str = Field(description="hostname:pid:random of the worker process that runs the node's ranks.")
+    joined_at: datetime
+
+
+class NodeList(BaseModel):
+    items: list[NodeOut]
+
+
+@nodes_router.get("/{job_id}/nodes", response_model=NodeList)
+def job_nodes(job: JobDep, session: SessionDep):
+    """The workers that ran each node of the job's latest attempt to start (a job on one machine: none; its
+    `started` event names its worker)."""
+    return {"items": nodes_q.nodes_of(session, job_id=job.id)}

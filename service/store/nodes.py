@@ -53,7 +53,7 @@ def join(url: str, *, job_id: int, uid: str, attempt: int, head: str, node: int,
             session.add(JobEvent(job_id=job_id, type="node", message=f"node {node} of {spec.resources.nodes} "
                                  f"(attempt {attempt}) runs on {node_name} ({holder})",
                                  data={"node": node, "attempt": attempt, "node_name": node_name, "holder": holder}))
-            return Joined(job_id, job.uid, job.owner, spec, attempt)
+            return Joined(job_id=job_id, uid=job.uid, owner=job.owner, spec=spec, attempt=attempt)
     except IntegrityError:
         with session_scope(url, read_only=True) as session:
             taken = session.get(JobNode, (job_id, attempt, node)) is not None

@@ -319,3 +319,24 @@ def test_an_agent_jobs_samples_show_each_episode_turn_by_turn(page, service):
     assert f"{first['tokens']['sampled']} sampled" in cell.inner_text()
     page.wait_for_selector('.chart[data-title="Reward"] canvas')
     page.shot("agent")
+
+
+def test_a_multi_node_jobs_page_names_the_worker_of_each_node(page, service):
+    """A job that ran on two machines (recorded as its workers would: `dev` runs one machine's jobs)."""
+    from service.core.specs import parse_spec
+    from service.store import leases
+    from service.store import nodes as nodes_q
+
+    spec = parse_spec({**SPARSE_JOB, "name": "two-machines", "resources": {"nodes": 2}})
+    job = leases.submit_job(service.store_url, owner="local", spec=spec).job
+    lease = leases.acquire_lease(service.store_url, job_id=job.id, holder="gpu-a:11:x", lease_timeout_s=60)
+    for node, machine in ((0, "gpu-a"), (1, "gpu-b")):
+        nodes_q.join(service.store_url, job_id=job.id, uid=lease.uid, attempt=lease.attempt, head="gpu-a:11:x",
+                     node=node, node_name=machine, holder=f"{machine}:{11 + node}:x")
+    leases.finish_job(service.store_url, job_id=job.id, holder="gpu-a:11:x", status="cancelled", message="by hand")
+    sign_in(page, service)
+    page.goto(f"{service.base}/#/jobs/{job.id}")
+    page.wait_for_selector('#nodes [data-node="1"]')
+    assert page.locator("#nodes").inner_text().splitlines() == ["node 0: gpu-a (gpu-a:11:x, attempt 1)",
+                                                                "node 1: gpu-b (gpu-b:12:x, attempt 1)"]
+    assert "node 1 of 2 (attempt 1) runs on gpu-b" in page.locator("#events").inner_text()

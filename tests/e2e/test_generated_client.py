@@ -206,6 +206,7 @@ def test_a_generated_client_calls_every_operation(generated):
     call("tinker.finish_session_api_v1_sessions_session_id_finish_post", sid, status=204)
     (worker,) = call("workers.list_workers_v1_workers_get").items  # dev's one worker, which ran the jobs
     assert worker.gpus == [] and worker.queues == ["jobs"] and worker.concurrency == 1
+    assert call("workers.job_nodes_v1_jobs_job_id_nodes_get", selecting.id).items == []  # one machine: no nodes
     called.add("tinker.retrieve_future_api_v1_retrieve_future_post")
     assert called == operations, sorted(operations - called)
-    assert len(operations) == 58
+    assert len(operations) == 59

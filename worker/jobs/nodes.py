@@ -63,8 +63,8 @@ def host(lease: Lease, *, settings: Settings, holder: str) -> Gang:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(holder)
     for node in range(1, nodes):
-        queue.enqueue_node(queue.NodeMessage(lease.job_id, lease.uid, gpus, lease.attempt, node, endpoint, holder),
-                           broker_url=settings.broker)
+        queue.enqueue_node(queue.NodeMessage(job_id=lease.job_id, uid=lease.uid, gpus=gpus, attempt=lease.attempt,
+                                             node=node, endpoint=endpoint, head=holder), broker_url=settings.broker)
     return Gang(nodes=nodes, node=0, endpoint=endpoint, wait_s=settings.gang_wait_s)
 
 

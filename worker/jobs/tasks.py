@@ -16,4 +16,5 @@ def run_job(job_id: int, uid: str | None = None) -> str:
 
 @app.task(name=NODE_TASK_NAME)
 def run_node(job_id: int, uid: str, gpus: int, attempt: int, node: int, endpoint: str, head: str) -> str:
-    return runner.run_node(NodeMessage(job_id, uid, gpus, attempt, node, endpoint, head), settings=get_settings())
+    message = NodeMessage(job_id=job_id, uid=uid, gpus=gpus, attempt=attempt, node=node, endpoint=endpoint, head=head)
+    return runner.run_node(message, settings=get_settings())

@@ -38,3 +38,22 @@ def test_a_job_that_names_gpus_no_live_worker_has_is_queued_with_why(api):
     assert r.json()["gpus"] == 1 and _waiting(api, r.json()["id"]) == []
     r = api.post("/v1/jobs", json=JOB)  # devices auto: any worker
     assert r.json()["gpus"] == 0 and _waiting(api, r.json()["id"]) == []
+
+
+def test_a_jobs_nodes_say_which_worker_runs_each_and_only_to_its_owner(api):
+    from service.store import leases
+    from service.store import nodes as nodes_q
+
+    r = api.post("/v1/jobs", json={**JOB, "resources": {"nodes": 2}})
+    assert r.status_code == 422 and "GRPO_MAX_NODES" in r.text  # this deployment runs jobs on one machine
+    api.settings.max_nodes = 2
+    job_id = api.post("/v1/jobs", json={**JOB, "resources": {"nodes": 2}}).json()["id"]
+    assert api.get(f"/v1/jobs/{job_id}/nodes").json() == {"items": []}  # queued: no node yet
+    lease = leases.acquire_lease(api.settings.store_url, job_id=job_id, holder="a:1:x", lease_timeout_s=60)
+    for node, name in ((0, "a"), (1, "b")):
+        nodes_q.join(api.settings.store_url, job_id=job_id, uid=lease.uid, attempt=1, head="a:1:x", node=node,
+                     node_name=name, holder=f"{name}:{node + 1}:x")
+    items = api.get(f"/v1/jobs/{job_id}/nodes").json()["items"]
+    assert [(n["node"], n["attempt"], n["node_name"], n["holder"]) for n in items] == [(0, 1, "a", "a:1:x"),
+                                                                                          (1, 1, "b", "b:2:x")]
+    assert api.get(f"/v1/jobs/{job_id}/nodes", key=api.bob).status_code == 404  # another tenant's job

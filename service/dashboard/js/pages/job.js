@@ -23,11 +23,16 @@ export async function jobPage({ app, onLeave }, id) {
   const renderFingerprint = () => fingerprint.replaceChildren(...fingerprintSection(job.fingerprint));
   renderFingerprint();
 
+  // A job on several machines: which worker runs each node of its latest attempt, reloaded as nodes join.
+  let nodes = [];
+  const multiNode = (job.spec?.resources?.nodes ?? 1) > 1;
+  const loadNodes = () => multiNode && api(`/v1/jobs/${id}/nodes`).then((r) => { nodes = r.items; renderHeader(); });
   const renderHeader = () => head.replaceChildren(header(job, async () => {
     job = await api(`/v1/jobs/${id}/cancel`, { method: "POST" });
     renderHeader();
-  }));
+  }, multiNode ? nodes : null));
   renderHeader();
+  loadNodes();
 
   // Charts: one per panel that has data, created as keys appear.
   const charts = new Map(); // panel -> StepChart
@@ -90,6 +95,7 @@ export async function jobPage({ app, onLeave }, id) {
   es.addEventListener("event", (e) => {
     const ev = JSON.parse(e.data);
     events.add(ev);
+    if (ev.type === "node") loadNodes();
     if (ev.type === "health" || ev.type === "fingerprint") {
       api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); renderFingerprint(); });
     }
@@ -102,7 +108,7 @@ export async function jobPage({ app, onLeave }, id) {
   onLeave(() => es.close());
 }
 
-function header(job, cancel) {
+function header(job, cancel, nodes) {
   const spec = job.spec || {};
   const elapsed = runTime(job);
   const eta = job.status === "running" && job.step > 0 && job.total_steps > 0 && elapsed ? (elapsed / job.step) * (job.total_steps - job.step) : null;
@@ -126,7 +132,10 @@ function header(job, cancel) {
       h("dl", { class: "kv", style: { marginTop: "10px" } },
         h("dt", {}, "run time"), h("dd", {}, duration(elapsed)),
         h("dt", {}, "ETA"), h("dd", { id: "eta" }, eta === null ? "–" : duration(eta)),
-        h("dt", {}, "attempt"), h("dd", {}, job.attempt)),
+        h("dt", {}, "attempt"), h("dd", {}, job.attempt),
+        nodes ? [h("dt", {}, "nodes"), h("dd", { id: "nodes" }, nodes.length
+          ? nodes.map((n) => h("div", { "data-node": n.node }, `node ${n.node}: ${n.node_name} (${n.holder}, attempt ${n.attempt})`))
+          : `${job.spec.resources.nodes} machines, none joined yet`)] : null),
       job.error ? h("div", { class: "error-box", id: "job-error" }, job.error) : null,
       job.cancel_requested && !TERMINAL.has(job.status) ? h("p", { class: "muted" }, "Cancel requested: stopping after the current step.") : null,
       canCancel ? h("button", { class: "danger", id: "cancel-btn", onclick: cancel }, "Cancel job") : null));

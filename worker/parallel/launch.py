@@ -230,6 +230,25 @@ def _die_with_parent() -> None:
         server._forkserver_alive_fd = None
 
 
+def agreed_backend(choices: list[str]) -> str:
+    """The backend every rank of a job on several machines uses: NCCL only where every rank could (NCCL and gloo
+    ranks in one group never meet), so a machine without a GPU for each of its ranks puts them all on gloo."""
+    return "nccl" if all(c == "nccl" for c in choices) else "gloo"
+
+
+def _agreed(backend: str, device: str, *, rank: int, world: int) -> tuple[str, str]:
+    """(backend, device) of this rank once every rank has said what its machine allows, through the
+    rendezvous store the ranks are about to form their group on (MASTER_ADDR:MASTER_PORT)."""
+    store = dist.PrefixStore(f"grpo-backend/{os.environ.get('TORCHELASTIC_RUN_ID', '')}",
+                             dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                           timeout=COLLECTIVE_TIMEOUT))
+    store.set(str(rank), backend)
+    keys = [str(r) for r in range(world)]
+    store.wait(keys)
+    agreed = agreed_backend([store.get(k).decode() for k in keys])
+    return (backend, device) if agreed == backend else (agreed, "cpu")
+
+
 @record  # an exception's message reaches the launcher in the rank's error file
 def _rank_main(entry: Callable[..., Any], args: tuple, base_env: dict[str, str], launcher_env: dict[str, str]) -> Any:
     _die_with_parent()
@@ -237,6 +256,8 @@ def _rank_main(entry: Callable[..., Any], args: tuple, base_env: dict[str, str],
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     here = int(os.environ["LOCAL_WORLD_SIZE"])  # this node's ranks: they share its GPUs, or its cores
     backend, device = rank_device(here, local, visible_gpus())
+    if world > here:  # several machines: one backend for all of them
+        backend, device = _agreed(backend, device, rank=rank, world=world)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))  # ranks share the cores
     else:

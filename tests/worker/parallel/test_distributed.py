@@ -22,6 +22,7 @@ from worker.parallel.launch import (
     Gang,
     GangIncomplete,
     RanksFailed,
+    agreed_backend,
     launch,
     place,
     placement_warning,
@@ -308,6 +309,11 @@ def test_two_launchers_meet_as_two_nodes_and_number_their_ranks_node_by_node():
         other.join(30)
     assert here == {0: (0, 4, 2, 6.0), 1: (1, 4, 2, 6.0)}  # node 0 holds ranks 0 and 1, and rank 0 reports
     assert there == {2: (2, 4, 2, 6.0), 3: (3, 4, 2, 6.0)}
+
+
+def test_a_machine_without_a_gpu_per_rank_puts_every_node_on_gloo():
+    assert agreed_backend(["nccl"] * 4) == "nccl"
+    assert agreed_backend(["nccl", "nccl", "gloo", "gloo"]) == "gloo"  # NCCL and gloo ranks would never meet
 
 
 def test_a_node_alone_gives_up_after_its_wait():

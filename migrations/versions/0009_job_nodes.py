@@ -21,6 +21,7 @@ def upgrade() -> None:
         sa.Column("node_name", sa.String(200), nullable=False),
         sa.Column("holder", sa.String(200), nullable=False),
         sa.Column("joined_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
         sa.UniqueConstraint("job_id", "attempt", "node_name", name="uq_job_nodes_node_name"),
     )
 

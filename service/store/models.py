@@ -364,3 +364,4 @@ class JobNode(Base):
     node_name: Mapped[str] = mapped_column(String(200))  # the worker's GRPO_NODE_NAME (or hostname)
     holder: Mapped[str] = mapped_column(String(200))  # the worker process that runs the node's ranks
     joined_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)  # renewed by the node while its ranks run

@@ -7,15 +7,16 @@ the attempt. Node 0 holds the job's lease and records everything; the others rec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.core.specs import JobSpec, Status, parse_stored_spec
 from service.store.db import session_scope
-from service.store.models import Job, JobEvent, JobNode
+from service.store.models import Job, JobEvent, JobNode, utcnow
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,24 @@ def node_failed(url: str, *, job_id: int, attempt: int, node: int, message: str)
         session.add(JobEvent(job_id=job_id, type="node_failed", level="warning",
                              message=f"node {node} (attempt {attempt}): {message}",
                              data={"node": node, "attempt": attempt}))
+
+
+def beat(url: str, *, job_id: int, attempt: int, node: int, head: str) -> bool:
+    """Node `node` of the attempt is alive (its heartbeat renewed). False once the attempt is over: node 0's
+    lease no longer holds the job (it failed over, ended, or node 0 stopped heartbeating and the sweep took it)."""
+    with session_scope(url) as session:
+        session.execute(update(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
+                                              JobNode.node == node).values(heartbeat_at=utcnow())
+                        .execution_options(synchronize_session=False))
+        live = session.scalar(select(Job.id).where(Job.id == job_id, Job.attempt == attempt, Job.lease_owner == head,
+                                                   Job.status == Status.running))
+    return live is not None
+
+
+def silent_nodes(url: str, *, job_id: int, attempt: int, within_s: float) -> list[int]:
+    """The nodes of the attempt (other than 0, which holds the lease) not heard from within `within_s`."""
+    cutoff = utcnow() - timedelta(seconds=within_s)
+    with session_scope(url, read_only=True) as session:
+        return list(session.scalars(select(JobNode.node).where(
+            JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node > 0, JobNode.heartbeat_at < cutoff)
+            .order_by(JobNode.node)))

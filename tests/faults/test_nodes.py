@@ -5,6 +5,9 @@ running two processes, and survives losing either node."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from tests.e2e.conftest import free_port, parent_pid
@@ -97,3 +100,29 @@ def test_a_killed_node_fails_the_attempt_over_and_the_job_resumes_on_two_workers
         second = {e["data"]["node"]: e["data"]["node_name"] for e in _events(c, job_id, "node")
                   if e["data"]["attempt"] == 2}
         assert sorted(second) == [0, 1] and victim not in second.values() and len(set(second.values())) == 2
+
+
+def test_a_node_that_hangs_is_noticed_within_the_lease_and_the_job_resumes_without_it(nodes):
+    """SIGSTOP of node 1's worker and ranks: its connections stay open, so node 0's ranks would wait in a collective
+    for its 30-minute timeout; node 0 sees the node's heartbeat go stale instead and fails the attempt over."""
+    nodes.serve()
+    nodes.worker("a", GRPO_NODE_NAME="a")
+    nodes.worker("b", GRPO_NODE_NAME="b")
+    job = {**LONG_JOB, "resources": {"nodes": 2}, "grpo": {**LONG_JOB["grpo"], "steps": 30}}
+    with nodes.client() as c:
+        job_id = c.post("/v1/jobs", json=job).json()["id"]
+        reached_step(c, job_id, 5, nodes)
+        hung = _node_worker(nodes, c, job_id, 1)
+        os.killpg(nodes.procs[hung].pid, signal.SIGSTOP)
+        try:
+            nodes.worker("c", GRPO_NODE_NAME="c")
+            done = finished(c, job_id, nodes, timeout=240)
+        finally:
+            os.killpg(nodes.procs[hung].pid, signal.SIGCONT)
+        assert done["status"] == "succeeded" and done["attempt"] == 2, nodes.logs()
+        assert_every_step_once(c, job_id, 30)
+        (requeued,) = _events(c, job_id, "requeued")
+        assert "node 1 stopped answering (no heartbeat for 6 s" in requeued["message"], requeued
+        # woken, the hung node finds its attempt over and stops its ranks
+        wait_for(lambda: "stopping this node's ranks: attempt 1 is over on node 0" in (
+            nodes.tmp_path / f"{hung}.log").read_text(), "the woken node to stop", nodes, timeout=60)

@@ -14,9 +14,13 @@ collectives broken too, and its lease expires as any job's does.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from service.core import queue
@@ -80,6 +84,61 @@ def sees_node_0(settings: Settings, message: queue.NodeMessage) -> bool:
         return marker.read_text() == message.head
     except OSError:
         return False
+
+
+class Watch:
+    """A thread beside one node's launch that asks `lost()` every GRPO_HEARTBEAT_S whether the attempt is lost
+    (on node 0: another node went silent; on the others: node 0's lease no longer holds the job). When it is,
+    it stops this node's ranks: SIGTERM to this process, which the launcher turns into stopping them and raising
+    LauncherStopped; `why` then says what happened. A rank stuck in a collective with a node that hangs (or a
+    machine gone without closing its connections) would otherwise wait for the collective's timeout."""
+
+    def __init__(self, lost: Callable[[], str | None], every_s: float) -> None:
+        self.lost, self.every_s, self.why = lost, every_s, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="node-watch", daemon=True)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.every_s):
+            try:
+                why = self.lost()
+            except Exception as exc:  # the store is away: the lease's own rules decide, as for any job
+                log.warning("node watch: %s: %s", type(exc).__name__, exc)
+                continue
+            if why is not None and not self._done.is_set():
+                self.why = why
+                log.warning("stopping this node's ranks: %s", why)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+
+def watch_others(lease: Lease, *, settings: Settings) -> Watch:
+    """Node 0's watch: a node that has not beaten for GRPO_LEASE_TIMEOUT_S fails the attempt over."""
+    def lost() -> str | None:
+        silent = nodes_q.silent_nodes(settings.store_url, job_id=lease.job_id, attempt=lease.attempt,
+                                      within_s=settings.lease_timeout_s)
+        return (f"node {silent[0]} stopped answering (no heartbeat for {settings.lease_timeout_s:g} s, "
+                "GRPO_LEASE_TIMEOUT_S)") if silent else None
+
+    return Watch(lost, settings.heartbeat_s)
+
+
+def watch_node_0(message: queue.NodeMessage, *, settings: Settings) -> Watch:
+    """Another node's watch: it beats, and stops its ranks once the attempt is over on node 0's side."""
+    def lost() -> str | None:
+        live = nodes_q.beat(settings.store_url, job_id=message.job_id, attempt=message.attempt, node=message.node,
+                            head=message.head)
+        return None if live else f"attempt {message.attempt} is over on node 0"
+
+    return Watch(lost, settings.heartbeat_s)
 
 
 def wait_again(lease: Lease, *, settings: Settings, holder: str, why: str) -> bool:

@@ -16,6 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial, wraps
 from typing import Literal
 
@@ -147,8 +148,9 @@ def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
     rank_reporter = partial(SqlReporter, joined.job_id, uid=joined.uid, owner=joined.owner, holder=holder,
                             settings=owner_settings)  # rank 0 reports, and it runs on node 0: never called here
     try:
-        launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
-               run_id=f"job-{joined.uid}-{joined.attempt}", gang=gang)
+        with nodes.watch_node_0(message, settings=settings):
+            launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
+                   run_id=f"job-{joined.uid}-{joined.attempt}", gang=gang)
     except GangIncomplete as exc:
         log.warning("job %s: %s", message.job_id, exc)
         return "gave up"
@@ -256,14 +258,21 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
     # with several ranks, they record through their own reporters; this process holds the lease meanwhile
     rank_reporter = partial(SqlReporter, lease.job_id, uid=lease.uid, owner=lease.owner, holder=reporter.holder,
                             settings=owner_settings)
+    gang, watch = None, None
     try:
-        gang = nodes.host(lease, settings=settings, holder=reporter.holder) if spec.resources.nodes > 1 else None
-        result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
-                          run_id=f"job-{lease.uid}-{lease.attempt}", gang=gang)
+        if spec.resources.nodes > 1:  # node 0 of a job on several machines; it watches the others
+            gang, watch = nodes.host(lease, settings=settings, holder=reporter.holder), nodes.watch_others(
+                lease, settings=settings)
+        with watch or nullcontext():
+            result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
+                              run_id=f"job-{lease.uid}-{lease.attempt}", gang=gang)
     except LeaseLost:
         raise
-    except LauncherStopped as exc:  # the worker is shutting down: like a killed worker, the sweep requeues it
-        raise LeaseLost(f"job {lease.job_id}: {exc}") from exc
+    except LauncherStopped as exc:
+        if watch is not None and watch.why is not None:  # a node went silent: its ranks were stopped here too
+            return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: {watch.why}; this node's "
+                            "ranks were stopped. Queued again, it resumes from its last checkpoint")
+        raise LeaseLost(f"job {lease.job_id}: {exc}") from exc  # the worker is stopping: the sweep requeues it
     except (GangIncomplete, nodes.NoRendezvousPort) as exc:
         if not nodes.wait_again(lease, settings=settings, holder=reporter.holder, why=str(exc)):
             raise LeaseLost(f"job {lease.job_id}: lease lost") from exc

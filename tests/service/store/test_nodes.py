@@ -2,15 +2,17 @@
 own, and only the attempt (and the lease) that sent its message; an attempt given back before it started is
 forgotten, so the next lease's nodes join afresh."""
 
+from datetime import timedelta
+
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from service.core.specs import parse_spec
 from service.store import leases
 from service.store import nodes as nodes_q
 from service.store.db import session_scope
 from service.store.migrate import upgrade
-from service.store.models import Job, JobEvent
+from service.store.models import Job, JobEvent, JobNode, utcnow
 
 SPEC = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
         "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2}, "resources": {"nodes": 2}}
@@ -76,3 +78,16 @@ def test_a_failed_attempts_nodes_stay_and_the_next_attempt_has_its_own(url):
     assert not isinstance(_join(url, again, 0, "b", head="head-2"), str)  # any machine may be node 0 now
     with session_scope(url) as s:
         assert [(n.attempt, n.node, n.node_name) for n in nodes_q.nodes_of(s, job_id=lease.job_id)] == [(2, 0, "b")]
+
+
+def test_a_node_beats_while_its_attempt_runs_and_goes_silent_when_it_stops(url):
+    lease = _leased(url)
+    for node, name in ((0, "a"), (1, "b"), (2, "c")):
+        assert not isinstance(_join(url, lease, node, name, holder=f"{name}:{node}"), str)
+    with session_scope(url) as s:  # node 2 last beat a minute ago
+        s.execute(update(JobNode).where(JobNode.node == 2).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+    assert nodes_q.beat(url, job_id=lease.job_id, attempt=1, node=1, head="head")
+    assert nodes_q.silent_nodes(url, job_id=lease.job_id, attempt=1, within_s=30) == [2]  # node 0 holds the lease
+    assert nodes_q.silent_nodes(url, job_id=lease.job_id, attempt=1, within_s=120) == []
+    assert leases.requeue(url, job_id=lease.job_id, holder="head", message="node 2 stopped answering")
+    assert not nodes_q.beat(url, job_id=lease.job_id, attempt=1, node=1, head="head")  # over: node 1 stops its ranks

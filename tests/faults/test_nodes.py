@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import pytest
 
@@ -30,11 +31,16 @@ def nodes(cluster):
     port = free_port()
     cluster.env.update(GRPO_MAX_NODES="2", GRPO_NODE_ADDRESS="127.0.0.1", GRPO_GANG_WAIT_S=str(GANG_WAIT_S),
                        GRPO_RENDEZVOUS_PORTS=f"{port}-{port}")
+    cluster.rendezvous_port = port
     return cluster
 
 
 def _events(c, job_id, kind=None) -> list[dict]:
     return [e for e in c.get(f"/v1/jobs/{job_id}/events").json() if kind is None or e["type"] == kind]
+
+
+def _waiting(c, job_id, saying: str) -> list[dict]:
+    return [e for e in _events(c, job_id, "waiting") if saying in e["message"]]
 
 
 def _metrics(c, job_id) -> dict[str, list[tuple[int, float]]]:
@@ -50,9 +56,12 @@ def test_a_two_node_job_waits_for_its_second_node_then_trains_as_one_node_with_t
         r = c.post("/v1/jobs", json={**TWO_NODES, "resources": {"nodes": 4},
                                       "grpo": {**TWO_NODES["grpo"], "prompts_per_step": 4}})
         assert r.status_code == 422 and "GRPO_MAX_NODES" in r.text, r.text  # the admin's limit, at submit time
-        job_id = c.post("/v1/jobs", json=TWO_NODES).json()["id"]
-        # one worker: node 0 waits GANG_WAIT_S for node 1, then gives the job back, uncounted, saying why
-        waiting = wait_for(lambda: _events(c, job_id, "waiting"), "a waiting event", nodes, timeout=60)[0]
+        with socket.create_server(("", nodes.rendezvous_port)):  # another program holds the only rendezvous port
+            job_id = c.post("/v1/jobs", json=TWO_NODES).json()["id"]
+            taken = wait_for(lambda: _waiting(c, job_id, "is taken"), "a port-taken event", nodes, timeout=60)[0]
+        assert f"every port of GRPO_RENDEZVOUS_PORTS ({nodes.rendezvous_port}-" in taken["message"], taken
+        # the port free again, one worker: node 0 waits GANG_WAIT_S for node 1, then gives the job back, uncounted
+        waiting = wait_for(lambda: _waiting(c, job_id, "clients joined"), "a gang-wait event", nodes, timeout=60)[0]
         assert "waiting for 2 workers on different machines" in waiting["message"], waiting
         assert job_state(c, job_id)["attempt"] <= 1
         nodes.worker("b", GRPO_NODE_NAME="b")

@@ -57,7 +57,7 @@ def rendezvous_endpoint(settings: Settings) -> str:
 def host(lease: Lease, *, settings: Settings, holder: str) -> Gang:
     """Node 0 of the leased attempt: the rendezvous it hosts, joined, and a message sent for each other node."""
     assert lease.spec is not None
-    nodes, gpus = lease.spec.resources.nodes, lease.spec.gpus
+    nodes, gpus = lease.spec.nodes, lease.spec.gpus
     endpoint = rendezvous_endpoint(settings)
     joined = nodes_q.join(settings.store_url, job_id=lease.job_id, uid=lease.uid, attempt=lease.attempt, head=holder,
                           node=0, node_name=settings.node, holder=holder)
@@ -145,7 +145,7 @@ def wait_again(lease: Lease, *, settings: Settings, holder: str, why: str) -> bo
     """The other nodes did not come (or no port was free): the job goes back to the queue without counting the
     attempt, with a `waiting` event saying why, and is sent again after a random pause, so that two multi-node
     jobs that each hold some of the workers do not meet again in the same order. False: the lease was gone."""
-    nodes = lease.spec.resources.nodes if lease.spec else 0
+    nodes = lease.spec.nodes if lease.spec else 0
     again = leases.requeue(settings.store_url, job_id=lease.job_id, holder=holder, failed=False,
                            message=f"waiting for {nodes} workers on different machines (GRPO_NODE_NAME) to take a "
                            f"node each: {why}. Queued again; single-node jobs run meanwhile",

@@ -144,7 +144,7 @@ def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
                             "storage; node 0 waits for another worker")
         return "refused"
     spec, owner_settings = joined.spec, for_owner(settings, joined.owner)
-    gang = Gang(nodes=spec.resources.nodes, node=message.node, endpoint=message.endpoint, wait_s=settings.gang_wait_s)
+    gang = Gang(nodes=spec.nodes, node=message.node, endpoint=message.endpoint, wait_s=settings.gang_wait_s)
     rank_reporter = partial(SqlReporter, joined.job_id, uid=joined.uid, owner=joined.owner, holder=holder,
                             settings=owner_settings)  # rank 0 reports, and it runs on node 0: never called here
     try:
@@ -223,7 +223,7 @@ def _ranks_failed(lease: leases.Lease, reporter: SqlReporter, settings: Settings
     if exc.killed:
         return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: {exc}; the other ranks were "
                         "stopped. Queued again, it resumes from its last checkpoint")
-    if exc.peer_gone and lease.spec is not None and lease.spec.resources.nodes > 1:  # another node's ranks went
+    if exc.peer_gone and lease.spec is not None and lease.spec.nodes > 1:  # another node's ranks went
         return _requeue(lease, reporter, settings, f"attempt {lease.attempt} failed: another node of the job was "
                         f"lost ({exc}). Queued again, it resumes from its last checkpoint")
     log.error("job %s failed on %s", lease.job_id, exc)
@@ -260,7 +260,7 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
                             settings=owner_settings)
     gang, watch = None, None
     try:
-        if spec.resources.nodes > 1:  # node 0 of a job on several machines; it watches the others
+        if spec.nodes > 1:  # node 0 of a job on several machines; it watches the others
             gang, watch = nodes.host(lease, settings=settings, holder=reporter.holder), nodes.watch_others(
                 lease, settings=settings)
         with watch or nullcontext():

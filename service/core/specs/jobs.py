@@ -45,6 +45,11 @@ class _JobBase(_Section):
         """The GPUs this job needs on one worker (0: any worker)."""
         return gpus_needed(self.devices, self.resources.processes)
 
+    @property
+    def nodes(self) -> int:
+        """The machines (workers) this job runs on."""
+        return self.resources.nodes
+
     def reward_specs(self) -> list[RewardSpec]:
         if self.rewards:
             return self.rewards
@@ -260,6 +265,11 @@ class SessionJob(_Section):
     def gpus(self) -> int:
         """The GPUs this run needs on one worker (0: any worker)."""
         return gpus_needed(self.devices, 1)
+
+    @property
+    def nodes(self) -> int:
+        """A session run runs on one machine."""
+        return 1
 
 
 SubmittedSpec = Annotated[GRPOJob | TracInJob | JointJob | SFTJob, Field(discriminator="kind")]  # what a client submits

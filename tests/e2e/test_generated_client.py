@@ -150,6 +150,7 @@ def test_a_generated_client_calls_every_operation(generated):
     assert {d.job_id for d in call("webhooks.list_deliveries_v1_webhooks_webhook_id_deliveries_get", hook.id)} == {
         job.id, selecting.id}
     call("webhooks.delete_webhook_v1_webhooks_webhook_id_delete", hook.id, status=204)
+    assert call("workers.job_nodes_v1_jobs_job_id_nodes_get", selecting.id).items == []  # one machine: no nodes
     call("jobs.delete_job_v1_jobs_job_id_delete", job.id, status=204)
     call("jobs.delete_job_v1_jobs_job_id_delete", selecting.id, status=204)
     call("files.delete_file_v1_files_file_id_delete", up.id, status=204)
@@ -206,7 +207,6 @@ def test_a_generated_client_calls_every_operation(generated):
     call("tinker.finish_session_api_v1_sessions_session_id_finish_post", sid, status=204)
     (worker,) = call("workers.list_workers_v1_workers_get").items  # dev's one worker, which ran the jobs
     assert worker.gpus == [] and worker.queues == ["jobs"] and worker.concurrency == 1
-    assert call("workers.job_nodes_v1_jobs_job_id_nodes_get", selecting.id).items == []  # one machine: no nodes
     called.add("tinker.retrieve_future_api_v1_retrieve_future_post")
     assert called == operations, sorted(operations - called)
     assert len(operations) == 59

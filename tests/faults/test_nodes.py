@@ -81,6 +81,18 @@ def test_a_two_node_job_waits_for_its_second_node_then_trains_as_one_node_with_t
         assert [v for _, v in two_nodes[key]] == pytest.approx([v for _, v in points], rel=1e-6, abs=1e-9), key
 
 
+def _at_step_5_on_two_nodes(cluster) -> int:
+    """A 30-step job on workers a and b (two machines), once it has reached step 5: its id."""
+    cluster.serve()
+    cluster.worker("a", GRPO_NODE_NAME="a")
+    cluster.worker("b", GRPO_NODE_NAME="b")
+    job = {**LONG_JOB, "resources": {"nodes": 2}, "grpo": {**LONG_JOB["grpo"], "steps": 30}}
+    with cluster.client() as c:
+        job_id = c.post("/v1/jobs", json=job).json()["id"]
+        reached_step(c, job_id, 5, cluster)
+    return job_id
+
+
 def _node_worker(cluster, c, job_id, node: int) -> str:
     """The name of the worker process that runs `node` of the job's latest attempt."""
     holder = [e["data"]["holder"] for e in _events(c, job_id, "node") if e["data"]["node"] == node][-1]
@@ -90,13 +102,8 @@ def _node_worker(cluster, c, job_id, node: int) -> str:
 
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_killed_node_fails_the_attempt_over_and_the_job_resumes_on_two_workers(nodes, lost):
-    nodes.serve()
-    nodes.worker("a", GRPO_NODE_NAME="a")
-    nodes.worker("b", GRPO_NODE_NAME="b")
-    job = {**LONG_JOB, "resources": {"nodes": 2}, "grpo": {**LONG_JOB["grpo"], "steps": 30}}
+    job_id = _at_step_5_on_two_nodes(nodes)
     with nodes.client() as c:
-        job_id = c.post("/v1/jobs", json=job).json()["id"]
-        reached_step(c, job_id, 5, nodes)
         victim = _node_worker(nodes, c, job_id, lost)
         nodes.kill_group(victim)  # kill -9 of that machine's worker and its ranks, mid-step
         nodes.worker("c", GRPO_NODE_NAME="c")  # a machine to take its place
@@ -114,13 +121,8 @@ def test_a_killed_node_fails_the_attempt_over_and_the_job_resumes_on_two_workers
 def test_a_node_that_hangs_is_noticed_within_the_lease_and_the_job_resumes_without_it(nodes):
     """SIGSTOP of node 1's worker and ranks: its connections stay open, so node 0's ranks would wait in a collective
     for its 30-minute timeout; node 0 sees the node's heartbeat go stale instead and fails the attempt over."""
-    nodes.serve()
-    nodes.worker("a", GRPO_NODE_NAME="a")
-    nodes.worker("b", GRPO_NODE_NAME="b")
-    job = {**LONG_JOB, "resources": {"nodes": 2}, "grpo": {**LONG_JOB["grpo"], "steps": 30}}
+    job_id = _at_step_5_on_two_nodes(nodes)
     with nodes.client() as c:
-        job_id = c.post("/v1/jobs", json=job).json()["id"]
-        reached_step(c, job_id, 5, nodes)
         hung = _node_worker(nodes, c, job_id, 1)
         os.killpg(nodes.procs[hung].pid, signal.SIGSTOP)
         try:

@@ -19,13 +19,13 @@ import random
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from service.core import queue
 from service.core.settings import Settings
-from service.store import leases
+from service.core.specs import JobSpec
 from service.store import nodes as nodes_q
 from service.store.leases import Lease
 from worker.parallel.launch import Gang
@@ -141,23 +141,20 @@ def watch_node_0(message: queue.NodeMessage, *, settings: Settings) -> Watch:
     return Watch(lost, settings.heartbeat_s)
 
 
-def wait_again(lease: Lease, *, settings: Settings, holder: str, why: str) -> bool:
-    """The other nodes did not come (or no port was free): the job goes back to the queue without counting the
-    attempt, with a `waiting` event saying why, and is sent again after a random pause, so that two multi-node
-    jobs that each hold some of the workers do not meet again in the same order. False: the lease was gone."""
-    nodes = lease.spec.nodes if lease.spec else 0
-    again = leases.requeue(settings.store_url, job_id=lease.job_id, holder=holder, failed=False,
-                           message=f"waiting for {nodes} workers on different machines (GRPO_NODE_NAME) to take a "
-                           f"node each: {why}. Queued again; single-node jobs run meanwhile",
-                           data={"nodes": nodes})
-    if again is None:
-        return False
-    pause = random.uniform(0, min(settings.gang_wait_s, 30.0))
-    log.info("job %s: gang incomplete (%s); sending it again in %.1f s", lease.job_id, why, pause)
-    time.sleep(pause)
-    try:
-        queue.enqueue(again, broker_url=settings.broker)
-    except Exception as err:  # the sweep enqueues a queued job nobody takes
-        log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
-    return True
+@dataclass(frozen=True)
+class Waiting:
+    """How a multi-node attempt that never started goes back to the queue: uncounted, with this event data,
+    and sent again after a random pause, so that two multi-node jobs that each hold some of the workers do not
+    meet again in the same order."""
 
+    data: dict
+    pause_s: float
+
+
+def waiting(spec: JobSpec, *, settings: Settings) -> Waiting:
+    return Waiting(data={"nodes": spec.nodes}, pause_s=random.uniform(0, min(settings.gang_wait_s, 30.0)))
+
+
+def run_id(uid: str, attempt: int) -> str:
+    """The rendezvous run id every node of an attempt (and every single-node attempt) launches with."""
+    return f"job-{uid}-{attempt}"

@@ -150,7 +150,7 @@ def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
     try:
         with nodes.watch_node_0(message, settings=settings):
             launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
-                   run_id=f"job-{joined.uid}-{joined.attempt}", gang=gang)
+                   run_id=nodes.run_id(joined.uid, joined.attempt), gang=gang)
     except GangIncomplete as exc:
         log.warning("job %s: %s", message.job_id, exc)
         return "gave up"
@@ -202,17 +202,23 @@ def loop_on_ranks(spec: JobSpec, settings: Settings, make_reporter: Callable[[],
                                ranks=ranks)
 
 
-def _requeue(lease: leases.Lease, reporter: SqlReporter, settings: Settings, message: str) -> Outcome:
+def _requeue(lease: leases.Lease, reporter: SqlReporter, settings: Settings, message: str, *,
+             waiting: nodes.Waiting | None = None) -> Outcome:
     """An attempt that failed for a reason outside the job (a killed rank, a lost environment server):
-    queued again with `message`, it resumes from its last checkpoint (up to max_attempts attempts)."""
-    again = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message)
+    queued again with `message`, it resumes from its last checkpoint (up to max_attempts attempts). With
+    `waiting`, a multi-node attempt that never started: not counted, and sent again after its pause."""
+    again = leases.requeue(settings.store_url, job_id=lease.job_id, holder=reporter.holder, message=message,
+                           failed=waiting is None, data=waiting.data if waiting else None)
     if again is None:
         raise LeaseLost(f"job {lease.job_id}: lease lost")
+    if waiting is not None:
+        log.info("job %s: %s; sending it again in %.1f s", lease.job_id, message, waiting.pause_s)
+        time.sleep(waiting.pause_s)
     try:
         queue.enqueue(again, broker_url=settings.broker)
     except Exception as err:  # the sweep enqueues a queued job nobody takes
         log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
-    return "requeued"
+    return "requeued" if waiting is None else "waiting"
 
 
 def _ranks_failed(lease: leases.Lease, reporter: SqlReporter, settings: Settings, exc: RanksFailed) -> Outcome:
@@ -265,7 +271,7 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
                 lease, settings=settings)
         with watch or nullcontext():
             result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
-                              run_id=f"job-{lease.uid}-{lease.attempt}", gang=gang)
+                              run_id=nodes.run_id(lease.uid, lease.attempt), gang=gang)
     except LeaseLost:
         raise
     except LauncherStopped as exc:
@@ -274,9 +280,10 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
                             "ranks were stopped. Queued again, it resumes from its last checkpoint")
         raise LeaseLost(f"job {lease.job_id}: {exc}") from exc  # the worker is stopping: the sweep requeues it
     except (GangIncomplete, nodes.NoRendezvousPort) as exc:
-        if not nodes.wait_again(lease, settings=settings, holder=reporter.holder, why=str(exc)):
-            raise LeaseLost(f"job {lease.job_id}: lease lost") from exc
-        return "waiting"
+        waiting = nodes.waiting(spec, settings=settings)
+        return _requeue(lease, reporter, settings, f"waiting for {spec.nodes} workers on different machines "
+                        f"(GRPO_NODE_NAME) to take a node each: {exc}. Queued again; single-node jobs run meanwhile",
+                        waiting=waiting)
     except RanksFailed as exc:
         return _ranks_failed(lease, reporter, settings, exc)
     except EnvironmentDown as exc:

@@ -138,7 +138,11 @@ def held_out(rows: list[Example], spec: DatasetSpec, name: str) -> tuple[list[Ex
 
 
 def jsonl(spec: DatasetSpec, settings: Settings) -> tuple[list[Example], list[Example]]:
-    return held_out(examples(_file("path", spec.path, settings), spec.path), spec, spec.path)  # type: ignore[arg-type]
+    """Train and validation examples from the owner's files (validation: val_path, else held out)."""
+    train = examples(_file("path", spec.path, settings), spec.path)  # type: ignore[arg-type]
+    if spec.val_path is None:
+        return held_out(train, spec, spec.path)  # type: ignore[arg-type]
+    return train, examples(_file("val_path", spec.val_path, settings), spec.val_path)
 
 
 def uploaded(spec: DatasetSpec, fetch: FetchFile) -> tuple[list[Example], list[Example]]:

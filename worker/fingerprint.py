@@ -103,12 +103,21 @@ def files_sha256(folder: Path, cache: Path) -> str:
     return h.hexdigest()
 
 
-def tensors_sha256(module: torch.nn.Module) -> str:
+def _named_sha256(tensors) -> str:
     h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
+    for name, t in sorted(tensors, key=lambda nt: nt[0]):
         h.update(name.encode())
         h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def tensors_sha256(module: torch.nn.Module) -> str:
+    return _named_sha256(module.state_dict().items())
+
+
+def trainable_sha256(model: torch.nn.Module) -> str:
+    """The trainable parameters (LoRA's factors, or every weight), by name: what training starts from."""
+    return _named_sha256((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
 
 def model_sha256(name: str, settings: Settings, base: torch.nn.Module) -> str:
@@ -122,9 +131,11 @@ def task_sha256(task) -> str:
     return sha256_json(dataclasses.asdict(task) if dataclasses.is_dataclass(task) else task)
 
 
-def fingerprint(spec, settings: Settings, *, model_hash: str, task, device: str) -> Fingerprint:
-    """`model_hash`: model_sha256 of the weights as loaded, before `model.init_from`'s or training."""
+def fingerprint(spec, settings: Settings, *, model_hash: str, task, device: str, model: torch.nn.Module) -> Fingerprint:
+    """`model_hash`: model_sha256 of the weights as loaded, before `model.init_from`'s or training;
+    `model`: the policy as training starts from it."""
     return Fingerprint(spec_sha256=sha256_json(spec.model_dump(mode="json")), version=importlib.metadata.version(
         "grpo-jobs"), commit=source_commit(), libraries=libraries(spec.rollout.engine, settings),
         hardware=hardware(device), seeds={"train": spec.train.seed, "dataset": spec.dataset.seed},
-        processes=spec.resources.processes, data_sha256=task_sha256(task), model_sha256=model_hash)
+        processes=spec.resources.processes, data_sha256=task_sha256(task), model_sha256=model_hash,
+        trainable_sha256=trainable_sha256(model))

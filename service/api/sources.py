@@ -120,7 +120,7 @@ def check_sources(spec, settings: Settings, *, session: Session, owner: str) -> 
                        "GRPO_VLLM_PYTHON); use 'hf'"})
     d: DatasetSpec = spec.dataset
     errors += _file_errors(d, session, owner)
-    for field in ("path", "corpus_path"):
+    for field in ("path", "val_path", "corpus_path"):
         rel = getattr(d, field)
         if d.name == "jsonl" and rel is not None and dataset_file(rel, settings) is None:
             errors.append({"loc": ("dataset", field), "msg": unavailable_file(f"dataset.{field}", rel),

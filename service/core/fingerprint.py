@@ -37,6 +37,10 @@ class Fingerprint(BaseModel):
     data_sha256: str = Field(description="SHA-256 of the loaded task: every train and validation example (and the "
                              "corpus of a retrieval task).")
     model_sha256: str = Field(description="SHA-256 of the base model's weight files (a tiny preset: of its weights).")
+    trainable_sha256: str = Field("", description="SHA-256 of the weights training starts from: the trainable "
+                                  "parameters after LoRA's initialisation and `model.init_from` (empty: recorded "
+                                  "before it was measured). Two runs of one seed start from equal weights when "
+                                  "these are equal.")
 
     def differences(self, other: Fingerprint) -> list[str]:
         """The fields in which two fingerprints differ (hardware's by name)."""

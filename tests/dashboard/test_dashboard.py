@@ -98,6 +98,7 @@ def test_job_page_draws_every_series_with_its_points(page, service):
     fp = service.client.get(f"/v1/jobs/{job['id']}").json()["fingerprint"]
     assert page.locator('#fingerprint [data-field="spec"]').inner_text() == fp["spec_sha256"]
     assert page.locator('#fingerprint [data-field="model weights"]').inner_text() == fp["model_sha256"]
+    assert page.locator('#fingerprint [data-field="starting weights"]').inner_text() == fp["trainable_sha256"]
     page.shot("job")
 
 

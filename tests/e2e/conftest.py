@@ -122,7 +122,7 @@ def check_finished_job(client: httpx.Client, job: dict) -> None:
     assert client.get(f"/v1/jobs/{jid}/samples").json()
     detail = client.get(f"/v1/jobs/{jid}").json()
     fp = detail["fingerprint"]  # what ran, recorded by the worker
-    assert len(fp["spec_sha256"]) == len(fp["data_sha256"]) == len(fp["model_sha256"]) == 64
+    assert len(fp["spec_sha256"]) == len(fp["data_sha256"]) == len(fp["model_sha256"]) == len(fp["trainable_sha256"]) == 64
     assert {"python", "torch", "transformers", "peft"} <= set(fp["libraries"]) and fp["hardware"]["cores"] >= 1
     assert fp["seeds"] == {"train": 0, "dataset": 0} and fp["processes"] == job["spec"]["resources"]["processes"]
     # no devices section: devices.policy 'auto', placed by this GPU-less worker on its CPU

@@ -36,6 +36,19 @@ def test_jsonl_rows_and_errors(tmp_path, settings_factory):
         jsonl(DatasetSpec(name="jsonl", path="missing.jsonl"), settings)
 
 
+def test_jsonl_validation_from_its_own_file(tmp_path, settings_factory):
+    settings = settings_factory(GRPO_DATASETS_ROOT=tmp_path)
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"prompt": f"t{i}", "answer": i}) for i in range(5)))
+    (tmp_path / "v.jsonl").write_text("\n".join(json.dumps({"prompt": f"v{i}", "answer": i}) for i in range(3)))
+    train, val = jsonl(DatasetSpec(name="jsonl", path="t.jsonl", val_path="v.jsonl"), settings)
+    assert [e.question for e in train] == [f"t{i}" for i in range(5)]  # every training row trains: none held out
+    assert [e.question for e in val] == ["v0", "v1", "v2"]
+    with pytest.raises(ValueError, match="dataset.num_val would have no effect"):
+        DatasetSpec(name="jsonl", path="t.jsonl", val_path="v.jsonl", num_val=2)
+    with pytest.raises(ValueError, match="dataset.val_path would have no effect"):
+        DatasetSpec(name="arith", val_path="v.jsonl")
+
+
 def test_instruction_follows_rewards_and_template():
     task = load_task(DatasetSpec(num_train=5, num_val=2), settings=None, reward_names=["r1_math"])
     assert "<answer>" in task.instruction

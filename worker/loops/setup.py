@@ -93,7 +93,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
     if ranks.main:  # what ran, for reproducing it (every rank runs the same)
-        fp = fingerprint(spec, settings, model_hash=model_hash, task=task, device=dev)
+        fp = fingerprint(spec, settings, model_hash=model_hash, task=task, device=dev, model=model)
         reporter.event(FINGERPRINT, f"spec {fp.spec_sha256[:12]}, data {fp.data_sha256[:12]}, model "
                        f"{fp.model_sha256[:12]}, grpo-jobs {fp.commit or fp.version}", data=fp.model_dump())
     plan = checkpoint_plan(spec, settings, model, tok, task, device, ranks)

@@ -37,6 +37,10 @@ class DatasetSpec(_Section):
         None, description="jsonl only: a file in your folder of the datasets root (GRPO_DATASETS_ROOT/<owner>/), "
         "or 'shared/...' for the admin's shared datasets."
     )
+    val_path: str | None = Field(
+        None, description="jsonl only: validation rows {prompt, answer}, found like `path`; default: a seeded "
+        "held-out split of `num_val` rows of `path`."
+    )
     corpus_path: str | None = Field(
         None, description="jsonl joint jobs only: corpus file {id, text}, found like `path`."
     )
@@ -67,7 +71,7 @@ class DatasetSpec(_Section):
     def accuracy_check(self) -> str:
         return self.accuracy or ("numeric_match" if self.name == "arith" else "exact_match")
 
-    @field_validator("path", "corpus_path")
+    @field_validator("path", "val_path", "corpus_path")
     @classmethod
     def _relative(cls, v: str | None) -> str | None:
         if v is None:
@@ -84,11 +88,13 @@ class DatasetSpec(_Section):
         if self.name == "file" and not self.train_file:
             raise ValueError("dataset.train_file is required when dataset.name is 'file': upload one with POST /v1/files")
         if self.name != "jsonl":
-            reject_unused(self, "dataset", ("path", "corpus_path"), unless="with dataset.name 'jsonl'")
+            reject_unused(self, "dataset", ("path", "val_path", "corpus_path"), unless="with dataset.name 'jsonl'")
         if self.name != "file":
             reject_unused(self, "dataset", ("train_file", "val_file", "corpus_file"), unless="with dataset.name 'file'")
         elif self.val_file:
             reject_unused(self, "dataset", ("num_val",), unless="without a val_file (the held-out split's size)")
+        if self.val_path:
+            reject_unused(self, "dataset", ("num_val",), unless="without a val_path (the held-out split's size)")
         if self.name in ("jsonl", "file"):
             reject_unused(self, "dataset", ("num_train",), unless="to generated tasks (a file trains on all its rows)")
         if self.name != "arith":

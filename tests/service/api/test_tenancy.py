@@ -111,6 +111,10 @@ def test_data_is_per_owner_and_contained(roots, tmp_path):
         _refused(bob, _data("missing.jsonl"), "dataset.path", bob.bob),
         _refused(bob, _data("shared/../alice/mine.jsonl"), "dataset.path", bob.bob),
     ]
+    # a validation file is checked like the training file: bob's own path with alice's file as validation
+    (datasets / "bob" / "own.jsonl").write_text('{"prompt": "p", "answer": "a"}\n' * 4)
+    spec = {**TINY, "dataset": {"name": "jsonl", "path": "own.jsonl", "val_path": "alias.jsonl"}}
+    assert "is not available" in _refused(bob, spec, "dataset.val_path", bob.bob)
     assert all("is not available" in m for m in messages[:4]), messages
     assert len({m.split("'")[0] + m.split("'")[2] for m in messages[:4]}) == 1  # one message, whatever the cause
 

@@ -158,6 +158,7 @@ function fingerprintSection(fp) {
   const hw = fp.hardware;
   const rows = [
     ["spec", fp.spec_sha256], ["data", fp.data_sha256], ["model weights", fp.model_sha256],
+    ["starting weights", fp.trainable_sha256 || "not recorded"],
     ["grpo-jobs", fp.commit ? `${fp.version} (${fp.commit})` : fp.version],
     ["libraries", Object.entries(fp.libraries).map(([k, v]) => `${k} ${v}`).join(", ")],
     ["hardware", `${hw.cpu}, ${hw.cores} cores, ${hw.threads} threads, ${hw.cpu_capability}${hw.gpus.length ? `, ${hw.gpus.join(", ")}` : ""} (trains on ${hw.device})`],

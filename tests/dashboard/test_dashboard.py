@@ -72,6 +72,9 @@ def test_job_page_draws_every_series_with_its_points(page, service):
     assert page.locator('#sparsity .chart[data-title="Unchanged fraction against threshold"] canvas').count() == 1
     assert page.locator('#sparsity .chart[data-title="Partial update: KL to the full update"] canvas').count() == 1
     assert page.locator("#sparsity table.heatmap tbody tr").count() >= 2
+    curve = page.locator('#sparsity .chart[data-title="Unchanged fraction over training"]')  # steps 2 and 4
+    assert (curve.get_attribute("data-points"), curve.get_attribute("data-series")) == (
+        "2", "since the last report,since the start")
     # fp32 against bf16 at the literature's three tolerances, and KL on the task in the summary
     assert page.locator('#sparsity .chart[data-title^="Unchanged at the literature\'s tolerances"]').get_attribute("data-points") == "3"
     assert "KL(π₀ ‖ π) on the task" in page.locator("#sparsity-summary").inner_text()

@@ -1,6 +1,6 @@
 // The job page's report sections: TracIn selections, sparsity reports, samples, events, checkpoints.
 import { api, auth, qs } from "../api.js";
-import { categoryChart, heatmap, histogramChart, scatterChart } from "../charts.js";
+import { categoryChart, heatmap, histogramChart, overlayChart, scatterChart } from "../charts.js";
 import { fmt, h, parseTime, size } from "../dom.js";
 
 const section = (title, id, ...children) => h("section", { id }, h("h2", {}, title), ...children);
@@ -92,8 +92,16 @@ export function sparsitySection(jobId) {
   (async () => {
     const reports = await api(`/v1/jobs/${jobId}/sparsity?full=false`);
     if (!reports.length) { body.replaceChildren(h("p", { class: "muted" }, "No sparsity reports yet.")); return; }
-    body.replaceChildren(h("div", { class: "toolbar" }, "Report ",
-      stepSelect("sparsity-report", reports, (r) => `${r.scope} ${r.from_step}→${r.step}: ${fmt(r.sparsity)}`, (i) => show(reports[i]))), detail);
+    // The curves: does the share of untouched weights fall as training goes on, per interval and in all?
+    const curve = (scope, label) => {
+      const rs = reports.filter((r) => r.scope === scope);
+      return { label, x: rs.map((r) => r.step), y: rs.map((r) => r.sparsity) };
+    };
+    body.replaceChildren(
+      h("div", { class: "grid" }, overlayChart("Unchanged fraction over training",
+        [curve("window", "since the last report"), curve("cumulative", "since the start")])),
+      h("div", { class: "toolbar" }, "Report ",
+        stepSelect("sparsity-report", reports, (r) => `${r.scope} ${r.from_step}→${r.step}: ${fmt(r.sparsity)}`, (i) => show(reports[i]))), detail);
     show(reports.at(-1));
   })();
   return section("Sparsity reports", "sparsity", body);

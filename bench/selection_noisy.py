@@ -271,6 +271,10 @@ def paired(runs: dict[str, dict[int, Run]], arm: str, seeds: list[int], value) -
     return evidence.mean_interval([value(runs[arm][s]) - value(runs["all"][s]) for s in seeds])
 
 
+def fmt(i: evidence.Interval | None) -> str:
+    return "–" if i is None else f"{i.estimate:+.3f} [{i.low:+.3f}, {i.high:+.3f}]"
+
+
 def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Namespace, base_acc: float) -> None:
     last = args.steps
     same = [s for s in seeds if len({runs[a][s].start_sha256 for a in runs}) == 1 and runs["all"][s].start_sha256]
@@ -285,7 +289,6 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
         auc = [runs[arm][s].auc for s in seeds]
         d = paired(runs, arm, seeds, lambda r: r.curve[last]) if arm != "all" else None
         da = paired(runs, arm, seeds, lambda r: r.auc) if arm != "all" else None
-        fmt = (lambda i: "–" if i is None else f"{i.estimate:+.3f} [{i.low:+.3f}, {i.high:+.3f}]")
         flags = ""
         if arm in INFLUENCE:
             both, dropped, wrong_n, rows = (sum(runs[arm][s].flags[i] for s in seeds) for i in range(4))

@@ -30,6 +30,7 @@ RESULT arm=... seeds=... acc=... acc_se=... diff=... lo=... hi=... auc=... auc_d
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -111,31 +112,26 @@ def write_rows(path: Path, rows) -> None:
     path.write_text("".join(json.dumps({"prompt": r[0], "answer": str(r[1])}) + "\n" for r in rows))
 
 
-def prompt(q: str) -> str:
-    from worker.datasets import render_prompt
+@functools.cache
+def _tokenizer():
     from worker.models import char_tokenizer
 
-    return render_prompt(char_tokenizer(), q, "")  # a jsonl task's prompt: no instruction, no template
+    return char_tokenizer()
+
+
+def prompt(q: str) -> str:
+    from worker.datasets import render_prompt
+
+    return render_prompt(_tokenizer(), q, "")  # a jsonl task's prompt: no instruction, no template
 
 
 def greedy_accuracy(model, tok, rows: list[tuple[str, int]], *, batch: int = 250) -> float:
-    import torch
-
-    from worker.engines.sampling import eos_token_ids
+    """Greedy answers of up to 4 tokens, decoded as the service's evaluation decodes them."""
+    from scripts.eval_checkpoint import greedy
     from worker.rewards.functions import numeric_match
 
-    eos = sorted(eos_token_ids(tok, model))
-    right = 0
-    with torch.no_grad():
-        for i in range(0, len(rows), batch):
-            chunk = rows[i:i + batch]
-            enc = tok([prompt(q) for q, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-            ids = model.generate(**enc, max_new_tokens=4, do_sample=False, temperature=None, top_p=None, top_k=None,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=eos)
-            for row, (_, a) in zip(ids[:, enc["input_ids"].shape[1]:].tolist(), chunk):
-                n = next((j for j, t in enumerate(row) if t in eos), len(row))
-                right += numeric_match(tok.decode(row[:n], skip_special_tokens=True), [str(a)]) == 1.0
-    return right / len(rows)
+    answers = greedy(model, tok, [prompt(q) for q, _ in rows], max_new_tokens=4, batch=batch)
+    return sum(numeric_match(c, [str(a)]) for c, (_, a) in zip(answers, rows)) / len(rows)
 
 
 def pretrain_base(folder: Path, task: Task, *, target: float, seed: int) -> float:

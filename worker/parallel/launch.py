@@ -93,7 +93,12 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
                      rdzv_configs={"rank": gang.node, "timeout": max(1, round(gang.wait_s))})
     config = LaunchConfig(**nodes, nproc_per_node=processes, run_id=run_id or uuid.uuid4().hex, max_restarts=0,
                           monitor_interval=0.5, start_method=START_METHOD, shutdown_timeout=10)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {s: signal.getsignal(s) for s in stop_signals}
+    in_main = threading.current_thread() is threading.main_thread()  # where the agent installs its own
+    if in_main:  # until the agent installs its handlers (once the rendezvous is done), a stop is ours to raise
+        for s in stop_signals:
+            signal.signal(s, _stop)
     # A Celery pool process is daemonic, and multiprocessing refuses children to daemons (so that
     # none outlives it); the ranks instead die with it (PR_SET_PDEATHSIG), so let it start them.
     # Its authkey is billiard's, which refuses to be pickled for a spawned child: hand it on as
@@ -102,22 +107,30 @@ def launch(entry: Callable[..., Any], args: tuple, *, processes: int, run_id: st
     saved = dict(me._config)
     me._config.update(daemon=False, authkey=AuthenticationString(bytes(me.authkey)))
     try:
-        base = _fork_server() if START_METHOD == "forkserver" else dict(os.environ)
-        return elastic_launch(config, _rank_main)(entry, args, base, dict(os.environ))
-    except ChildFailedError as exc:
-        raise _cause(exc) from None
-    except SignalException as exc:  # the agent stopped the ranks before re-raising
+        try:
+            base = _fork_server() if START_METHOD == "forkserver" else dict(os.environ)
+            return elastic_launch(config, _rank_main)(entry, args, base, dict(os.environ))
+        except ChildFailedError as exc:
+            raise _cause(exc) from None
+        except (dist.DistError, TimeoutError) as exc:  # only the rendezvous raises these here: ranks' are above
+            if gang is None:
+                raise
+            raise GangIncomplete(f"node {gang.node} of {gang.nodes} at {gang.endpoint}: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    except SignalException as exc:  # the agent stopped the ranks before re-raising; or none had started
+        # (a signal that arrived while the rendezvous blocked is raised once it returns, maybe in a handler above)
         raise LauncherStopped(f"the worker was told to stop ({exc.sigval.name})") from None
-    except (dist.DistError, TimeoutError) as exc:  # only the rendezvous raises these here: ranks' errors are above
-        if gang is None:
-            raise
-        raise GangIncomplete(f"node {gang.node} of {gang.nodes} at {gang.endpoint}: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     finally:
         me._config.update(saved)
-        if threading.current_thread() is threading.main_thread():  # where the agent installs its own
+        if in_main:
             for s, h in handlers.items():
                 signal.signal(s, h)
+
+
+def _stop(signum: int, frame: object) -> None:
+    """A stop signal before the agent's own handler is in place (during the rendezvous): raised as the agent's
+    handler would, so that the caller's handler (a Celery pool process exits on it) never sees it."""
+    raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
 
 
 START_METHOD = "forkserver"  # "spawn": each rank imports everything itself (bench/rank_start.py compares)

@@ -4,6 +4,7 @@ updates and reports the same metrics as 1 process on the same global batch and s
 import json
 import os
 import signal
+import threading
 import time
 from functools import partial
 
@@ -21,6 +22,7 @@ from worker.parallel.distributed import Ranks
 from worker.parallel.launch import (
     Gang,
     GangIncomplete,
+    LauncherStopped,
     RanksFailed,
     agreed_backend,
     launch,
@@ -321,3 +323,22 @@ def test_a_node_alone_gives_up_after_its_wait():
     with pytest.raises(GangIncomplete, match="node 0 of 2 at 127.0.0.1:.*1/2 clients joined"):
         launch(_where_am_i, (), processes=1, run_id="alone", gang=Gang(2, 0, f"127.0.0.1:{free_port()}", wait_s=1))
     assert time.monotonic() - t0 < 30
+
+
+def test_a_stop_during_the_rendezvous_stops_the_launch_and_never_reaches_the_callers_handler():
+    """A node's watch stops its launch with SIGTERM; before any rank starts, the signal is the launcher's to raise
+    (a Celery pool process's own handler exits the process on it, and a second one kills it with code 70)."""
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(LauncherStopped, match="SIGTERM"):  # node 1, whose node 0 never comes
+            launch(_where_am_i, (), processes=1, run_id="stopped", gang=Gang(2, 1, f"127.0.0.1:{free_port()}",
+                                                                             wait_s=2))
+        assert seen == []
+        os.kill(os.getpid(), signal.SIGTERM)  # the caller's handler is back
+        time.sleep(0.1)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+

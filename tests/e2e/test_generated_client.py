@@ -40,7 +40,7 @@ def generated(tmp_path_factory, models_root):
         key = subprocess.run([str(BIN), "keys", "create", "--owner", "generated"], env=procs.env, capture_output=True,
                              text=True, check=True).stdout.split()[-1]
         doc = tmp_path / "openapi.json"
-        doc.write_text(httpx.get(f"{base}/openapi.json").text)
+        doc.write_text(httpx.get(f"{base}/openapi.json", timeout=60).text)  # built on first ask: seconds on a busy CPU
         (tmp_path / "cfg.yaml").write_text("post_hooks: []\nproject_name_override: grpo_client\n"
                                            "package_name_override: grpo_client\n")
         gen = subprocess.run([str(GENERATOR), "generate", "--path", str(doc), "--config", str(tmp_path / "cfg.yaml"),

@@ -38,7 +38,7 @@ def test_store_unreachable_at_the_api_is_a_503_on_every_route(cluster, pg_url):
         proxy.start()
         wait_for(lambda: c.get("/readyz").status_code == 200, "the API to migrate and get ready", cluster, timeout=60)
         assert c.get("/v1/jobs").status_code == 200
-        routes = _routes(c.get("/openapi.json").json())
+        routes = _routes(c.get("/openapi.json", timeout=60).json())  # built on first ask: seconds on a busy CPU
         assert len(routes) >= 10
         proxy.cut()
         for method, path in routes:

@@ -102,6 +102,32 @@ class CheckpointPlan:
                  "budget_gb": self.budget_gb, "asked": self.asked})
 
 
+# The sampler folds LoRA into its own copy of the adapted weights (worker/engines/folded.py) when the copy takes
+# at most this share of the budget: a tenth of a budget is spare; beyond it, memory decides over speed.
+FOLD_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class FoldPlan:
+    """Whether the sampler decodes through weights with the LoRA adapter folded in, and why."""
+
+    fold: bool
+    copy_gb: float  # what the sampler's copy of the adapted weights takes
+    budget_gb: float | None
+
+    def describe(self) -> str:
+        if self.budget_gb is None:
+            return "the sampler runs the adapter unfolded: the available memory is unknown here"
+        state = "folds the adapter into" if self.fold else "runs the adapter unfolded, sparing"
+        return (f"the sampler {state} a {self.copy_gb:.2f} GB copy of the adapted weights "
+                f"({'within' if self.fold else 'over'} {FOLD_SHARE:.0%} of the budget)")
+
+
+def plan_fold(copy_bytes: int, *, budget_gb: float | None) -> FoldPlan:
+    gb = copy_bytes / GB
+    return FoldPlan(fold=budget_gb is not None and gb <= FOLD_SHARE * budget_gb, copy_gb=gb, budget_gb=budget_gb)
+
+
 def activation_bytes(config, *, rows: int, positions: int, dtype: torch.dtype) -> int:
     """What one micro-batch of `rows` x `positions` keeps for backward through a decoder without
     checkpointing, from the model's shapes: per layer and position about ten hidden-size tensors (the

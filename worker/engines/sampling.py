@@ -33,6 +33,7 @@ from transformers import (
 from worker.algos.logprobs import token_logprobs
 from worker.algos.lora import is_lora
 from worker.algos.losses import entropy_from_logits
+from worker.engines.folded import FoldedSampler, foldable
 from worker.parallel.distributed import row_seed
 
 
@@ -392,10 +393,11 @@ class HFEngine:
     when its weights are the rollout weights, so no copy is needed."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, fold: bool = False) -> None:
         self.tokenizer, self.params, self.device, self.sharded = tokenizer, params, torch.device(device), sharded
         self.eos_ids = eos_token_ids(tokenizer, policy)
         self.version = 0
+        self.folded: FoldedSampler | None = None
         if sharded:
             self.model = policy
             return
@@ -407,6 +409,14 @@ class HFEngine:
         self.model = copy.deepcopy(policy, memo).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        layers = foldable(self.model) if fold else None
+        if layers:
+            self.folded = FoldedSampler(self.model, layers)
+
+    @property
+    def sampler(self) -> torch.nn.Module:
+        """What `generate` decodes with: the folded copy where there is one (`fold`), else the rollout copy."""
+        return self.folded.model if self.folded is not None else self.model
 
     def rest(self) -> None:
         """Nothing to give back: the frozen copy is the sampler, and with LoRA it shares the base weights."""
@@ -420,6 +430,8 @@ class HFEngine:
             q = src[name]
             if q.requires_grad and p.data_ptr() != q.data_ptr():
                 p.copy_(q.to(p.device))
+        if self.folded is not None:
+            self.folded.fold()
 
     @torch.no_grad()
     def generate(self, prompts: Prompts, num_generations: int, *, seeds: list[int] | None = None,
@@ -445,13 +457,13 @@ class HFEngine:
         if self.sharded:  # a process whose rows are done keeps taking part in the others' forwards
             kwargs["synced_gpus"] = True
         elif num_generations > 1 and ids.shape[1] > 1:
-            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, num_generations,
+            cache = shared_prompt_cache(self.sampler, prompt_ids, prompt_mask, num_generations,
                                         ids.shape[1] + sp.max_new_tokens)
             if cache is not None:
                 for k in ("cache_implementation", "prefill_chunk_size"):
                     kwargs.pop(k, None)
                 kwargs["cache"] = cache
-        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        out = self.sampler.generate(input_ids=ids, attention_mask=mask, **kwargs)
         completion = out[:, ids.shape[1]:]  # [N, T]
         lengths, ended = completion_lengths(tok, completion, self.eos_ids, sp.stop)
         T = completion.shape[1]

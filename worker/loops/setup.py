@@ -23,6 +23,7 @@ from worker.checkpoints import (
     load_weights,
 )
 from worker.datasets import TaskData, load_task, render_example
+from worker.engines.folded import adapted_bytes, foldable
 from worker.engines.sampling import HFEngine, RolloutEngine, SamplingParams, eos_token_ids
 from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
 from worker.environments.host import EnvironmentHost, open_environment
@@ -105,6 +106,11 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None, "malloc": malloc})
     message, data = plan.event()
+    sharded = spec.resources.sharding == "fsdp"
+    fold = fold_plan(spec, settings, model, device, ranks=ranks, sharded=sharded)
+    if fold is not None:
+        message, data = f"{message}; {fold.describe()}", {**data, "sampler_fold": fold.fold,
+                                                           "sampler_fold_gb": fold.copy_gb}
     reporter.event("memory_plan", message, data=data)
     params = SamplingParams(max_new_tokens=g.max_new_tokens, stop=tuple(g.stop))  # SFT only samples greedily
     if isinstance(g, GRPOSpec):
@@ -112,12 +118,12 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     ref = None
     if g.with_reference and not is_lora(model):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
-    sharded = spec.resources.sharding == "fsdp"
     if sharded:  # FSDP2: each rank keeps its shard of the policy, the reference, their gradients and AdamW's state
         shard(model, ranks)
         if ref is not None:
             shard(ref, ranks)
-    engine = rollout_engine(spec, settings, reporter, model, tok, dev, params, ranks=ranks, sharded=sharded)
+    engine = rollout_engine(spec, settings, reporter, model, tok, dev, params, ranks=ranks, sharded=sharded,
+                            fold=fold is not None and fold.fold)
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_step,
                            total=g.steps * g.epochs_per_step)
@@ -151,19 +157,38 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     base = base_model(model)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # activations in at least float32
     activations = memory.activation_bytes(base.config, rows=rows, positions=positions, dtype=dtype)
-    budget = settings.memory_budget_gb if settings.memory_budget_gb is not None else memory.available_gb(device)
-    if budget is not None and device.type == "cpu":
-        budget /= ranks.local_world
+    budget = memory_budget_gb(settings, device, ranks)
     plan = memory.plan_checkpointing(spec.model.gradient_checkpointing, activations=activations, budget_gb=budget)
     anyone = ranks.max({"checkpointing": float(plan.checkpointing)})["checkpointing"] > 0
     return dataclasses.replace(plan, checkpointing=anyone)
 
 
+def memory_budget_gb(settings: Settings, device: torch.device, ranks: Ranks = SINGLE) -> float | None:
+    """What one process of a job may plan on: GRPO_MEMORY_BUDGET_GB or what is free, shared by the job's
+    processes on a CPU."""
+    budget = settings.memory_budget_gb if settings.memory_budget_gb is not None else memory.available_gb(device)
+    if budget is not None and device.type == "cpu":
+        budget /= ranks.local_world
+    return budget
+
+
+def fold_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, device: torch.device, *, ranks: Ranks,
+              sharded: bool) -> memory.FoldPlan | None:
+    """Whether the `hf` sampler folds the LoRA adapter into a copy of the adapted weights (None: it cannot:
+    another engine, a sharded policy, a rollout copy on another device, or an adapter it cannot fold)."""
+    if spec.rollout.engine != "hf" or sharded or (spec.devices.rollout or str(device)) != str(device):
+        return None
+    layers = foldable(model)
+    if layers is None:
+        return None
+    return memory.plan_fold(adapted_bytes(layers), budget_gb=memory_budget_gb(settings, device, ranks))
+
+
 def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok, dev: str,
-                   params: SamplingParams, *, ranks: Ranks, sharded: bool) -> RolloutEngine:
+                   params: SamplingParams, *, ranks: Ranks, sharded: bool, fold: bool = False) -> RolloutEngine:
     """The job's `rollout.engine`: a frozen copy sampled with generate, or a vLLM server of its own."""
     if spec.rollout.engine == "hf":
-        return HFEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded)
+        return HFEngine(model, tok, spec.devices.rollout or dev, params, sharded=sharded, fold=fold)
     if settings.vllm_python is None:
         raise EngineFailed("rollout.engine 'vllm' needs a worker whose GRPO_VLLM_PYTHON names the Python of a vLLM "
                            "environment (`make vllm` builds one); this worker has none")

@@ -105,13 +105,9 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
     n_all = sum(p.numel() for p in model.parameters())
     reporter.event("model_loaded", f"{spec.model.name}: {n_train:,} trainable of {n_all:,} parameters",
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None, "malloc": malloc})
-    message, data = plan.event()
     sharded = spec.resources.sharding == "fsdp"
     fold = fold_plan(spec, settings, model, device, ranks=ranks, sharded=sharded)
-    if fold is not None:
-        message, data = f"{message}; {fold.describe()}", {**data, "sampler_fold": fold.fold,
-                                                           "sampler_fold_gb": fold.copy_gb}
-    reporter.event("memory_plan", message, data=data)
+    report_memory_plan(reporter, plan, fold)
     params = SamplingParams(max_new_tokens=g.max_new_tokens, stop=tuple(g.stop))  # SFT only samples greedily
     if isinstance(g, GRPOSpec):
         params = dataclasses.replace(params, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
@@ -123,7 +119,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
         if ref is not None:
             shard(ref, ranks)
     engine = rollout_engine(spec, settings, reporter, model, tok, dev, params, ranks=ranks, sharded=sharded,
-                            fold=fold is not None and fold.fold)
+                            fold=bool(fold and fold.fold))
     opt = make_optimizer(trainable(model), lr=g.learning_rate, weight_decay=g.weight_decay, betas=g.betas)
     sched = make_scheduler(opt, schedule=g.lr_schedule, warmup=g.warmup_steps * g.epochs_per_step,
                            total=g.steps * g.epochs_per_step)
@@ -161,6 +157,15 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     plan = memory.plan_checkpointing(spec.model.gradient_checkpointing, activations=activations, budget_gb=budget)
     anyone = ranks.max({"checkpointing": float(plan.checkpointing)})["checkpointing"] > 0
     return dataclasses.replace(plan, checkpointing=anyone)
+
+
+def report_memory_plan(reporter: Reporter, plan: memory.CheckpointPlan, fold: memory.FoldPlan | None) -> None:
+    """The `memory_plan` event: checkpointing, and the sampler's fold where it could fold."""
+    message, data = plan.event()
+    if fold is not None:
+        message, data = f"{message}; {fold.describe()}", {**data, "sampler_fold": fold.fold,
+                                                           "sampler_fold_gb": fold.copy_gb}
+    reporter.event("memory_plan", message, data=data)
 
 
 def memory_budget_gb(settings: Settings, device: torch.device, ranks: Ranks = SINGLE) -> float | None:

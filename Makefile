@@ -6,6 +6,9 @@ UV     := $(VENV)/bin/uv
 # The CPU wheel; on a GPU machine use e.g. TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH  ?= torch==2.13.0
 PORT   ?= 8000
+# uv, unlike pip, leaves packages uncompiled: where PYTHONDONTWRITEBYTECODE is set (this kind of machine sets
+# it), every process then compiles each module it imports from source again, ~3 CPU-s for a worker's imports
+export UV_COMPILE_BYTECODE := 1
 
 # The rollout engine's own environment (`rollout.engine: vllm`): it pins its own transformers and
 # fastapi, so it cannot share .venv. On a GPU machine: VLLM=vllm==0.33.0
@@ -90,6 +93,8 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 test: install browser vllm cookbook
+	# the project's own modules too: each of the suite's ~230 processes would compile them again
+	$(PY) -m compileall -q service worker
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
 	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.core.specs import GRPOJob
+from tests.numerics import bf16_attention_runs
 from worker.algos.sparsity import diff_report
 from worker.loops import grpo
 from worker.loops.setup import build
@@ -54,6 +55,7 @@ def test_sparsity_job_end_to_end_matches_checkpoint_diff(tmp_path, settings_fact
     assert 1 <= tokens <= 16
 
 
+@bf16_attention_runs
 def test_quality_analysis_restores_weights_bit_for_bit(tmp_path, settings_factory):
     spec = GRPOJob.model_validate({
         "model": {"name": "tiny-random-qwen", "dtype": "bfloat16", "lora": {"r": 4}},

@@ -18,6 +18,7 @@ run it in float64 instead. A test that needs a tighter tolerance says why where 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,10 +68,10 @@ def approx(expected: Any, *, dtype: torch.dtype = torch.float32, terms: int = 1,
 
 
 def _emulated_below_amx() -> bool:
-    """An emulated kernel set below AVX-512 (ATEN_CPU_CAPABILITY default or avx2) on a CPU with AMX."""
-    cpuinfo = "/proc/cpuinfo"
-    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
-    return forced and os.path.exists(cpuinfo) and "amx_bf16" in open(cpuinfo).read()
+    """Kernels below AVX-512 dispatched (ATEN_CPU_CAPABILITY=default or avx2) on a CPU with AMX."""
+    cpuinfo = Path("/proc/cpuinfo")
+    below = torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
+    return below and cpuinfo.exists() and "amx_bf16" in cpuinfo.read_text()
 
 
 # torch 2.13's bfloat16 attention on the CPU picks AMX packing from the CPU and raises ("pack_vnni2 is only

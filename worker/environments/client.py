@@ -59,7 +59,7 @@ class Session:
                 connect(self.url, max_size=self.max_bytes, open_timeout=self.timeout_s, proxy=None),
                 self.timeout_s)
         except (OSError, TimeoutError, WebSocketException) as exc:
-            raise EnvironmentFailed(f"could not open a session at {self.url}: {exc or type(exc).__name__}") from None
+            raise EnvironmentFailed(f"could not open a session at {self.url}: {str(exc) or type(exc).__name__}") from None
         return self
 
     async def __aexit__(self, *exc: object) -> None:

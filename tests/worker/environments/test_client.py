@@ -111,3 +111,13 @@ def test_a_hostile_answer_ends_the_episode_readably_and_in_bounded_time(answer, 
 def test_a_server_that_is_not_there_fails_the_session():
     with pytest.raises(EnvironmentFailed, match="could not open a session"):
         _play("http://127.0.0.1:9", timeout_s=1.0)
+
+
+def test_a_session_that_cannot_open_in_time_says_it_timed_out():
+    """A handshake the server never answers: the reason names the timeout, not an empty message."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts the TCP connection, never the handshake
+        port = silent.getsockname()[1]
+        with pytest.raises(EnvironmentFailed, match=r"could not open a session at ws://127\.0\.0\.1:\d+/ws: \w+"):
+            _play(f"http://127.0.0.1:{port}", timeout_s=0.5)

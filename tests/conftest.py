@@ -7,6 +7,7 @@ import itertools
 import os
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -100,11 +101,18 @@ def _xdist_index(worker_id: str) -> int | None:
 
 @pytest.fixture
 def redis_url(worker_id):
-    """The shared Redis; under pytest-xdist each worker process gets its own database (1, 2, ...),
-    so one test's Celery worker never takes another's task from the same queue."""
+    """The shared Redis, its database emptied; under pytest-xdist each worker process gets its own
+    database (1, 2, ...), so one test's Celery worker never takes another's task from the same queue."""
     require("Redis", "127.0.0.1", 6379)
     n = _xdist_index(worker_id)
-    return REDIS_URL if n is None else REDIS_URL.rsplit("/", 1)[0] + f"/{1 + n % 15}"
+    url = REDIS_URL if n is None else REDIS_URL.rsplit("/", 1)[0] + f"/{1 + n % 15}"
+    # emptied first: a run killed mid-test (or one before on this machine) can leave tasks queued there,
+    # which this test's worker would otherwise take for its own job of the same id
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        r.flushdb()
+    return url
 
 
 def _environment_python(variable: str, what: str, target: str) -> Path:
@@ -416,10 +424,33 @@ _CPU_AT_SETUP = pytest.StashKey[float]()
 _cpu_by_test: dict[str, float] = {}
 
 
+_SLOW_S = 60.0
+_started = time.monotonic()
+_wall_by_test: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report):
     for name, value in report.user_properties:
         if name == "cpu_s" and report.when == "teardown":
             _cpu_by_test[report.nodeid] = value
+    # A long test is named in the log as it ends, with the run's clock: a run cut off by CI's time limit
+    # still says where its time went (the summary below prints only once every test is done).
+    _wall_by_test[report.nodeid] = _wall_by_test.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown" and (wall := _wall_by_test.pop(report.nodeid)) >= _SLOW_S:
+        if (reporter := _reporter) is not None:
+            elapsed = time.monotonic() - _started
+            # on a line of its own: the progress dots leave the cursor mid-line
+            reporter.write(f"\n[{elapsed // 60:3.0f}:{elapsed % 60:02.0f}] {wall:5.0f}s {report.nodeid}\n")
+
+
+_reporter = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    global _reporter
+    if not hasattr(session.config, "workerinput"):  # the controller: pytest-xdist's workers print nowhere
+        _reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -173,9 +173,9 @@ def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_
 
 
 def test_the_cookbooks_rl_loop_learns_on_the_production_layout(cluster, models_root, cookbook_python, tmp_path):
-    """tinker-cookbook's RL loop against `serve` and a separate worker: its sample requests of a step
-    reach the worker through PostgreSQL and are sampled together, and it learns what it learns on the
-    embedded default (tests/e2e/test_tinker_cookbook.py)."""
+    """tinker-cookbook's RL loop, unmodified, against `serve` and a separate worker: its sample requests of
+    a step reach the worker through PostgreSQL and are sampled together, it learns the format, and the run
+    charts each of its steps."""
     cluster.serve()
     cluster.worker("w1")
     log = tmp_path / "rl"
@@ -186,6 +186,8 @@ def test_the_cookbooks_rl_loop_learns_on_the_production_layout(cluster, models_r
     with cluster.client() as c:
         job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
         assert job["step"] == 3
+        series = c.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "loss/total,tokens"}).json()["series"]
+        assert {s["key"]: s["total_points"] for s in series} == {"loss/total": 3, "tokens": 3}
         # the answers sampled before the first optim_step: 8 problems x 4, graded by the client
         samples = c.get(f"/v1/jobs/{job['id']}/samples", params={"step": 0, "limit": 100}).json()
         assert len(samples) == 32 and all(s["reward"] is None for s in samples), samples

@@ -438,9 +438,9 @@ def pytest_runtest_logreport(report):
     _wall_by_test[report.nodeid] = _wall_by_test.get(report.nodeid, 0.0) + report.duration
     if report.when == "teardown" and (wall := _wall_by_test.pop(report.nodeid)) >= _SLOW_S:
         if (reporter := _reporter) is not None:
-            elapsed = time.monotonic() - _started
+            minutes, seconds = divmod(int(time.monotonic() - _started), 60)
             # on a line of its own: the progress dots leave the cursor mid-line
-            reporter.write(f"\n[{elapsed // 60:3.0f}:{elapsed % 60:02.0f}] {wall:5.0f}s {report.nodeid}\n")
+            reporter.write(f"\n[{minutes:3d}:{seconds:02d}] {wall:5.0f}s {report.nodeid}\n")
 
 
 _reporter = None

@@ -411,39 +411,22 @@ def _cpu_s() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Each test's CPU seconds, setup to teardown, ride on its teardown report: on two cores a suite is
-    as long as its computing, so the run's summary ranks tests by CPU as well as by wall time."""
+    """Each test's CPU and wall seconds, setup to teardown, ride on its teardown report: on two cores a
+    suite is as long as its computing, so the run's summary ranks tests by CPU as well as by wall time."""
     if call.when == "setup":
-        item.stash[_CPU_AT_SETUP] = _cpu_s()
+        item.stash[_AT_SETUP] = (_cpu_s(), time.monotonic())
     outcome = yield
-    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
-        outcome.get_result().user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_SETUP], 1)))
+    if call.when == "teardown" and _AT_SETUP in item.stash:
+        cpu, wall = item.stash[_AT_SETUP]
+        outcome.get_result().user_properties += [("cpu_s", round(_cpu_s() - cpu, 1)),
+                                                 ("wall_s", time.monotonic() - wall)]
 
 
-_CPU_AT_SETUP = pytest.StashKey[float]()
+_AT_SETUP = pytest.StashKey[tuple[float, float]]()
 _cpu_by_test: dict[str, float] = {}
-
-
 _SLOW_S = 60.0
 _started = time.monotonic()
-_wall_by_test: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-    for name, value in report.user_properties:
-        if name == "cpu_s" and report.when == "teardown":
-            _cpu_by_test[report.nodeid] = value
-    # A long test is named in the log as it ends, with the run's clock: a run cut off by CI's time limit
-    # still says where its time went (the summary below prints only once every test is done).
-    _wall_by_test[report.nodeid] = _wall_by_test.get(report.nodeid, 0.0) + report.duration
-    if report.when == "teardown" and (wall := _wall_by_test.pop(report.nodeid)) >= _SLOW_S:
-        if (reporter := _reporter) is not None:
-            minutes, seconds = divmod(int(time.monotonic() - _started), 60)
-            # on a line of its own: the progress dots leave the cursor mid-line
-            reporter.write(f"\n[{minutes:3d}:{seconds:02d}] {wall:5.0f}s {report.nodeid}\n")
-
-
-_reporter = None
+_reporter = None  # the controller's terminal, where the long tests are named as they end
 
 
 @pytest.hookimpl(trylast=True)
@@ -451,6 +434,18 @@ def pytest_sessionstart(session):
     global _reporter
     if not hasattr(session.config, "workerinput"):  # the controller: pytest-xdist's workers print nowhere
         _reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+
+def pytest_runtest_logreport(report):
+    properties = dict(report.user_properties) if report.when == "teardown" else {}
+    if "cpu_s" in properties:
+        _cpu_by_test[report.nodeid] = properties["cpu_s"]
+    # A long test is named in the log as it ends, with the run's clock: a run cut off by CI's time limit
+    # still says where its time went (the summary below prints only once every test is done).
+    if properties.get("wall_s", 0.0) >= _SLOW_S and _reporter is not None:
+        minutes, seconds = divmod(int(time.monotonic() - _started), 60)
+        # on a line of its own: the progress dots leave the cursor mid-line
+        _reporter.write(f"\n[{minutes:3d}:{seconds:02d}] {properties['wall_s']:5.0f}s {report.nodeid}\n")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -15,6 +15,8 @@ numbers are the kernels' and the shapes', not a trained model's. Rows:
                    row's drift between being scored alone and batched with longer rows (the reason the
                    first epoch's own forward gives the old log-probs, so the step-0 ratio is exactly 1)
     ratio          the first epoch's ratio, computed as the loop computes it: exactly 1 in any dtype
+    fp32 head      bf16 weights with the LM head's matmul in float32 (model.fp32_head) against fp32, beside
+                   the bf16 head's error, and what the float32 head costs in a log-prob pass's time
     sdpa           SDPA against eager attention under left padding, fp32 and bf16
     memory         peak allocated and reserved memory of a micro-batch's forward and backward (bf16,
                    gradient checkpointing, the chunked head) against completion length
@@ -43,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, without installing it
 
 from worker.algos import flops  # noqa: E402
+from worker.algos.logprobs import Float32Head  # noqa: E402
 from worker.algos.losses import Normaliser, sample_losses  # noqa: E402
 from worker.engines.sampling import RolloutBatch, sequence_logprobs  # noqa: E402
 from worker.hardware import decoder_shape, peak_flops  # noqa: E402
@@ -184,6 +187,29 @@ def check_bf16(shape: str, device: str, b: RolloutBatch) -> list[Row]:
             Row("ratio", shape, f"first epoch, bf16: max |r − 1| = {ratio_dev:.1e}", "= 0", "ok" if ratio_dev == 0 else "over")]
 
 
+def check_fp32_head(shape: str, device: str, b: RolloutBatch) -> list[Row]:
+    f32, bf, head32 = (build(shape, dtype, device) for dtype in (torch.float32, torch.bfloat16, torch.bfloat16))
+    head32.set_output_embeddings(Float32Head.wrap(head32.get_output_embeddings()))
+    real = b.completion_mask.bool()
+    lp32 = logprobs(f32, b, device)
+    err16, err = ((logprobs(m, b, device) - lp32)[real].abs() for m in (bf, head32))
+
+    def seconds(model: torch.nn.Module) -> float:
+        runs = []
+        for _ in range(3):
+            sync(device)
+            t0 = time.perf_counter()
+            logprobs(model, b, device)
+            sync(device)
+            runs.append(time.perf_counter() - t0)
+        return sorted(runs)[1]
+
+    cost = seconds(head32) / seconds(bf)
+    return [Row("fp32 head", shape, f"vs fp32: max {err.max().item():.3f}, mean {err.mean().item():.4f} nats (bf16 head: "
+                f"mean {err16.mean().item():.4f}); log-prob pass {cost:.2f}x the bf16 head's time",
+                f"≤ {BF16_NATS:g} nats", verdict(err.max().item(), BF16_NATS))]
+
+
 def check_sdpa(shape: str, device: str, b: RolloutBatch) -> list[Row]:
     out = []
     for dtype, bound in ((torch.float32, SDPA_FP32_NATS), (torch.bfloat16, BF16_NATS)):
@@ -305,7 +331,8 @@ def main() -> None:
         b = batch(4, 24 if args.short else 96, 16 if args.short else 128, vocab)
         if device == "cpu":
             rows.append(Row("agreement", shape, "no accelerator: the CPU is the reference"))
-        for check in (check_agreement, check_bf16, check_sdpa) if device != "cpu" else (check_bf16, check_sdpa):
+        for check in ((check_agreement, check_bf16, check_fp32_head, check_sdpa) if device != "cpu"
+                      else (check_bf16, check_fp32_head, check_sdpa)):
             rows += check(shape, device, b)
             print(f"[{time.perf_counter() - t0:.0f} s] {shape}: {rows[-1].check}", file=sys.stderr, flush=True)
         rows += check_memory(shape, device, lengths, 4 if args.short else 8)

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from service.core.sources import require_model_path
 from service.core.specs import HUB_NAMES, MODEL_PRESETS, LoraSpec, ModelSpec
+from worker.algos.logprobs import Float32Head
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
 # transformers' own deprecated internals (peft calls them) on every model load.
@@ -175,9 +176,20 @@ def load_base_model(spec: ModelSpec, *, tokenizer, models_root: Path, model_root
         path = model_source(spec.name, models_root=models_root, model_roots=model_roots)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if spec.fp32_head:
+        head_in_float32(model)
     if spec.gradient_checkpointing:
         enable_checkpointing(model, reentrant=True)
     return model
+
+
+def head_in_float32(model: torch.nn.Module) -> None:
+    """The LM head's matmul in float32 (`ModelSpec.fp32_head`), in every copy made of the model from here on:
+    the rollout copy's `generate` and the policy's training forward alike."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"model.fp32_head: this model's LM head is a {type(head).__name__}, not a plain linear layer")
+    model.set_output_embeddings(Float32Head.wrap(head))
 
 
 def enable_checkpointing(model: torch.nn.Module, *, reentrant: bool) -> None:

@@ -8,8 +8,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from service.core.specs import ModelSpec
+from service.core.specs import LoraSpec, ModelSpec
+from tests.numerics import assert_close
 from worker import models
+from worker.algos.logprobs import Float32Head
+from worker.engines.sampling import HFEngine, SamplingParams, forward_inputs, sequence_logprobs
 from worker.checkpoints import Trainables, save_checkpoint
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -74,3 +77,24 @@ def test_paired_arms_start_from_identical_lora_weights(tmp_path):
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert any(not torch.equal(a[n], c[n]) for n in a), "the seed should choose the adapter"
+
+
+def test_a_float32_head_serves_the_sampler_and_the_trainer_alike(models_root):
+    """With model.fp32_head, the logits `generate` samples from and the log-probs training takes come from the
+    same float32 matmul over the bf16 weights: they agree to float32 rounding, not bf16's."""
+    spec = ModelSpec(name="tiny-random-llama", dtype="bfloat16", fp32_head=True, lora=LoraSpec(r=4))
+    model, tok = models.load_policy(spec, models_root=models_root, device="cpu", seed=0)
+    head = model.get_output_embeddings()
+    assert type(head) is Float32Head and head.weight.dtype == torch.bfloat16
+    engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=6))
+    assert type(engine.model.get_output_embeddings()) is Float32Head
+    batch = engine.generate(["12+3=", "4+5="], 3, seeds=[0, 1])
+    with torch.no_grad():
+        trainer = sequence_logprobs(model, batch, 1.0)[0]  # the chunked head, cast once
+        logits = model(**forward_inputs(batch)).logits  # the module's forward, as generate() calls it
+        assert logits.dtype == torch.float32
+        t = batch.completion_ids.shape[1]
+        sampler = logits[:, -(t + 1):-1].log_softmax(-1).gather(-1, batch.completion_ids[..., None]).squeeze(-1)
+    mask = batch.completion_mask.bool()
+    assert_close(trainer[mask], sampler[mask], dtype=torch.float32, terms=model.config.hidden_size,
+                 scale=float(logits.abs().max()))

@@ -30,7 +30,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.algos.logprobs import token_logprobs
+from worker.algos.logprobs import Float32Head, token_logprobs
 from worker.algos.lora import is_lora
 from worker.algos.losses import entropy_from_logits
 from worker.engines.folded import FoldedSampler, foldable
@@ -228,7 +228,7 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    if type(head) is not torch.nn.Linear or decoder is None or decoder is base:
+    if type(head) not in (torch.nn.Linear, Float32Head) or decoder is None or decoder is base:
         return None  # no head, or an adapter on the head itself
     if isinstance(head.weight, DTensor) or any(getattr(base.config, k, None) for k in _LOGIT_TRANSFORMS):
         return None  # FSDP2 unshards the head only inside the root's forward
@@ -263,8 +263,8 @@ def sequence_logprobs(
         decoder, head = parts
         hidden = decoder(**kw).last_hidden_state[:, -(t + 1):-1]  # [N, t, H]: position P-1+j predicts token j
         real = b.completion_mask.bool()  # [N, t]
-        lp, e = token_logprobs(hidden[real], head.weight, head.bias, b.completion_ids[real],
-                               temperature=temperature, with_entropy=with_entropy)  # [M]
+        lp, e = token_logprobs(hidden[real], head.weight, head.bias, b.completion_ids[real], temperature=temperature,
+                               with_entropy=with_entropy, head_dtype=getattr(head, "compute_dtype", None))  # [M]
         logp = torch.zeros(N, t, dtype=lp.dtype, device=lp.device).masked_scatter(real, lp)
         ent = None if e is None else torch.zeros(N, t, dtype=e.dtype, device=e.device).masked_scatter(real, e)
     pad = (0, T - t)

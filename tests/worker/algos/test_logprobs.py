@@ -1,9 +1,12 @@
 """Chunked token log-probs against the full-logits formula, values and gradients."""
 
+import copy
+
 import pytest
 import torch
 
-from worker.algos.logprobs import chunk_positions, token_logprobs
+from tests.numerics import assert_close
+from worker.algos.logprobs import Float32Head, chunk_positions, token_logprobs
 
 
 def _reference(h, w, b, targets, temperature):
@@ -77,3 +80,35 @@ def test_only_what_needs_a_gradient_gets_one():
 def test_chunk_size_bounds_the_logits():
     assert chunk_positions(49_152) == 341  # 64 MiB of float32 logits at SmolLM2's vocabulary
     assert chunk_positions(10**9) == 1
+
+
+def test_a_float32_head_over_bfloat16_weights_runs_its_matmul_in_float32():
+    h, w, b, t = _inputs(torch.bfloat16)
+    logp, _ = token_logprobs(h, w, b, t, chunk=2, head_dtype=torch.float32)
+    want = _reference(h.float(), w.float(), b.float(), t, 1.0)[0]  # the same bf16 values, multiplied in fp32
+    assert_close(logp, want, dtype=torch.float32, terms=h.shape[1])
+    assert not torch.equal(logp, _reference(h, w, b, t, 1.0)[0])  # a bf16 matmul rounds the logits
+    mine = torch.autograd.grad(logp.sum(), [h, w, b])
+    theirs = torch.autograd.grad(want.sum(), [h, w, b])  # autograd through the casts: fp32 maths, bf16 grads
+    for a, c in zip(mine, theirs, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert_close(a, c, dtype=torch.bfloat16)
+
+
+def test_a_float32_head_shares_its_tied_weights_and_casts_again_after_an_update():
+    g = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(13, 6).to(torch.bfloat16)
+    linear = torch.nn.Linear(6, 13, bias=False).to(torch.bfloat16)
+    linear.weight = embed.weight  # tied, as SmolLM2's head is
+    head = Float32Head.wrap(linear)
+    assert head.weight is embed.weight and head.state_dict().keys() == linear.state_dict().keys()
+    x = torch.randn(3, 6, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        y = head(x)
+        assert y.dtype == torch.float32
+        assert_close(y, torch.nn.functional.linear(x.float(), embed.weight.float()), terms=6)
+        embed.weight.add_(1.0)  # an optimizer step or a sync: the kept float32 copy is stale
+        assert_close(head(x), torch.nn.functional.linear(x.float(), embed.weight.float()), terms=6)
+    assert head._cast is not None and copy.deepcopy(head)._cast is None  # a copy casts its own weights
+    head(x).sum().backward()  # a training forward reaches the weights themselves
+    assert embed.weight.grad is not None and embed.weight.grad.dtype == torch.bfloat16

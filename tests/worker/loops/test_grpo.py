@@ -155,9 +155,9 @@ def test_a_skipped_last_step_still_evaluates(tmp_path, settings_factory, monkeyp
     assert result.eval == {k: v for m in lines if m["step"] == 2 for k, v in m["metrics"].items() if k.startswith("eval/")}
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype,fp32_head", [("bfloat16", False), ("bfloat16", True), ("float32", False)])
 def test_the_first_epochs_ratio_is_exactly_one_whatever_the_dtype_and_batches(tmp_path, settings_factory, digit_reward,
-                                                                              dtype):
+                                                                              dtype, fp32_head):
     """Old log-probs are the first epoch's own forward (the policy's weights are the rollout copy's at the
     start of a step), so the ratio is 1 exactly before any update, even in bf16, whose log-probs move by
     up to 0.18 nats a token when a row is batched with other rows and padding. TracIn trains on a subset of
@@ -167,7 +167,7 @@ def test_the_first_epochs_ratio_is_exactly_one_whatever_the_dtype_and_batches(tm
     from worker.loops import tracin
 
     spec = TracInJob.model_validate({
-        "model": {"name": "tiny-random-llama", "dtype": dtype, "lora": {"r": 4}},
+        "model": {"name": "tiny-random-llama", "dtype": dtype, "lora": {"r": 4}, "fp32_head": fp32_head},
         "dataset": {"name": "arith", "num_train": 40, "num_val": 4}, "rewards": [{"name": "digit_share"}],
         "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8, "eval_prompts": 2,
                  "epochs_per_rollout_batch": 2, "micro_batch_size": 32, "learning_rate": 1e-30},

@@ -12,8 +12,8 @@ from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
 from worker import models
 from worker.algos.logprobs import Float32Head
-from worker.engines.sampling import HFEngine, SamplingParams, forward_inputs, sequence_logprobs
 from worker.checkpoints import Trainables, save_checkpoint
+from worker.engines.sampling import HFEngine, SamplingParams, forward_inputs, sequence_logprobs
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 

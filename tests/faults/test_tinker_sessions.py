@@ -137,9 +137,10 @@ def test_a_stopping_worker_hands_its_session_run_back_and_an_api_restart_loses_n
 
 def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_is_killed(
         cluster, models_root, cookbook_python, tmp_path):
-    """tinker-cookbook's supervised loop, saving every 2 steps, loses its worker after a save: its
+    """tinker-cookbook's supervised loop, unmodified, saving every 2 steps, loses its worker after a save: its
     pending future fails and the loop stops. Run again, it resumes from its last save into a new run,
-    on the other worker, and its loss goes on falling from where it was."""
+    on the other worker, and its loss goes on falling from where it was; the new run charts each of its
+    steps, and the cookbook's final save is listed."""
     cluster.serve(GRPO_SESSION_IDLE_S="3")  # the orphaned run gives its worker back soon
     cluster.worker("w1")
     log = tmp_path / "sl"
@@ -170,6 +171,13 @@ def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_
         events = c.get(f"/v1/jobs/{second_run['id']}/events").json()
         assert any(e["type"] == "loaded" and first_run["uid"] in e["message"] for e in events), events
         assert second_run["step"] == 8 - resume_at
+        # each step of the run it resumed into is charted
+        series = c.get(f"/v1/jobs/{second_run['id']}/metrics", params={"keys": "loss/total"}).json()["series"][0]
+        assert [p["step"] for p in series["points"]] == list(range(1, 8 - resume_at + 1))
+        listed = c.get(f"/api/v1/training_runs/{second_run['uid']}/checkpoints", headers={"X-API-Key": cluster.key})
+    # the cookbook's final save: a state, and weights to sample from, both named "final"
+    assert {ckpt["tinker_path"] for ckpt in listed.json()["checkpoints"]} >= {
+        f"tinker://{second_run['uid']}/sampler_weights/final", f"tinker://{second_run['uid']}/weights/final"}
 
 
 def test_the_cookbooks_rl_loop_learns_on_the_production_layout(cluster, models_root, cookbook_python, tmp_path):

@@ -23,7 +23,7 @@ def test_the_short_mode_runs_without_the_services_dependencies_and_prints_its_ta
     assert table[0] == "| check | model | measured | bound | verdict |"
     checks = [line.split(" | ")[0].removeprefix("| ") for line in table[2:]]
     assert checks == ["agreement", "bf16", "ratio", "fp32 head", "sdpa float32", "sdpa bfloat16", "memory", "generate", "mfu"]
-    assert "RESULT rows=8 over_bound=0" in r.stdout
+    assert "RESULT rows=9 over_bound=0" in r.stdout
     assert (tmp_path / "rows.json").exists()
 
 

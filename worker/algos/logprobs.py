@@ -126,12 +126,13 @@ class Float32Head(torch.nn.Linear):
     log-prob by up to a tenth of a nat, on the sampler's side and the trainer's differently. This head
     keeps the weights it is given (the same Parameter objects, so a head tied to the embeddings stays
     tied and checkpoints keep their keys) and computes `hidden @ W.T + b` in float32. For `generate`,
-    which calls it once a token, the float32 copy of the weights is kept while they are unchanged
-    (V x H x 4 bytes: 113 MB for SmolLM2, 545 MB for Qwen2.5-0.5B); the training path
-    (`token_logprobs`) casts once a micro-batch instead, so gradients reach the weights themselves."""
+    which calls it once a token, and any forward of a frozen head, the float32 copy of the weights is
+    kept while they are unchanged (V x H x 4 bytes: 113 MB for SmolLM2, 545 MB for Qwen2.5-0.5B); the
+    training path (`token_logprobs`) casts once a micro-batch instead, so gradients reach the weights."""
 
     compute_dtype = torch.float32
-    _cast: tuple[tuple[int, int], Tensor, Tensor | None] | None = None  # (the weight's pointer and version, W, b)
+    _cast: tuple[tuple[tuple[int, int], ...], Tensor, Tensor | None] | None = None  # (each parameter's pointer
+    # and version, W, b)
 
     @classmethod
     def wrap(cls, head: torch.nn.Linear) -> Float32Head:
@@ -141,10 +142,11 @@ class Float32Head(torch.nn.Linear):
 
     def forward(self, hidden: Tensor) -> Tensor:
         # hidden [..., H] -> logits [..., V] in float32
-        if torch.is_grad_enabled():  # a training forward: the gradient must reach the weights themselves
+        trained = any(p.requires_grad for p in self.parameters())  # a frozen head (LoRA) reuses its cast
+        if torch.is_grad_enabled() and trained:  # the gradient must reach the weights themselves
             w, b = _in_dtype(self.weight, self.bias, self.compute_dtype)
         else:
-            key = (self.weight.data_ptr(), self.weight._version)  # an in-place update bumps the version
+            key = tuple((p.data_ptr(), p._version) for p in self.parameters())  # an in-place update bumps a version
             if self._cast is None or self._cast[0] != key:
                 self._cast = (key, *_in_dtype(self.weight, self.bias, self.compute_dtype))
             _, w, b = self._cast

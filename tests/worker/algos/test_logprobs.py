@@ -112,3 +112,8 @@ def test_a_float32_head_shares_its_tied_weights_and_casts_again_after_an_update(
     assert head._cast is not None and copy.deepcopy(head)._cast is None  # a copy casts its own weights
     head(x).sum().backward()  # a training forward reaches the weights themselves
     assert embed.weight.grad is not None and embed.weight.grad.dtype == torch.bfloat16
+    embed.weight.requires_grad_(False)  # frozen (LoRA): a training forward reuses the cast, the input's gradient flows
+    x.requires_grad_(True)
+    cast = head._cast
+    head(x).sum().backward()
+    assert head._cast is cast and x.grad is not None

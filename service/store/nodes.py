@@ -44,8 +44,12 @@ def join(url: str, *, job_id: int, uid: str, attempt: int, head: str, node: int,
     (on machine `node_name`), with an event saying so; or why not."""
     try:
         with session_scope(url) as session:
+            # FOR UPDATE: a give-back (leases.requeue) moving the lease at this moment either waits for this join
+            # and then forgets its node, or commits first and this reads the job queued. Without the lock both
+            # commit and a node of a gang that never ran stays, stale, in the next lease's attempt of that number
             job = session.scalars(select(Job).where(Job.id == job_id, Job.uid == uid, Job.attempt == attempt,
-                                                    Job.lease_owner == head, Job.status == Status.running)).first()
+                                                    Job.lease_owner == head, Job.status == Status.running)
+                                  .with_for_update()).first()
             if job is None:
                 return "ended"
             spec = parse_stored_spec(job.spec)

@@ -2,12 +2,14 @@
 own, and only the attempt (and the lease) that sent its message; an attempt given back before it started is
 forgotten, so the next lease's nodes join afresh."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import select, update
 
-from service.core.specs import parse_spec
+from service.core.specs import Status, parse_spec
 from service.store import leases
 from service.store import nodes as nodes_q
 from service.store.db import session_scope
@@ -91,3 +93,22 @@ def test_a_node_beats_while_its_attempt_runs_and_goes_silent_when_it_stops(url):
     assert nodes_q.silent_nodes(url, job_id=lease.job_id, attempt=1, within_s=120) == []
     assert leases.requeue(url, job_id=lease.job_id, holder="head", message="node 2 stopped answering")
     assert not nodes_q.beat(url, job_id=lease.job_id, attempt=1, node=1, head="head")  # over: node 1 stops its ranks
+
+
+def test_a_node_that_joins_while_its_gang_is_given_back_is_forgotten_with_it(pg_url):
+    """A give-back (the others did not come) and a late node's join at the same moment, on PostgreSQL: the join
+    waits for the give-back's transaction and then finds the job queued, so no node of the gang that never ran
+    stays in the attempt for the next lease's node 0 to take for a node that stopped answering."""
+    upgrade(pg_url)
+    lease = _leased(pg_url)
+    assert not isinstance(_join(pg_url, lease, 0, "a", holder="head"), str)
+    with ThreadPoolExecutor(1) as pool, session_scope(pg_url) as giving_back:
+        # what leases.requeue(failed=False) does, held uncommitted while node 1's message is taken
+        giving_back.execute(update(Job).where(Job.id == lease.job_id).values(status=Status.queued, lease_owner=None))
+        nodes_q.forget_attempt(giving_back, job_id=lease.job_id, attempt=1)
+        late = pool.submit(_join, pg_url, lease, 1, "b")
+        time.sleep(0.5)
+        assert not late.done()  # it waits on the job's row
+    assert late.result(timeout=10) == "ended"
+    with session_scope(pg_url) as s:
+        assert s.scalars(select(JobNode).where(JobNode.job_id == lease.job_id)).all() == []

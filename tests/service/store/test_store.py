@@ -1,3 +1,6 @@
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -5,10 +8,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select, update
 
+from service.store import db, leases
 from service.store import jobs as jobs_q
-from service.store import leases
 from service.store import metrics as metrics_q
-from service.store.db import get_engine, session_scope
+from service.store.db import get_engine, get_sessionmaker, session_scope
 from service.store.migrate import upgrade
 from service.store.models import Base, Job, Metric
 
@@ -70,3 +73,23 @@ def test_idempotent_create(url):
                                          idempotency_key="k")
         assert a.id == b.id and created_a and not created_b
         assert s.scalar(select(func.count()).select_from(Job)) == 1
+
+
+def test_threads_asking_at_once_share_one_pool(url, monkeypatch):
+    """The API's first requests arrive on many threads at once: each must get the process's one pool, or the
+    process holds a pool's connections per thread (20 pools for 20 threads before, 51 PostgreSQL connections
+    for one API process in a tinker-cookbook run, with a pool of 30)."""
+    fresh = url + ("?application_name=race" if url.startswith("postgres") else "-race")  # no engine for it yet
+    start = threading.Barrier(20)
+    create = db._create_engine
+    monkeypatch.setattr(db, "_create_engine", lambda u: (time.sleep(0.05), create(u))[1])  # as a first import's
+
+
+    def pool_of(read_only: bool) -> int:
+        start.wait()
+        return id(get_sessionmaker(fresh, read_only).kw["bind"].pool)
+
+    with ThreadPoolExecutor(20) as threads:
+        pools = set(threads.map(pool_of, [i % 2 == 0 for i in range(20)]))
+    assert pools == {id(get_engine(fresh).pool)}
+    get_engine(fresh).dispose()

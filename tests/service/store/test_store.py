@@ -82,8 +82,12 @@ def test_threads_asking_at_once_share_one_pool(url, monkeypatch):
     fresh = url + ("?application_name=race" if url.startswith("postgres") else "-race")  # no engine for it yet
     start = threading.Barrier(20)
     create = db._create_engine
-    monkeypatch.setattr(db, "_create_engine", lambda u: (time.sleep(0.05), create(u))[1])  # as a first import's
 
+    def slow_create(u: str):  # as slow as a process's first, which imports the dialect: the threads overlap in it
+        time.sleep(0.05)
+        return create(u)
+
+    monkeypatch.setattr(db, "_create_engine", slow_create)
 
     def pool_of(read_only: bool) -> int:
         start.wait()

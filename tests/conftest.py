@@ -183,6 +183,29 @@ def digit_reward(monkeypatch):
     monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "digit_share", "share of digits in the completion (tests)")
 
 
+@pytest.fixture
+def constant_reward(monkeypatch):
+    """Registers `constant`: 0.5 for every completion, so every group ties whatever the model draws (a random
+    model's completions solve an arith sum now and then, which a numeric match would reward)."""
+    from service.core import reward_specs
+    from worker import rewards as R
+
+    monkeypatch.setitem(R.REGISTRY, "constant", R.RewardInfo(lambda completion, answers: 0.5))
+    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "constant", "0.5 for every completion (tests)")
+
+
+@pytest.fixture
+def distinct_reward(monkeypatch):
+    """Registers `char_code`: the completion's character codes mod 101, which tells almost any two different
+    completions apart, so a group of a random model's completions has rewards that differ whatever it draws
+    (a digit share of a few random tokens ties at 0 in a group often enough)."""
+    from service.core import reward_specs
+    from worker import rewards as R
+
+    monkeypatch.setitem(R.REGISTRY, "char_code", R.RewardInfo(lambda completion, answers: sum(map(ord, completion)) % 101 / 100))
+    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "char_code", "character codes mod 101 (tests)")
+
+
 def install_reward_plugin(site: Path, dist_name: str, module: str, source: str, name: str) -> None:
     """A package `module` (with `source`) whose entry point in grpo_jobs.rewards names `name`,
     installed in folder `site` (put it on the path to load it)."""

@@ -30,6 +30,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from worker.algos.draws import inverse_cdf, uniforms
 from worker.algos.logprobs import Float32Head, token_logprobs
 from worker.algos.lora import is_lora
 from worker.algos.losses import entropy_from_logits
@@ -307,7 +308,7 @@ class RowSampler(LogitsProcessor):
         for w in self.warpers:
             scores = w(input_ids, scores)
         probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
-        picks = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.gens)])  # [B]
+        picks = inverse_cdf(probs, uniforms(self.gens, probs.device))  # [B]
         only = torch.full_like(scores, float("-inf"))
         return only.scatter_(1, picks[:, None], 0.0)
 

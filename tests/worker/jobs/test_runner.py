@@ -45,15 +45,15 @@ def _state(settings, jid):
         return job, evs, keys, ckpts, n_metric_rows
 
 
-def test_runs_a_job_and_records_everything(settings_factory):
-    settings, jid = _setup(settings_factory)
+def test_runs_a_job_and_records_everything(settings_factory, constant_reward):
+    settings, jid = _setup(settings_factory, spec={**SPEC, "rewards": [{"name": "constant"}]})
     assert runner.run_job(jid, settings=settings) == "succeeded"
     job, evs, keys, ckpts, _ = _state(settings, jid)
     assert (job.status, job.step, job.attempt, job.lease_owner) == ("succeeded", 3, 1, None)
     assert [e.type for e in evs if e.type not in ("groups", "health")] == [
         "created", "started", "fingerprint", "model_loaded", "memory_plan", "checkpoint", "checkpoint", "checkpoint",
         "succeeded"]
-    # the random model's groups all tie: flagged at step 1, the update guard red by step 3
+    # every group ties (a constant reward): flagged at step 1, the update guard red by step 3
     flags = [(e.data["guard"], e.data["level"], e.data["step"]) for e in evs if e.type == "health"]
     assert ("informative_groups", "critical", 1) in flags and ("update", "critical", 3) in flags
     assert {"reward/mean", "loss/total", "entropy", "eval/accuracy", "time/step_s"} <= set(keys)

@@ -116,11 +116,11 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
     assert 2 * per_token * rows * completion <= trained <= 4 * per_token * rows * (completion + prompt), step1
 
 
-def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, digit_reward):
+def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, distinct_reward):
     """kl_coef 0: no reference pass and no `kl`, unless grpo.measure_kl asks for it; measuring
-    it leaves the update unchanged."""
+    it leaves the update unchanged (the first step's rewards differ, so it updates the adapter)."""
     spec = {"model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"num_train": 20, "num_val": 2},
-            "rewards": [{"name": "digit_share"}],
+            "rewards": [{"name": "char_code"}],
             "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 5,
                      "learning_rate": 1e-2, "eval_prompts": 2}}
     settings = settings_factory()
@@ -136,14 +136,9 @@ def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, digit_rew
         torch.testing.assert_close(a[k], b[k])
 
 
-def test_a_skipped_last_step_still_evaluates(tmp_path, settings_factory, monkeypatch):
+def test_a_skipped_last_step_still_evaluates(tmp_path, settings_factory, monkeypatch, constant_reward):
     """Every group ties (a constant reward), so every step is skipped; the evaluation due after the last
     step still runs and is the job's result, not the step-0 one carried over."""
-    from service.core import reward_specs
-    from worker import rewards as R
-
-    monkeypatch.setitem(R.REGISTRY, "constant", R.RewardInfo(lambda completion, answers: 0.5))
-    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "constant", "0.5 for every completion (tests)")
     spec = GRPOJob.model_validate({"model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                                    "dataset": {"num_train": 20, "num_val": 4}, "rewards": [{"name": "constant"}],
                                    "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2,

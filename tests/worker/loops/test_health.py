@@ -16,8 +16,9 @@ from worker.reporting import FileReporter
 from worker.training import NonFiniteUpdate
 
 TIED = {"model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"name": "arith", "num_train": 40, "num_val": 4},
+        "rewards": [{"name": "constant"}],  # every group's rewards tie (the constant_reward fixture)
         "grpo": {"steps": 4, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6, "eval_prompts": 2,
-                 "checkpoint_every": 1}}  # a random model never solves a sum: every group's rewards tie
+                 "checkpoint_every": 1}}
 
 
 def _lines(path):
@@ -28,7 +29,8 @@ def _health(out):
     return [e["data"] for e in _lines(out / "events.jsonl") if e["type"] == "health"]
 
 
-def test_a_run_whose_groups_all_tie_is_flagged_at_step_1_and_stops_when_asked(tmp_path, settings_factory):
+def test_a_run_whose_groups_all_tie_is_flagged_at_step_1_and_stops_when_asked(tmp_path, settings_factory,
+                                                                               constant_reward):
     flagged = tmp_path / "flagged"
     loop_for("grpo")(GRPOJob.model_validate(TIED), FileReporter(flagged), settings=settings_factory())
     first = {(h["guard"], h["level"]) for h in _health(flagged) if h["step"] == 1}

@@ -1,7 +1,8 @@
 """Model FLOPs of the phases of a GRPO step, counted from a decoder's shapes.
 
 Model FLOPs are the work the maths needs, not what an implementation happens to do: a prompt is
-prefilled once for its group (however many times a sampler recomputes it), padding costs nothing,
+prefilled once for its group, in sampling and in a teacher-forced forward alike (however many times an
+implementation recomputes it), padding costs nothing,
 and recomputation for gradient checkpointing is not counted (the convention of the MFU figures
 large-scale reports quote, after Chowdhery et al. 2022). A multiply-add is 2 FLOPs.
 
@@ -56,6 +57,13 @@ def forward(shape: DecoderShape, prompt: int, completion: int) -> int:
     """One teacher-forced row: prompt + completion positions, logits for the completion's tokens."""
     n = prompt + completion
     return n * shape.linear_per_token() + shape.attention(n, 0) + completion * shape.head_per_token()
+
+
+def group_forward(shape: DecoderShape, prompt: int, completions: list[int]) -> int:
+    """Teacher-forced rows that share one prompt: the prompt's positions once, each completion attending
+    to it (what `forward` counts for a group of one)."""
+    return (prompt * shape.linear_per_token() + shape.attention(prompt, 0) +
+            sum(c * (shape.linear_per_token() + shape.head_per_token()) + shape.attention(c, prompt) for c in completions))
 
 
 def prefill(shape: DecoderShape, prompt: int) -> int:

@@ -35,6 +35,7 @@ from worker.algos.logprobs import Float32Head, token_logprobs
 from worker.algos.lora import is_lora
 from worker.algos.losses import entropy_from_logits
 from worker.engines.folded import FoldedSampler, foldable
+from worker.engines.prefix import completion_hidden, teacher_forced
 from worker.parallel.distributed import row_seed
 
 
@@ -209,11 +210,12 @@ def micro_batches(batch: RolloutBatch, rows: list[int], *, max_rows: int, max_to
 
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float, micro: list[list[int]],
-                   device: torch.device | str) -> torch.Tensor:
+                   device: torch.device | str, *, share_prompts: bool = False) -> torch.Tensor:
     """logp [N, T] of every row of `batch` under `model`, micro-batch by micro-batch, without gradient."""
     out = torch.zeros(batch.completion_ids.shape, device=device)
     for rows in micro:
-        lp = sequence_logprobs(model, batch.select(rows).to(device), temperature)[0]  # [n, T]
+        lp = sequence_logprobs(model, batch.select(rows).to(device), temperature,
+                               share_prompts=share_prompts)[0]  # [n, T]
         out = out.to(lp.dtype)  # float64 models keep float64
         out[rows] = lp
     return out
@@ -237,32 +239,31 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
 
 
 def forward_inputs(b: RolloutBatch) -> dict[str, torch.Tensor | bool]:
-    """The model's keyword inputs for prompt + completion rows [N, P+T]: positions count real tokens
-    only, as generate() does with left padding; no KV cache."""
-    attn = torch.cat([b.prompt_mask, b.completion_mask], dim=1)  # [N, P+T]
-    return dict(input_ids=torch.cat([b.prompt_ids, b.completion_ids], dim=1), attention_mask=attn,
-                position_ids=(attn.long().cumsum(1) - 1).clamp(min=0), use_cache=False)
+    """prefix.teacher_forced of the batch's rows [N, P+T]."""
+    return teacher_forced(b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)
 
 
 def sequence_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, temperature: float, *, with_entropy: bool = False,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion tokens under `model`, logits / temperature.
 
     Returns logp [N, T] (0 at masked positions) and, if asked, the per-token entropy [N, T].
     Columns that are padding in every row are dropped first, and the head runs over the real
     completion tokens a chunk at a time (worker/algos/logprobs.py): no [N, T, V] tensor exists.
+    `share_prompts`: rows with the same prompt share its forward (worker/engines/prefix.py).
     """
     N, T = batch.completion_ids.shape
     b = batch.trimmed()
     t = b.completion_ids.shape[1]
-    kw = forward_inputs(b)  # [N, P+t]
     parts = split_head(model)
     if parts is None:
-        logp, ent = _logprobs_from_logits(model, b, kw, temperature, with_entropy)
+        logp, ent = _logprobs_from_logits(model, b, forward_inputs(b), temperature, with_entropy)
     else:
         decoder, head = parts
-        hidden = decoder(**kw).last_hidden_state[:, -(t + 1):-1]  # [N, t, H]: position P-1+j predicts token j
+        hidden = completion_hidden(decoder, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                                   share=share_prompts)  # [N, t, H]: position P-1+j predicts token j
         real = b.completion_mask.bool()  # [N, t]
         lp, e = token_logprobs(hidden[real], head.weight, head.bias, b.completion_ids[real], temperature=temperature,
                                with_entropy=with_entropy, head_dtype=getattr(head, "compute_dtype", None))  # [M]
@@ -487,4 +488,5 @@ class HFEngine:
     def logprobs(self, batch: RolloutBatch, micro_batch_size: int, micro_batch_tokens: int | None = None) -> torch.Tensor:
         """old_logp [N, T] under the rollout weights, in micro-batches."""
         micro = micro_batches(batch, list(range(len(batch))), max_rows=micro_batch_size, max_tokens=micro_batch_tokens)
-        return batch_logprobs(self.model, batch, self.params.temperature, micro, self.device)
+        return batch_logprobs(self.model, batch, self.params.temperature, micro, self.device,
+                              share_prompts=not self.sharded)

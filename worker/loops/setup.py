@@ -60,6 +60,14 @@ class Setup:
     memory_plan: memory.CheckpointPlan | None = None  # whether activations are recomputed, and why
     environment: EnvironmentHost | None = None  # where a multi-turn job's episodes are played
 
+    @property
+    def share_prompts(self) -> bool:
+        """Whether a group's rows share their prompt's forward (grpo.share_prompts; worker/engines/prefix.py):
+        never under TracIn, whose hooks take each row's own activations, nor with a sharded policy, whose
+        processes' forwards must stay in lockstep."""
+        return isinstance(self.spec.train, GRPOSpec) and self.spec.train.share_prompts and \
+            self.spec.kind != "tracin" and not self.sharded
+
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""
         return Trainables(model=self.model, tokenizer=self.tokenizer,

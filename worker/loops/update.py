@@ -48,9 +48,9 @@ def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
     g = s.spec.grpo
     rows = micro(s, batch, list(range(len(batch))))
     if s.ref_model is not None:
-        return batch_logprobs(s.ref_model, batch, g.temperature, rows, s.device)
+        return batch_logprobs(s.ref_model, batch, g.temperature, rows, s.device, share_prompts=s.share_prompts)
     with s.model.disable_adapter():
-        return batch_logprobs(s.model, batch, g.temperature, rows, s.device)
+        return batch_logprobs(s.model, batch, g.temperature, rows, s.device, share_prompts=s.share_prompts)
 
 
 @tracing.traced("grpo_jobs.old_logprobs")
@@ -193,7 +193,8 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
         mask = ro.loss_mask[idx].to(s.device)
         if before is not None:
             before(idx)
-        logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy)
+        logp, e = sequence_logprobs(s.model, mb, g.temperature, with_entropy=with_entropy,
+                                    share_prompts=s.share_prompts)
         old = logp.detach() if old_logp is None else old_logp[idx].to(s.device)
         if record is not None:
             record[idx] = old.to(record.device, record.dtype)

@@ -3,7 +3,8 @@ wall time, against a peak measured on the same device in the same dtype when the
 
     mfu/peak_tflops   a large matmul's rate here (the best of a few runs, this process's threads)
     mfu/sampling      sampling's needed FLOPs (each prompt prefilled once) / (its seconds x the peak)
-    mfu/train         old and reference log-probs and every epoch's forward and backward / (seconds x peak)
+    mfu/train         old and reference log-probs and every epoch's forward and backward (each prompt once
+                      for the rows that share it) / (seconds x peak)
 
 A figure near 1 is at the machine's limit; sampling far below it has work to win back. Counted for
 the rows the step trains on (a refilled group's discarded rows are not counted, so the sampling
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from worker.algos import flops
 from worker.algos.lora import is_lora
+from worker.engines.prefix import prompt_groups
 from worker.engines.sampling import RolloutBatch
 from worker.hardware import decoder_shape, peak_flops
 from worker.loops.rollouts import Rollouts
@@ -33,9 +35,19 @@ def sampling_flops(shape: flops.DecoderShape, batch: RolloutBatch, group: int) -
 
 
 def forward_flops(shape: flops.DecoderShape, batch: RolloutBatch, rows: list[int]) -> int:
-    """One teacher-forced forward over `rows` of `batch` (log-probs of their completions)."""
+    """One teacher-forced forward over `rows` of `batch` (log-probs of their completions): the rows that
+    share a prompt need its positions once."""
+    if not rows:
+        return 0
     prompts, completions = _lengths(batch, rows)
-    return sum(flops.forward(shape, p, c) for p, c in zip(prompts, completions, strict=True))
+    groups = prompt_groups(batch.prompt_ids[rows], batch.prompt_mask[rows])
+    if groups is None:
+        return sum(flops.forward(shape, p, c) for p, c in zip(prompts, completions, strict=True))
+    members: list[list[int]] = [[] for _ in groups.first]
+    for i, g in enumerate(groups.inverse.tolist()):
+        members[g].append(completions[i])
+    return sum(flops.group_forward(shape, prompts[first], cs) for first, cs in zip(groups.first.tolist(), members,
+                                                                                    strict=True))
 
 
 def train_flops(shape: flops.DecoderShape, batch: RolloutBatch, rows: list[int], *, epochs: int, frozen_base: bool,

@@ -102,6 +102,11 @@ class GRPOSpec(TrainSpec):
     max_refill_rounds: int = Field(2, ge=0, le=16, description="Refill rounds per step when dropping zero-std groups.")
     samples_per_step: int = Field(8, ge=0, le=1024, description="Completions per step recorded with reward and "
                                   "advantage.")
+    share_prompts: bool = Field(
+        True, description="Teacher-forced forwards (training, old and reference log-probs) compute a group's prompt "
+        "once and go on from it for each completion: the same gradients to rounding, for a third of the positions "
+        "on the matched spec. false: one forward per row, whose rounding does not depend on how rows are grouped "
+        "in micro-batches and processes. TracIn and sharded policies always run one forward per row.")
 
     SECTION: ClassVar[str] = "grpo"
 

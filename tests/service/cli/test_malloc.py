@@ -40,7 +40,7 @@ def test_jemalloc_is_preloaded_once_beside_what_was_there(monkeypatch):
 
 def test_jemalloc_keeps_freed_pages_unless_told_otherwise(monkeypatch):
     monkeypatch.setattr(malloc, "jemalloc_library", lambda: "libjemalloc.so.2")
-    assert malloc.training_env(Settings(), {})["MALLOC_CONF"] == "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+    assert malloc.training_env(Settings(), {})["MALLOC_CONF"] == "dirty_decay_ms:-1,muzzy_decay_ms:-1,lg_extent_max_active_fit:16"
     assert malloc.training_env(Settings(), {"MALLOC_CONF": "narenas:2"})["MALLOC_CONF"] == "narenas:2"
     assert "MALLOC_CONF" not in malloc.training_env(Settings(GRPO_KEEP_FREED_MEMORY=False), {})
 

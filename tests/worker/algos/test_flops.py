@@ -31,6 +31,10 @@ def test_a_forward_and_sampling_count_the_same_positions():
 def test_a_group_prefills_its_prompt_once_and_backward_follows_what_trains():
     assert flops.sampling(S, [2, 5], [[3, 1], [2]]) == (flops.prefill(S, 2) + flops.decode(S, 2, 3) + flops.decode(S, 2, 1)
                                                         + flops.prefill(S, 5) + flops.decode(S, 5, 2))
+    # teacher-forced rows of one prompt: its 2 positions once, then 3 and 1 completion tokens attending to it
+    assert flops.group_forward(S, 2, [3, 1]) == (2 * 68 + 24) + (3 * (68 + 20) + 4 * 2 * (3 * 2 + 6)) + (
+        68 + 20 + 4 * 2 * 3)
+    assert flops.group_forward(S, 5, [2]) == flops.forward(S, 5, 2)  # a group of one is a row's forward
     assert flops.training(100, frozen_base=True) == 200  # inputs' gradients only
     assert flops.training(100, frozen_base=False) == 300  # and the weights'
 

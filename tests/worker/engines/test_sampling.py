@@ -224,8 +224,8 @@ def test_a_prompt_prefilled_once_for_its_group_samples_what_each_row_prefilled_d
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.completion_mask, b.completion_mask)
     assert len(set(shared[0].completions[:4])) > 1  # a group's rows draw apart from one shared prefix
-    old = engine.logprobs(shared[0], micro_batch_size=12)
-    new, _ = sequence_logprobs(model, shared[0], params.temperature)
+    old = engine.logprobs(shared[0], micro_batch_size=12)  # the trainer's forward: a group's prompt computed once
+    new, _ = sequence_logprobs(model, shared[0], params.temperature, share_prompts=True)
     assert torch.equal(old, new)
 
 

@@ -36,17 +36,22 @@ from worker.reporting import FileReporter
 STEPS = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "max_new_tokens": 6, "micro_batch_size": 3,
          "eval_prompts": 3, "seed": 3, "samples_per_step": 48}
 CASES = {
+    # micro-batches of whole groups, in one process and in each of two: a prompt's forward is shared by the same
+    # rows either way (with rows grouped otherwise, its gradient sums them before or after RMSNorm's float32 cast)
     "grpo-lora": {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
-                  "grpo": {**STEPS, "learning_rate": 1e-2, "kl_coef": 0.05},
+                  "grpo": {**STEPS, "micro_batch_size": 4, "learning_rate": 1e-2, "kl_coef": 0.05},
                   "sparsity": {"measure_interval": 1, "quality": {"enabled": True, "probe_size": 2}}},
-    # two epochs (old log-probs, shuffled micro-batches), Dr. GRPO's constant, refilled tied groups
+    # two epochs (old log-probs, shuffled micro-batches), Dr. GRPO's constant, refilled tied groups; one forward
+    # per row, since shuffled micro-batches cut groups apart differently in one process and in two
     "grpo-full": {"kind": "grpo", "model": {"name": "tiny-random-llama"},
                   "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
-                           "loss_agg": "dr_grpo", "drop_zero_std_groups": True, "max_refill_rounds": 2}},
-    # FSDP2 for the 2-process run: the policy and reference sharded, gathered to the usual checkpoint
+                           "loss_agg": "dr_grpo", "drop_zero_std_groups": True, "max_refill_rounds": 2,
+                           "share_prompts": False}},
+    # FSDP2 for the 2-process run: the policy and reference sharded, gathered to the usual checkpoint (a sharded
+    # policy runs one forward per row, so the one-process run does too)
     "grpo-fsdp": {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "sharding": "fsdp",
                   "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "epochs_per_rollout_batch": 2,
-                           "loss_agg": "dr_grpo", "checkpoint_every": 2},
+                           "loss_agg": "dr_grpo", "checkpoint_every": 2, "share_prompts": False},
                   "sparsity": {"measure_interval": 2}},
     # a worker short of memory: the plan turns checkpointing on, the same on every rank (FSDP2's non-reentrant kind)
     "grpo-fsdp-low-memory": {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "sharding": "fsdp",

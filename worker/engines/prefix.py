@@ -74,11 +74,9 @@ def completion_hidden(decoder: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     prompt = decoder(input_ids=prompt_ids[f], attention_mask=prompt_mask[f], position_ids=positions[f, :P],
                      cache=cache, use_cache=True).last_hidden_state  # [U, P, H]
     first_token = prompt[groups.inverse, -1:]  # [N, 1, H]: the prompt's last position predicts token 0
-    if t > 1:
-        cache.batch_select_indices(groups.inverse)  # each row's copy of its prompt's keys and values [N, ...]
-        rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=attn[:, :-1],
-                       position_ids=positions[:, P:-1], cache=cache, use_cache=True).last_hidden_state  # [N, t-1, H]
-    # transformers' cache sits in a reference cycle, which only the cyclic collector frees: it would keep every
-    # layer's keys and values, and through them the step's autograd graph (0.9 GB a SmolLM2 step), until then
-    cache.layers.clear()
-    return first_token if t == 1 else torch.cat([first_token, rest], dim=1)  # [N, t, H]: token j predicts j+1
+    if t == 1:
+        return first_token
+    cache.batch_select_indices(groups.inverse)  # each row's copy of its prompt's keys and values [N, ...]
+    rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, P:-1],
+                   cache=cache, use_cache=True).last_hidden_state  # [N, t-1, H]: token j predicts token j+1
+    return torch.cat([first_token, rest], dim=1)

@@ -110,6 +110,8 @@ device-check:
 
 bench: install vllm
 	$(PY) bench/step.py
+	$(PY) bench/prefix.py
+	$(PY) bench/draws.py
 	$(PY) bench/store.py
 	$(PY) bench/api_load.py
 	$(PY) bench/sparsity.py

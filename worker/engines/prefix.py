@@ -3,8 +3,8 @@ keys and values, so the prompt's positions go through the decoder once per disti
 goes on from a copy of its prompt's cache with its completion only.
 
 GRPO's rows come in groups of G completions of one prompt. Each row's forward otherwise recomputes the
-prompt: on the matched spec (4 prompts of ~63 tokens, 8 completions of 24) that is 2,784 positions a
-step where 1,020 are distinct. Gradients reach the prompt's positions through the copy (an index, whose
+prompt: on a matched-spec batch (4 prompts x 8 completions of up to 24 tokens) that is 2,478 positions
+where 920 are distinct (bench/prefix.py). Gradients reach the prompt's positions through the copy (an index, whose
 backward sums the G rows' gradients), so the loss, the log-probs and every gradient are those of the
 per-row forward, to rounding.
 

@@ -29,7 +29,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook browser demo dev docs lint test test-numerics bench device-check clean
+.PHONY: install vllm cookbook trl browser demo dev docs lint test test-numerics bench device-check clean
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,19 @@ $(COOKBOOK_VENV)/.installed: $(VENV)/.installed
 	$(COOKBOOK_VENV)/bin/pip install -q $(TORCH)
 	$(UV) pip install -q --python $(COOKBOOK_VENV)/bin/python $(COOKBOOK_DEPS)
 	$(UV) pip install -q --python $(COOKBOOK_VENV)/bin/python $(if $(COOKBOOK_DEPS),--no-deps) $(COOKBOOK)
+	touch $@
+
+# TRL, the reference trainer bench/trl_side_by_side.py times the same GRPO step against, in its own
+# environment: it pins its own transformers and accelerate. Only benchmarks use it, never the service.
+TRL_VENV := .venv-trl
+TRL      ?= trl==1.16.0
+trl: $(TRL_VENV)/.installed
+
+$(TRL_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q $(TORCH)
+	# pydantic and PyYAML: the harness's side reads our reward functions and the spec from the checkout
+	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic pyyaml
 	touch $@
 
 # Debian's chromium, for the dashboard's browser tests (Playwright drives it; no browser download).

@@ -46,7 +46,12 @@ class SeedRun:
     accuracy: dict[int, float]  # step -> eval/accuracy
     reward_mean: float  # mean of reward/mean over the training steps
     wall_s: float
-    means: dict[str, float]  # every training metric's mean over the steps that recorded it
+    series: dict[str, list[float]]  # every training metric over the steps that recorded it, in order
+
+    @property
+    def means(self) -> dict[str, float]:
+        """Each training metric's mean over the steps that recorded it."""
+        return {k: statistics.fmean(v) for k, v in self.series.items()}
 
     def gain(self, last: int) -> float:
         return self.accuracy[last] - self.accuracy[0]
@@ -88,8 +93,7 @@ def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag
         if m["step"] > 0:
             for k, v in m["metrics"].items():
                 per_key.setdefault(k, []).append(v)
-    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall,
-                   {k: statistics.fmean(v) for k, v in per_key.items()})
+    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall, per_key)
 
 
 def bench_spec(path: Path, args: argparse.Namespace) -> None:

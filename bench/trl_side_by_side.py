@@ -1,0 +1,124 @@
+"""The matched GRPO step timed against TRL's GRPOTrainer on this machine: the same model, prompts, LoRA,
+group size, completion length and micro-batch (bench/specs/matched-trl.yaml), one run alone after the
+other, seed by seed.
+
+    make trl                                   # TRL 1.16 in its own environment, .venv-trl
+    python bench/trl_side_by_side.py           # 2 seeds x 10 steps on each side
+    python bench/trl_side_by_side.py --seeds 3 --steps 8
+
+Each side's step is its median over steps 2..N (the first step warms caches and allocators on both; the
+median also keeps our last step's end-of-job evaluation out): ours is `time/step_s` from `grpo-jobs run`,
+TRL's the wall time from a step's start to its update (it samples inside the step; bench/trl_grpo.py).
+Both sides train on our arith prompts rendered by our chat template and score with our `numeric_match`;
+TRL's settings follow the spec (no gradient checkpointing, no KL, clip 0.2, constant learning rate).
+Prompt order and sampling streams differ by design: it compares the cost of a step, not its draw.
+Ends with: RESULT seeds=... ours_step_s=... trl_step_s=... ratio=... ours_peak_rss_gb=... trl_peak_rss_gb=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from learning import ROOT, run_seed  # bench/ is on the path when a bench runs
+
+from service.core.settings import get_settings
+from service.core.specs import GRPOJob
+from worker.datasets import load_task, render_example
+from worker.models import load_tokenizer, smollm2_dir
+
+SPEC = ROOT / "bench" / "specs" / "matched-trl.yaml"
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """One side's run of one seed."""
+
+    step_s: list[float]  # every step's wall time, in order
+    reward_mean: float
+    peak_rss_gb: float
+    wall_s: float
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s[1:] or self.step_s)
+
+
+def trl_task(spec: GRPOJob, seed: int) -> dict:
+    """What bench/trl_grpo.py needs: the model folder, our rendered training prompts, the matched settings."""
+    settings = get_settings()
+    tokenizer = load_tokenizer(spec.model, models_root=settings.models_dir)
+    data = load_task(spec.dataset, settings=settings, reward_names=[r.name for r in spec.rewards])
+    g, lora = spec.grpo, spec.model.lora
+    rows = g.prompts_per_step * g.num_generations
+    return {
+        "seed": seed, "model_dir": str(smollm2_dir(settings.models_dir)),
+        "prompts": [render_example(tokenizer, ex, data.instruction) for ex in data.train],
+        "answers": [list(ex.answers) for ex in data.train],
+        "matched": {"steps": g.steps, "prompts_per_step": g.prompts_per_step, "num_generations": g.num_generations,
+                    "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "learning_rate": g.learning_rate,
+                    "kl_coef": g.kl_coef, "clip_eps": g.clip_eps_low, "max_grad_norm": g.max_grad_norm,
+                    "micro_batch_size": g.micro_batch_size or rows, "lora_r": lora.r, "lora_alpha": lora.alpha},
+    }
+
+
+def run_trl(task: dict, work: Path, threads: int) -> SideRun:
+    task_file, out = work / f"trl-{task['seed']}.json", work / f"trl-{task['seed']}-out.json"
+    task_file.write_text(json.dumps(task))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(TRL_PYTHON), str(ROOT / "bench" / "trl_grpo.py"), "--task", str(task_file),
+                           "--out", str(out)], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"TRL seed {task['seed']} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    r = json.loads(out.read_text())
+    return SideRun(r["step_s"], r["reward_mean"], r["peak_rss_gb"], wall)
+
+
+def run_ours(spec_dict: dict, seed: int, work: Path, threads: int) -> SideRun:
+    r = run_seed(spec_dict, seed, code=ROOT, threads=threads, work=work, tag="ours-")
+    return SideRun(r.series["time/step_s"], r.reward_mean, max(r.series["memory/peak_rss_gb"]), r.wall_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `make trl` first")
+    spec_dict = yaml.safe_load(SPEC.read_text())
+    spec_dict["grpo"].update(steps=args.steps, eval_every=0)
+    print(f"{'seed':<5} {'side':<5} {'median_step_s':>13} {'steps_s':<60} {'reward':>6} {'peak_rss_gb':>11}")
+    ours: list[SideRun] = []
+    trl: list[SideRun] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            spec_dict["grpo"]["seed"] = seed
+            task = trl_task(GRPOJob.model_validate(spec_dict), seed)
+            for side, runs, run in (("trl", trl, lambda: run_trl(task, Path(tmp), args.threads)),
+                                    ("ours", ours, lambda: run_ours(spec_dict, seed, Path(tmp), args.threads))):
+                r = run()
+                runs.append(r)
+                steps = " ".join(f"{s:.1f}" for s in r.step_s)
+                print(f"{seed:<5} {side:<5} {r.median_step_s:13.2f} {steps:<60} {r.reward_mean:6.3f} "
+                      f"{r.peak_rss_gb:11.2f}", flush=True)
+    o = statistics.median(r.median_step_s for r in ours)
+    t = statistics.median(r.median_step_s for r in trl)
+    print(f"RESULT seeds={args.seeds} steps={args.steps} ours_step_s={o:.2f} trl_step_s={t:.2f} ratio={o / t:.3f} "
+          f"ours_peak_rss_gb={max(r.peak_rss_gb for r in ours):.2f} trl_peak_rss_gb={max(r.peak_rss_gb for r in trl):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -121,8 +121,9 @@ test-numerics: install
 device-check:
 	python3 bench/device_check.py
 
-bench: install vllm
+bench: install vllm trl
 	$(PY) bench/step.py
+	$(PY) bench/trl_side_by_side.py
 	$(PY) bench/prefix.py
 	$(PY) bench/draws.py
 	$(PY) bench/store.py

@@ -12,7 +12,9 @@ TRL's the wall time from a step's start to its update (it samples inside the ste
 Both sides train on our arith prompts rendered by our chat template and score with our `numeric_match`;
 TRL's settings follow the spec (no gradient checkpointing, no KL, clip 0.2, constant learning rate).
 Prompt order and sampling streams differ by design: it compares the cost of a step, not its draw.
+Our side's rows also give each phase's median share of the measured peak (`mfu/*`; TRL measures none).
 Ends with: RESULT seeds=... ours_step_s=... trl_step_s=... ratio=... ours_peak_rss_gb=... trl_peak_rss_gb=...
+ours_sampling=... ours_train=...
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class SideRun:
     reward_mean: float
     peak_rss_gb: float
     wall_s: float
+    mfu: dict[str, float]  # ours: each phase's median share of the measured peak (mfu/*); TRL reports none
 
     @property
     def median_step_s(self) -> float:
@@ -82,12 +85,20 @@ def run_trl(task: dict, work: Path, threads: int) -> SideRun:
     if proc.returncode != 0:
         raise SystemExit(f"TRL seed {task['seed']} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     r = json.loads(out.read_text())
-    return SideRun(r["step_s"], r["reward_mean"], r["peak_rss_gb"], wall)
+    return SideRun(r["step_s"], r["reward_mean"], r["peak_rss_gb"], wall, {})
 
 
 def run_ours(spec_dict: dict, seed: int, work: Path, threads: int) -> SideRun:
     r = run_seed(spec_dict, seed, code=ROOT, threads=threads, work=work, tag="ours-")
-    return SideRun(r.series["time/step_s"], r.reward_mean, max(r.series["memory/peak_rss_gb"]), r.wall_s)
+    mfu = {k: statistics.median(v[1:] or v) for k, v in r.series.items() if k.startswith("mfu/")}
+    return SideRun(r.series["time/step_s"], r.reward_mean, max(r.series["memory/peak_rss_gb"]), r.wall_s, mfu)
+
+
+def show(seed: int, side: str, r: SideRun) -> None:
+    steps = " ".join(f"{s:.1f}" for s in r.step_s)
+    mfu = " ".join(f"{k}={v:.3f}" for k, v in sorted(r.mfu.items()))
+    print(f"{seed:<5} {side:<5} {r.median_step_s:13.2f} {steps:<60} {r.reward_mean:6.3f} {r.peak_rss_gb:11.2f} {mfu}",
+          flush=True)
 
 
 def main() -> None:
@@ -100,24 +111,23 @@ def main() -> None:
         raise SystemExit(f"{TRL_PYTHON} is missing: run `make trl` first")
     spec_dict = yaml.safe_load(SPEC.read_text())
     spec_dict["grpo"].update(steps=args.steps, eval_every=0)
-    print(f"{'seed':<5} {'side':<5} {'median_step_s':>13} {'steps_s':<60} {'reward':>6} {'peak_rss_gb':>11}")
+    print(f"{'seed':<5} {'side':<5} {'median_step_s':>13} {'steps_s':<60} {'reward':>6} {'peak_rss_gb':>11} mfu")
     ours: list[SideRun] = []
     trl: list[SideRun] = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             spec_dict["grpo"]["seed"] = seed
             task = trl_task(GRPOJob.model_validate(spec_dict), seed)
-            for side, runs, run in (("trl", trl, lambda: run_trl(task, Path(tmp), args.threads)),
-                                    ("ours", ours, lambda: run_ours(spec_dict, seed, Path(tmp), args.threads))):
-                r = run()
-                runs.append(r)
-                steps = " ".join(f"{s:.1f}" for s in r.step_s)
-                print(f"{seed:<5} {side:<5} {r.median_step_s:13.2f} {steps:<60} {r.reward_mean:6.3f} "
-                      f"{r.peak_rss_gb:11.2f}", flush=True)
+            trl.append(run_trl(task, Path(tmp), args.threads))
+            show(seed, "trl", trl[-1])
+            ours.append(run_ours(spec_dict, seed, Path(tmp), args.threads))
+            show(seed, "ours", ours[-1])
     o = statistics.median(r.median_step_s for r in ours)
     t = statistics.median(r.median_step_s for r in trl)
+    mfu = " ".join(f"ours_{k.split('/')[1]}={statistics.median(r.mfu[k] for r in ours):.3f}" for k in sorted(ours[0].mfu))
     print(f"RESULT seeds={args.seeds} steps={args.steps} ours_step_s={o:.2f} trl_step_s={t:.2f} ratio={o / t:.3f} "
-          f"ours_peak_rss_gb={max(r.peak_rss_gb for r in ours):.2f} trl_peak_rss_gb={max(r.peak_rss_gb for r in trl):.2f}")
+          f"ours_peak_rss_gb={max(r.peak_rss_gb for r in ours):.2f} trl_peak_rss_gb={max(r.peak_rss_gb for r in trl):.2f} "
+          f"{mfu}")
 
 
 if __name__ == "__main__":

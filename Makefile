@@ -74,8 +74,8 @@ trl: $(TRL_VENV)/.installed
 $(TRL_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install -q $(TORCH)
-	# pydantic and PyYAML: the harness's side reads our reward functions and the spec from the checkout
-	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic pyyaml
+	# pydantic: TRL's side scores with our worker/rewards/functions.py, whose reward specs are pydantic models
+	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic
 	touch $@
 
 # Debian's chromium, for the dashboard's browser tests (Playwright drives it; no browser download).

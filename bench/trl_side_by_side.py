@@ -41,6 +41,11 @@ SPEC = ROOT / "bench" / "specs" / "matched-trl.yaml"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 
 
+def warm(xs: list[float]) -> list[float]:
+    """A series without its first step, which warms caches and allocators on both sides."""
+    return xs[1:] or xs
+
+
 @dataclass(frozen=True)
 class SideRun:
     """One side's run of one seed."""
@@ -53,7 +58,7 @@ class SideRun:
 
     @property
     def median_step_s(self) -> float:
-        return statistics.median(self.step_s[1:] or self.step_s)
+        return statistics.median(warm(self.step_s))
 
 
 def trl_task(spec: GRPOJob, seed: int) -> dict:
@@ -85,12 +90,13 @@ def run_trl(task: dict, work: Path, threads: int) -> SideRun:
     if proc.returncode != 0:
         raise SystemExit(f"TRL seed {task['seed']} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     r = json.loads(out.read_text())
+    print("TRL side: " + " ".join(f"{k} {v}" for k, v in r["versions"].items()), flush=True)
     return SideRun(r["step_s"], r["reward_mean"], r["peak_rss_gb"], wall, {})
 
 
 def run_ours(spec_dict: dict, seed: int, work: Path, threads: int) -> SideRun:
     r = run_seed(spec_dict, seed, code=ROOT, threads=threads, work=work, tag="ours-")
-    mfu = {k: statistics.median(v[1:] or v) for k, v in r.series.items() if k.startswith("mfu/")}
+    mfu = {k: statistics.median(warm(v)) for k, v in r.series.items() if k.startswith("mfu/")}
     return SideRun(r.series["time/step_s"], r.reward_mean, max(r.series["memory/peak_rss_gb"]), r.wall_s, mfu)
 
 

@@ -30,12 +30,17 @@ _ENGINES: dict[str, Engine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def _new_lock_in_child() -> None:  # a fork while another thread held it would leave the child's copy held
+def _in_forked_child() -> None:
+    """A forked child (a Celery pool process, a rank from a fork server forked from one) shares its parent's
+    pooled sockets: using one corrupts both sessions (on PostgreSQL: 'prepared statement "_pg3_0" already
+    exists'), so it drops them unclosed. And a fork while another thread held the lock would leave the child's
+    copy held."""
     global _ENGINES_LOCK
     _ENGINES_LOCK = threading.Lock()
+    dispose_engines(close=False)
 
 
-os.register_at_fork(after_in_child=_new_lock_in_child)
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def get_engine(url: str) -> Engine:

@@ -52,8 +52,8 @@ def _children(ppid: int) -> list[tuple[int, bytes]]:
 
 def _ranks_of(c, job_id) -> list[int]:
     """The rank processes of a running job: the children of the fork server of the pool process holding it
-    (worker/parallel/launch.py)."""
-    servers = [pid for pid, cmdline in _children(_pool_pid(c, job_id)) if b"forkserver" in cmdline]
+    (worker/parallel/launch.py), its one child besides multiprocessing's resource tracker."""
+    servers = [pid for pid, cmdline in _children(_pool_pid(c, job_id)) if b"resource_tracker" not in cmdline]
     return sorted(pid for server in servers for pid, _ in _children(server))
 
 

@@ -20,7 +20,6 @@ from service.core import queue
 from service.core.records import WorkerInfo
 from service.core.settings import get_settings
 from service.store import workers as workers_q
-from service.store.db import dispose_engines
 from service.store.periodic import Periodic
 from worker import inventory
 from worker.session import stopping
@@ -51,14 +50,6 @@ def _preload_loops(**_kwargs) -> None:
     from worker.jobs.runner import preload
 
     preload()
-
-
-@worker_process_init.connect
-def _forget_parent_connections(**_kwargs) -> None:
-    """A pool child is forked from the main process, which holds pooled store connections (the
-    sweep's). Sharing one socket between processes corrupts both sessions (on PostgreSQL:
-    'prepared statement "_pg3_0" already exists'), so the child drops them unclosed."""
-    dispose_engines(close=False)
 
 
 @worker_process_init.connect

@@ -39,6 +39,7 @@ from worker.parallel.launch import (
     GangIncomplete,
     LauncherStopped,
     RanksFailed,
+    fork_server_here,
     launch,
     placement_warning,
     preload_in_ranks,
@@ -108,7 +109,7 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
     """Run a spec's loop to its end: in this process, or as `resources.processes` ranks (on node 0 of `gang`
     when the job spans several machines) that each record through `rank_reporter()` while this process waits
     (`grpo-jobs run` and the worker)."""
-    if spec.kind == "session" or (spec.resources.processes == 1 and gang is None):
+    if not on_ranks(spec, gang):
         return loop_for(spec.kind)(spec, reporter, settings=settings)
     gpus = visible_gpus()
     if warning := placement_warning(spec.resources.processes, gpus):
@@ -116,6 +117,11 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
                                                                     "gpus": gpus})
     return launch(loop_on_ranks, (spec, settings, rank_reporter), processes=spec.resources.processes,
                   run_id=run_id, gang=gang)[0]
+
+
+def on_ranks(spec: JobSpec, gang: Gang | None = None) -> bool:
+    """Whether a spec's loop runs as ranks (several processes, or one node of several) rather than in this process."""
+    return spec.kind != "session" and (spec.resources.processes > 1 or spec.nodes > 1 or gang is not None)
 
 
 def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
@@ -147,6 +153,7 @@ def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
     gang = Gang(nodes=spec.nodes, node=message.node, endpoint=message.endpoint, wait_s=settings.gang_wait_s)
     rank_reporter = partial(SqlReporter, joined.job_id, uid=joined.uid, owner=joined.owner, holder=holder,
                             settings=owner_settings)  # rank 0 reports, and it runs on node 0: never called here
+    fork_server_here()  # while this process has no other thread: its ranks inherit its imports
     try:
         with nodes.watch_node_0(message, settings=settings):
             launch(loop_on_ranks, (spec, owner_settings, rank_reporter), processes=spec.resources.processes,
@@ -171,6 +178,8 @@ def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: 
     if lease is None:
         with session_scope(url) as s:
             return _not_leased(s, job_id=job_id, uid=uid)
+    if lease.spec is not None and on_ranks(lease.spec):
+        fork_server_here()  # before the heartbeat's thread starts: the job's ranks inherit this process's imports
     reporter = SqlReporter(job_id, uid=lease.uid, owner=lease.owner, holder=holder, settings=settings)
     reporter.attempt = lease.attempt
     reporter.start()

@@ -10,10 +10,12 @@ no orphan ranks behind.
 
 Ranks are forked from a fork server (multiprocessing's `forkserver`) that has imported torch,
 transformers, peft and the loops once: a rank starts in a fraction of a second instead of paying
-those imports (about 6 s of CPU) itself, and the launching process's own state (threads, a device)
-never reaches it. The server is started from a clean interpreter once per launching process and
-exits with it; its children die with it, so the chain above still holds. The rank runs with the
-launching process's environment as it is at launch, not as it was when the server started.
+those imports (about 6 s of CPU) itself. Where the launching process has imported them already and
+has no other thread yet (a worker's pool process as a job starts, `grpo-jobs run`), the server is forked
+from it; otherwise it is a fresh interpreter that imports them. Either way no thread, lock or device of
+the launching process's running job reaches a rank. The server lives as long as the launching process;
+its children die with it, so the chain above still holds. The rank runs with the launching process's
+environment as it is at launch, not as it was when the server started.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -136,6 +141,9 @@ def _stop(signum: int, frame: object) -> None:
 START_METHOD = "forkserver"  # "spawn": each rank imports everything itself (bench/rank_start.py compares)
 _server_env: dict[int, dict[str, str]] = {}  # the environment each fork server (by pid) started with
 _rank_preload: list[str] = []
+# a server forked from a Celery pool process would keep its handlers (the pool's own SIGTERM, a stop request's
+# SIGUSR2 ignored): ranks start with the defaults, as a fresh server's do
+_SERVER_DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def visible_gpus() -> int:
@@ -188,13 +196,58 @@ def preload_in_ranks(modules: list[str]) -> None:
 
 
 def _fork_server() -> dict[str, str]:
-    """Starts this process's fork server if it is not running (again, if it died): the environment
+    """Starts this process's fork server if it is not running (again, if it died): forked from this process
+    where it can be (`fork_server_here`), else a fresh interpreter that imports the loops. The environment
     it started with, which every rank forked from it inherits."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_rank_preload)
     server = multiprocessing.forkserver._forkserver
-    server.ensure_running()
+    if not fork_server_here():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_rank_preload)
+        server.ensure_running()
     return _server_env.setdefault(server._forkserver_pid, dict(os.environ))
+
+
+def fork_server_here() -> bool:
+    """Fork this process's fork server from this process, as it is now, if it has none running: its ranks then
+    inherit the loops this process has imported, instead of a fresh server importing them again (about 5 s of
+    CPU a job). Only while nothing can reach the server that a fork would break: this process has no other
+    thread (a lock another thread held would stay held in every rank) and has not initialised CUDA. Whether
+    this process's server is running now."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        try:
+            if os.waitpid(server._forkserver_pid, os.WNOHANG)[0] == 0:
+                return True  # still running
+        except ChildProcessError:  # not this process's child: ask multiprocessing to start its own
+            return False
+        os.close(server._forkserver_alive_fd)  # it died: forked again below, as ensure_running would
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    if threading.active_count() > 1 or torch.cuda.is_initialized():
+        return False
+    multiprocessing.resource_tracker.ensure_running()  # before the fork, as ensure_running starts it
+    address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server: multiprocessing's own loop, in this process's image
+        code = 1
+        try:
+            os.close(alive_w)
+            for s in _SERVER_DEFAULT_SIGNALS:  # what the launching process installed is not the ranks'
+                signal.signal(s, signal.SIG_DFL)
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not a Celery pool's logging proxies
+            multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+            code = 0
+        finally:
+            os._exit(code)
+    listener.close()
+    os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _server_env[pid] = dict(os.environ)
+    return True
 
 
 def _take_env(base: dict[str, str], launcher: dict[str, str]) -> None:

@@ -218,9 +218,9 @@ def fork_server_here() -> bool:
         try:
             if os.waitpid(server._forkserver_pid, os.WNOHANG)[0] == 0:
                 return True  # still running
-        except ChildProcessError:  # not this process's child: ask multiprocessing to start its own
-            return False
-        os.close(server._forkserver_alive_fd)  # it died: forked again below, as ensure_running would
+        except ChildProcessError:  # a parent's server, its state inherited by a fork: this process needs its own
+            pass
+        os.close(server._forkserver_alive_fd)  # gone (or not ours): started again below, as ensure_running would
         server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
     if threading.active_count() > 1 or torch.cuda.is_initialized():
         return False

@@ -109,7 +109,7 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
     """Run a spec's loop to its end: in this process, or as `resources.processes` ranks (on node 0 of `gang`
     when the job spans several machines) that each record through `rank_reporter()` while this process waits
     (`grpo-jobs run` and the worker)."""
-    if not on_ranks(spec, gang):
+    if not on_ranks(spec, spans_nodes=gang is not None):
         return loop_for(spec.kind)(spec, reporter, settings=settings)
     gpus = visible_gpus()
     if warning := placement_warning(spec.resources.processes, gpus):
@@ -119,9 +119,10 @@ def run_spec(spec: JobSpec, reporter: Reporter, *, settings: Settings, rank_repo
                   run_id=run_id, gang=gang)[0]
 
 
-def on_ranks(spec: JobSpec, gang: Gang | None = None) -> bool:
-    """Whether a spec's loop runs as ranks (several processes, or one node of several) rather than in this process."""
-    return spec.kind != "session" and (spec.resources.processes > 1 or spec.nodes > 1 or gang is not None)
+def on_ranks(spec: JobSpec, *, spans_nodes: bool) -> bool:
+    """Whether run_spec runs a spec's loop as ranks (several processes, or this node of a job on several machines)
+    rather than in this process."""
+    return spec.kind != "session" and (spec.resources.processes > 1 or spans_nodes)
 
 
 def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
@@ -178,7 +179,7 @@ def run_job(job_id: int, *, settings: Settings, uid: str | None = None, holder: 
     if lease is None:
         with session_scope(url) as s:
             return _not_leased(s, job_id=job_id, uid=uid)
-    if lease.spec is not None and on_ranks(lease.spec):
+    if lease.spec is not None and on_ranks(lease.spec, spans_nodes=lease.spec.nodes > 1):  # _run's gang rule
         fork_server_here()  # before the heartbeat's thread starts: the job's ranks inherit this process's imports
     reporter = SqlReporter(job_id, uid=lease.uid, owner=lease.owner, holder=holder, settings=settings)
     reporter.attempt = lease.attempt

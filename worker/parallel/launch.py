@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -228,7 +229,8 @@ def fork_server_here() -> bool:
     address = multiprocessing.connection.arbitrary_address("AF_UNIX")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
-    os.chmod(address, 0o600)
+    if not multiprocessing.util.is_abstract_socket_namespace(address):  # as ensure_running: a path has a mode
+        os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
     pid = os.fork()

@@ -19,7 +19,7 @@ def rank_facts(*, ranks) -> dict:
 
 def _run(body: str) -> str:
     script = textwrap.dedent("""
-        import os, sys, threading, time
+        import os, threading
         import worker.parallel.launch as launch
         from tests.worker.parallel.test_launch import rank_facts
         server = lambda: launch.multiprocessing.forkserver._forkserver._forkserver_pid

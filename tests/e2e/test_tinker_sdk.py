@@ -1,11 +1,17 @@
 """The unmodified tinker SDK against `grpo-jobs dev` (embedded store and broker): every built-in loss's
 value, log-probs and gradient norm against a hand computation in torch on the same weights, a session
-run that gives its worker back and comes back from its saved state, tenancy, and refused input."""
+run that gives its worker back and comes back from its saved state, tenancy, and refused input.
+
+One `grpo-jobs dev` serves the module (a start costs its API and worker imports, about 12 CPU-s here);
+each test is an owner of its own on it, so what it lists and counts is its own, as another tenant's
+would be."""
 
 from __future__ import annotations
 
 import subprocess
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -13,7 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import BIN, start_dev
+from service.core.settings import Settings
+from service.store import keys as keys_q
+from service.store.db import session_scope
+from tests.e2e.conftest import BIN, Procs, embedded_env, start_dev
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -29,9 +38,31 @@ LOSS_CONFIGS = {  # clip bounds tight enough that some of the ratios below are c
 }
 
 
+@dataclass(frozen=True)
+class DevService:
+    base: str  # its URL
+    procs: Procs  # `grpo-jobs dev`, and the environment its commands run with
+
+
+@pytest.fixture(scope="module")
+def dev_service(tmp_path_factory, models_root):
+    """The module's `grpo-jobs dev`, stopped once its last test is done."""
+    tmp = tmp_path_factory.mktemp("tinker-dev")
+    procs = Procs(embedded_env(tmp / "data", models_root), tmp)
+    try:
+        base, _ = start_dev(procs, GRPO_SESSION_IDLE_S="4", TINKER_TELEMETRY="0")
+        yield DevService(base, procs)
+    finally:
+        procs.stop()
+
+
 @pytest.fixture
-def dev(procs):
-    return start_dev(procs, GRPO_SESSION_IDLE_S="4", TINKER_TELEMETRY="0")
+def dev(dev_service):
+    """The module's service and the key of an owner of this test's own."""
+    store_url = Settings(GRPO_DATA_DIR=Path(dev_service.procs.env["GRPO_DATA_DIR"])).store_url
+    with session_scope(store_url) as s:
+        key = keys_q.create_key(s, owner=f"sdk-{uuid.uuid4().hex[:8]}")
+    return dev_service.base, key
 
 
 def reference_model():
@@ -154,9 +185,9 @@ def test_a_session_run_gives_its_worker_back_and_resumes_from_its_state(dev, tin
     assert after == pytest.approx(before, rel=1e-6)  # the trained weights came back, not the base model's
 
 
-def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, procs, tinker_service):
+def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, dev_service, tinker_service):
     base, key = dev
-    other = subprocess.run([str(BIN), "keys", "create", "--owner", "mallory"], env=procs.env, capture_output=True,
+    other = subprocess.run([str(BIN), "keys", "create", "--owner", "mallory"], env=dev_service.procs.env, capture_output=True,
                            text=True, check=True).stdout.strip().split()[-1]
     assert other.startswith("tml-")
     service = tinker_service(base, key)

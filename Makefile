@@ -142,4 +142,4 @@ bench: install vllm trl
 	$(PY) bench/primitives.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(COOKBOOK_VENV) $(TRL_VENV) *.egg-info test-artifacts .pytest_cache site
+	rm -rf $(VENV) $(VLLM_VENV) $(COOKBOOK_VENV) $(TRL_VENV) *.egg-info test-artifacts .test-models .pytest_cache site

@@ -139,16 +139,14 @@ def cookbook_python() -> Path:
 
 
 @pytest.fixture(scope="session")
-def models_root(tmp_path_factory, worker_id) -> Path:
-    """One model cache for the whole run (the bundled model converts once, under a file lock, even
-    when pytest-xdist's workers ask for it at the same time)."""
-    if root := os.environ.get("GRPO_TEST_MODELS_ROOT"):
-        return Path(root)
-    if _xdist_index(worker_id) is None:
-        return tmp_path_factory.mktemp("models")
-    shared = tmp_path_factory.getbasetemp().parent / "models"  # the run's folder, above each worker's own
-    shared.mkdir(exist_ok=True)
-    return shared
+def models_root() -> Path:
+    """One model cache for every run in this checkout (GRPO_TEST_MODELS_ROOT, else `.test-models`): the bundled
+    SmolLM2 converts from its GGUF once (about 22 CPU-s, most of it transformers' GGUF reader), under a file
+    lock, even when pytest-xdist's workers ask for it at the same time; the serial phase, the numerics runs
+    and the next run find it converted."""
+    root = Path(os.environ.get("GRPO_TEST_MODELS_ROOT") or ARTIFACTS.parent / ".test-models")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 @pytest.fixture

@@ -402,10 +402,16 @@ def tinker_service():
 
 
 def _weight(item) -> int:
-    """How long a test is likely to take, in coarse classes: vLLM servers, then fault tests and the tinker
-    cookbook's loops, then the other end-to-end tests (real processes), then the rest marked slow."""
+    """How long a test is likely to take, in coarse classes: vLLM servers, then the modules whose tests share a
+    service they start once (`shared_service`), then fault tests and the tinker cookbook's loops, then the other
+    end-to-end tests (real processes), then the rest marked slow. The first classes fill the head of the first
+X
+    a shared service's tests all run in that process and start it once, not once in each process they were
+    spread over (the dashboard's service, two or three times: about 30 CPU-s each)."""
     path = str(item.path)
     if item.get_closest_marker("vllm"):
+        return 6
+    if item.get_closest_marker("shared_service"):
         return 5
     if "/tests/faults/" in path or "cookbook" in path:
         return 4

@@ -11,7 +11,7 @@ import pytest
 from tests.dashboard.conftest import SPARSE_JOB, sign_in
 from tests.e2e.conftest import wait_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_service]
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 

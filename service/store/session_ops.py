@@ -108,13 +108,6 @@ def op_for(session: Session, *, request_id: str, owner: str) -> SessionOp | None
                            .where(SessionOp.request_id == request_id, Job.owner == owner)).first()
 
 
-def settled(session: Session, *, request_ids: list[str]) -> set[str]:
-    """Which of these operations have ended (done or failed): one query for every future an API
-    process is holding open."""
-    return set(session.scalars(select(SessionOp.request_id).where(SessionOp.request_id.in_(request_ids),
-                                                                  SessionOp.status != "pending")))
-
-
 def wake(session: Session, *, job_id: int) -> Message | None:
     """idle -> queued, for a worker to take the run back. Returns the message to enqueue (once this
     transaction commits), or None when the run was not idle (a worker holds it, or it is queued)."""

@@ -405,7 +405,7 @@ def _weight(item) -> int:
     """How long a test is likely to take, in coarse classes: vLLM servers, then the modules whose tests share a
     service they start once (`shared_service`), then fault tests and the tinker cookbook's loops, then the other
     end-to-end tests (real processes), then the rest marked slow. The first classes fill the head of the first
-X
+    process's queue, which `--dist worksteal` leaves to it (it steals the tail half of the longest queue):
     a shared service's tests all run in that process and start it once, not once in each process they were
     spread over (the dashboard's service, two or three times: about 30 CPU-s each)."""
     path = str(item.path)

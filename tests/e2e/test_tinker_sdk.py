@@ -44,6 +44,7 @@ LOSS_CONFIGS = {  # clip bounds tight enough that some of the ratios below are c
 class DevService:
     base: str  # its URL
     procs: Procs  # `grpo-jobs dev`, and the environment its commands run with
+    store_url: str  # its embedded store, where each test's owner gets a key
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def dev_service(tmp_path_factory, models_root):
     procs = Procs(embedded_env(tmp / "data", models_root), tmp)
     try:
         base, _ = start_dev(procs, GRPO_SESSION_IDLE_S="4", TINKER_TELEMETRY="0")
-        yield DevService(base, procs)
+        yield DevService(base, procs, Settings(GRPO_DATA_DIR=tmp / "data").store_url)
     finally:
         procs.stop()
 
@@ -61,8 +62,7 @@ def dev_service(tmp_path_factory, models_root):
 @pytest.fixture
 def dev(dev_service):
     """The module's service and the key of an owner of this test's own."""
-    store_url = Settings(GRPO_DATA_DIR=Path(dev_service.procs.env["GRPO_DATA_DIR"])).store_url
-    with session_scope(store_url) as s:
+    with session_scope(dev_service.store_url) as s:
         key = keys_q.create_key(s, owner=f"sdk-{uuid.uuid4().hex[:8]}")
     return dev_service.base, key
 
@@ -189,8 +189,8 @@ def test_a_session_run_gives_its_worker_back_and_resumes_from_its_state(dev, tin
 
 def test_another_owner_cannot_read_or_drive_a_run_and_bad_input_is_refused(dev, dev_service, tinker_service):
     base, key = dev
-    other = subprocess.run([str(BIN), "keys", "create", "--owner", "mallory"], env=dev_service.procs.env, capture_output=True,
-                           text=True, check=True).stdout.strip().split()[-1]
+    other = subprocess.run([str(BIN), "keys", "create", "--owner", "mallory"], env=dev_service.procs.env,
+                           capture_output=True, text=True, check=True).stdout.strip().split()[-1]
     assert other.startswith("tml-")
     service = tinker_service(base, key)
     client = service.create_lora_training_client(base_model=MODEL, rank=RANK, seed=SEED).result()

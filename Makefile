@@ -8,7 +8,9 @@ TORCH  ?= torch==2.13.0
 # uv installs torch into each environment; it does not read pip's settings, so the folders where pip finds
 # wheels (this kind of machine keeps its CPU torch in one: a plain `torch` from the index is the CUDA build)
 # are passed on. By uv: 2.6 s against pip's 22.6 s for torch alone, three environments on a fresh clone.
-PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+ifndef PIP_FIND_LINKS  # read once, not at each of the four recipes that install torch
+PIP_FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+endif
 TORCH_INSTALL = $(UV) pip install -q $(foreach d,$(PIP_FIND_LINKS),--find-links $(d)) $(TORCH) --python
 PORT   ?= 8000
 # uv, unlike pip, leaves packages uncompiled: where PYTHONDONTWRITEBYTECODE is set (this kind of machine sets

@@ -100,8 +100,10 @@ demo: install
 dev: install
 	$(VENV)/bin/grpo-jobs dev --port $(PORT)
 
+# PYTHONDONTWRITEBYTECODE emptied: where a machine sets it (this kind does), pytest rewrote and compiled every
+# test module again in each of the suite's processes, 7 CPU-s a process, instead of reading what the first wrote
 TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
-           GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python
+           GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python PYTHONDONTWRITEBYTECODE=
 
 # ruff over the code, the tests, the benchmarks and the migrations; mypy over the pure core and the maths
 # (service/core, worker/algos), with pydantic's plugin: [tool.ruff] and [tool.mypy] in pyproject.toml

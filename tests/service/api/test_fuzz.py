@@ -22,6 +22,8 @@ from service.store.migrate import upgrade
 
 # tinker's forward_backward bodies are protobuf: arbitrary bytes, which the route must refuse with a 400
 schemathesis.openapi.media_type("application/x-protobuf", st.binary(max_size=512))
+ALL_BUT_POSITIVE = [c for c in CHECKS.get_all() if c.__name__ != "positive_data_acceptance"]
+RESPONSE_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,6 @@ def _node_id(request) -> None:
     """schemathesis 4.32's lazy schemas read the running test's `_nodeid`, which pytest 9.2 keeps only as
     `nodeid`: each operation then reports as a subtest of this test, by its label."""
     request.node._nodeid = request.node.nodeid
-ALL_BUT_POSITIVE = [c for c in CHECKS.get_all() if c.__name__ != "positive_data_acceptance"]
-RESPONSE_TIMEOUT_S = 120.0
 
 
 @pytest.mark.slow  # every operation, one after another, in one test (schemathesis's subtests)

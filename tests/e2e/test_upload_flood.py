@@ -24,7 +24,7 @@ from tests.service.api.test_upload_budgets import (
 
 @functools.cache
 def bombs() -> list[tuple[str, bytes]]:
-    """The files, built once in the process that runs the test (about 5 CPU-s: not in every process that
+    """The files, built once in the process that runs the test (about 3 CPU-s: not in every process that
     collects it); the attackers, forked after, inherit them."""
     return [("column.parquet", compressed_column(160)), ("rows.parquet", many_rows(20_000_000)),
             ("dictionary.parquet", dictionary_bomb(2_000_000, 1000)),

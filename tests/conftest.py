@@ -20,11 +20,7 @@ if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
     if "torch" in sys.modules:  # a plugin imported it before this file: its pool is sized already
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    # vLLM's CPU backend pins its sampling thread to core 0 and keeps core 1 for its scheduler: two test
-    # processes' servers at once would share one core while the other idles. Each test process's servers
-    # take a core of their own instead (one OpenMP thread: unpinned, it would take every core and spin).
-    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(index % (os.cpu_count() or 1)))
+    # (a job's vLLM server on the CPU takes the same count: worker/engines/vllm_engine.py)
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

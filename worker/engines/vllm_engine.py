@@ -161,14 +161,19 @@ class VLLMServer:
             args += ["--gpu-memory-utilization", f"{c.placement.gpu_memory_utilization:g}"]
         if c.placement.sleeps:
             args += ["--enable-sleep-mode"]  # POST /sleep and /wake_up (VLLM_SERVER_DEV_MODE, set below)
-        if not any(a.startswith(PARALLEL_ARGS) for a in c.extra_args):
+        if self.single_process:
             # One device: the engine core drives the model itself instead of through a worker process.
             # On vLLM's CPU backend this needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (set in start()); on
             # 2 cores it starts a third faster (29 s of CPU against 42) and samples 1.5x faster
             # (16 rows of 64 tokens: 5.7 s against 8.7 s), the worker's queue polling no longer taking
-            # a core. Threads are pinned as before (VLLM_CPU_OMP_THREADS_BIND).
+            # a core. Its threads are then no longer pinned: environment() sizes them.
             args += ["--distributed-executor-backend", "uni"]
         return [str(c.python), str(WATCHDOG), str(os.getpid()), "--", *args, *c.extra_args]
+
+    @property
+    def single_process(self) -> bool:
+        """The engine core drives the model itself: no admin argument spreads it or names an executor."""
+        return not any(a.startswith(PARALLEL_ARGS) for a in self.cfg.extra_args)
 
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, less the trainer's thread and malloc settings, plus
@@ -178,11 +183,17 @@ class VLLMServer:
                # the sync engine class only (the API server's engine core is a process either way); the
                # CPU backend otherwise replaces the single-device executor by a worker process
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        # The trainer's thread counts are not the engine's: vLLM sizes and pins its own CPU threads, and with
-        # OMP_NUM_THREADS=2 inherited on 2 cores its worker spun in the kernel (16 rows of 64 tokens: over
-        # 400 s against 14 s without it).
+        # The trainer's thread settings are not the engine's: where vLLM has worker processes it sizes and pins
+        # their threads itself, and with OMP_NUM_THREADS=2 inherited on 2 cores such a worker spun in the
+        # kernel (16 rows of 64 tokens: over 400 s against 14 s without it).
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "MALLOC_CONF"):  # nor is its malloc
             env.pop(var, None)
+        if self.single_process and self.cfg.placement.gpu is None:
+            # One process on the CPU: vLLM pins no threads there, so its OpenMP pool took every core whatever
+            # the job's share, and beside other work its threads waited at each barrier for one another's turn
+            # on a core. It takes the trainer's count: the sync test beside two busy processes on 2 cores took
+            # 474 s and 506 CPU-s with two threads, 161 s and 136 CPU-s with one.
+            env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on CPU machines
         if self.cfg.placement.gpu is not None:  # the server sees its one card, as its cuda:0
             env["CUDA_VISIBLE_DEVICES"] = visible_device_id(self.cfg.placement.gpu)

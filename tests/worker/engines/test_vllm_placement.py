@@ -5,6 +5,7 @@ from the worker's GPUs and the trainer's, and written into the server's command 
 from pathlib import Path
 
 import pytest
+import torch
 
 from worker.engines.vllm_engine import (
     COLOCATED_MEMORY,
@@ -58,6 +59,18 @@ def test_a_cpu_server_keeps_the_workers_devices_and_vllms_memory_flags(monkeypat
     server = _server(EnginePlacement(None, False, None))
     assert server.environment()["CUDA_VISIBLE_DEVICES"] == ""
     assert "--gpu-memory-utilization" not in server.command()
+
+
+def test_a_cpu_server_takes_the_trainers_thread_count_and_a_gpu_server_vllms_own(monkeypatch):
+    """On the CPU, one process: its OpenMP pool would otherwise take every core whatever the job's share. On a
+    GPU, or with the admin's executor (vLLM then sizes and binds its worker processes' threads), none is set."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # the trainer's own setting never passes as such
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert _server(EnginePlacement(None, False, None)).environment()["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in _server(EnginePlacement(0, False, 0.85)).environment()
+    spread = _server(EnginePlacement(None, False, None), ("--distributed-executor-backend", "mp"))
+    assert "OMP_NUM_THREADS" not in spread.environment()
+    assert "uni" not in spread.command()
 
 
 def test_the_admins_share_in_grpo_vllm_args_is_read_and_replaced_by_one_flag():

@@ -1,6 +1,7 @@
 """Training processes start with jemalloc preloaded where the machine has it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,8 +65,9 @@ def test_grpo_jobs_run_trains_under_the_chosen_malloc(tmp_path, models_root, cho
             "grpo": {"steps": 1, "prompts_per_step": 1, "num_generations": 2, "max_new_tokens": 4,
                      "eval_prompts": 1, "samples_per_step": 0}}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    # this test process's share of the cores (tests/conftest.py), as every run the suite starts takes
     env = {"GRPO_DATA_DIR": str(tmp_path), "GRPO_MODELS_ROOT": str(models_root), "GRPO_MALLOC": choice,
-           "PATH": "/usr/bin:/bin"}
+           "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run([sys.executable, "-m", "service.cli", "run", str(tmp_path / "spec.yaml"), "--out",
                     str(tmp_path / "out")], check=True, capture_output=True, env=env, timeout=300)
     events = [json.loads(x) for x in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]

@@ -118,8 +118,9 @@ docs: install
 test: install browser vllm cookbook
 	# the project's own modules too: each of the suite's ~230 processes would compile them again
 	$(PY) -m compileall -q service worker
-	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once
-	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 -m "not serial"
+	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once;
+	# loadgroup: one test (or xdist_group) at a time to each process, longest first (tests/conftest.py)
+	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial
 
 # The float-heavy tests under every CPU kernel set and thread count, 20 seeds each (scripts/test-numerics);

@@ -398,18 +398,17 @@ def tinker_service():
 
 
 def _weight(item) -> int:
-    """How long a test is likely to take, in coarse classes: vLLM servers, then the modules whose tests share a
-    service they start once (`shared_service`), then fault tests and the tinker cookbook's loops, then the other
-    end-to-end tests (real processes), then the rest marked slow. The first classes fill the head of the first
-    process's queue, which `--dist worksteal` leaves to it (it steals the tail half of the longest queue):
-    a shared service's tests all run in that process and start it once, not once in each process they were
-    spread over (the dashboard's service, two or three times: about 30 CPU-s each)."""
+    """How long a test is likely to take, in coarse classes, longest first: vLLM servers; the modules whose
+    tests share a service they start once (an `xdist_group`: pytest-xdist's `loadgroup` hands such a module
+    to one process as one unit, which starts the service once instead of in each process its tests were
+    spread over, about 30 CPU-s each); the longest of the rest (`long`: the tinker cookbook's loops, the
+    examples, the multi-node faults, the joint retriever's learning, the fuzz test); the other fault tests;
+    the other end-to-end tests (real processes); the rest marked slow."""
     path = str(item.path)
-    if item.get_closest_marker("vllm"):
-        return 6
-    if item.get_closest_marker("shared_service"):
-        return 5
-    if "/tests/faults/" in path or "cookbook" in path:
+    for weight, marker in ((7, "vllm"), (6, "xdist_group"), (5, "long")):
+        if item.get_closest_marker(marker):
+            return weight
+    if "/tests/faults/" in path:
         return 4
     if "/tests/e2e/" in path or "/tests/dashboard/" in path:
         return 3
@@ -417,9 +416,12 @@ def _weight(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first (a stable sort: the same order in every pytest-xdist process, modules kept
-    together): `--dist worksteal` hands the first process the long ones and the others steal from it once
-    their short ones are done, so no long test starts last and ends the run alone."""
+    """The longest tests first, a stable sort: the same order in every pytest-xdist process. `make test`
+    runs `--dist loadgroup --no-loadscope-reorder`, which hands each process one test (or one group) at a
+    time in this order as it frees up, so the long ones spread over the processes from the start and the
+    short ones fill in at the end. `--dist worksteal` split the order into one contiguous third a process
+    and moved tests by count, not by length: the process holding the long tests kept them, and the
+    cookbook's two loops started 23 minutes into a 29-minute phase, the others idle beside them."""
     items.sort(key=lambda item: -_weight(item))
 
 

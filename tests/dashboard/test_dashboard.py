@@ -11,7 +11,8 @@ import pytest
 from tests.dashboard.conftest import SPARSE_JOB, sign_in
 from tests.e2e.conftest import wait_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.shared_service]
+# one service for the module (its fixtures): pytest-xdist runs the module's tests in one process
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dashboard")]
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 

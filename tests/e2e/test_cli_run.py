@@ -25,6 +25,7 @@ def _lines(path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.yaml") if p.stem not in RUN_ELSEWHERE))
 def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
     spec = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())

@@ -28,7 +28,8 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
-pytestmark = pytest.mark.shared_service
+# one `grpo-jobs dev` for the module (its fixture): pytest-xdist runs the module's tests in one process
+pytestmark = pytest.mark.xdist_group("tinker_sdk")
 
 MODEL, RANK, SEED = "tiny-random-llama", 4, 3
 LOSS_CONFIGS = {  # clip bounds tight enough that some of the ratios below are clipped

@@ -100,6 +100,7 @@ def _node_worker(cluster, c, job_id, node: int) -> str:
     return next(name for name, p in cluster.procs.items() if p.pid == pid)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_killed_node_fails_the_attempt_over_and_the_job_resumes_on_two_workers(nodes, lost):
     job_id = _at_step_5_on_two_nodes(nodes)
@@ -118,6 +119,7 @@ def test_a_killed_node_fails_the_attempt_over_and_the_job_resumes_on_two_workers
         assert sorted(second) == [0, 1] and victim not in second.values() and len(set(second.values())) == 2
 
 
+@pytest.mark.long
 def test_a_node_that_hangs_is_noticed_within_the_lease_and_the_job_resumes_without_it(nodes):
     """SIGSTOP of node 1's worker and ranks: its connections stay open, so node 0's ranks would wait in a collective
     for its 30-minute timeout; node 0 sees the node's heartbeat go stale instead and fails the attempt over."""

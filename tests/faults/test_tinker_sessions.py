@@ -138,6 +138,7 @@ def test_a_stopping_worker_hands_its_session_run_back_and_an_api_restart_loses_n
         assert c.get(f"/v1/jobs/{job['id']}").json()["step"] == 4
 
 
+@pytest.mark.long
 def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_is_killed(
         cluster, models_root, cookbook_python, tmp_path):
     """tinker-cookbook's supervised loop, unmodified, saving every 2 steps, loses its worker after a save: its
@@ -183,6 +184,7 @@ def test_the_cookbooks_supervised_loop_resumes_from_its_own_save_after_a_worker_
         f"tinker://{second_run['uid']}/sampler_weights/final", f"tinker://{second_run['uid']}/weights/final"}
 
 
+@pytest.mark.long
 def test_the_cookbooks_rl_loop_learns_on_the_production_layout(cluster, models_root, cookbook_python, tmp_path):
     """tinker-cookbook's RL loop, unmodified, against `serve` and a separate worker: its sample requests of
     a step reach the worker through PostgreSQL and are sampled together, it learns the format, and the run

@@ -60,6 +60,7 @@ def _node_id(request) -> None:
     request.node._nodeid = request.node.nodeid
 
 
+@pytest.mark.long
 @pytest.mark.slow  # every operation, one after another, in one test (schemathesis's subtests)
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

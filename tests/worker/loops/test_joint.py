@@ -86,6 +86,7 @@ def test_one_document_cannot_train_a_retriever():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory):
     """MiniLM starts by preferring the distractor profiles (they repeat the question's words);
     only the fact documents let SmolLM2 answer, so the rewards teach the retriever to rank them first."""

@@ -49,7 +49,10 @@ def _need(reason: str):
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
+# Module-scoped, not session-scoped: the browser, and the service beside it, end with the dashboard's module.
+# Playwright's sync API keeps an event loop running on the thread that started it until it stops, and every
+# later test in the same process that calls asyncio.run() failed ("cannot be called from a running event loop").
+@pytest.fixture(scope="module")
 def browser():
     try:
         from playwright.sync_api import sync_playwright
@@ -79,7 +82,7 @@ class Service:
         return len(body["series"][0]["points"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def service(tmp_path_factory, models_root):
     tmp = tmp_path_factory.mktemp("dashboard")
     procs = Procs(embedded_env(tmp / "data", models_root), tmp)

@@ -410,7 +410,7 @@ def _weight(item) -> int:
             return weight
     if "/tests/faults/" in path:
         return 4
-    if "/tests/e2e/" in path or "/tests/dashboard/" in path:
+    if "/tests/e2e/" in path:
         return 3
     return 2 if item.get_closest_marker("slow") else 0
 

@@ -62,6 +62,14 @@ class Procs:
                 p.kill()
 
 
+def run_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    """The whole environment of a `grpo-jobs run` a test starts: a plain PATH, its data directory, and this
+    test process's share of the cores (tests/conftest.py). torch's default, every core, would have two runs
+    at once on two cores spin against each other; one thread runs an example faster than two here."""
+    return {"PATH": "/usr/bin:/bin", "GRPO_DATA_DIR": str(data_dir),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}
+
+
 def embedded_env(data_dir: Path, models_root: Path) -> dict:
     """The environment of `grpo-jobs` processes on the embedded defaults (SQLite store and broker in
     `data_dir`), whatever DATABASE_URL or BROKER_URL the test run has."""

@@ -1,18 +1,18 @@
 """`grpo-jobs run SPEC --out DIR` on every shipped example: the files the contract promises, and
 that each minimal example shows what its kind does (rewards that differ, updates, a strict TracIn subset,
 a retriever that trains, sparsity reports, a supervised loss that falls). Each runs its first 2
-steps (joint: 3; what it learns over more is the loop tests' part), evaluated on 2 prompts; the longer
-SmolLM2 ones take at most 2 prompts a step and are checked to run to the end."""
+steps (joint: 3; what it learns over more is the loop tests' part), evaluated on 2 prompts; the shipped-size
+ones take the minimal ones' size (2 prompts a step, groups of 4, 12 tokens) and are checked to run to the end;
+the agent examples play one step of 2 turns."""
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.conftest import BIN
+from tests.e2e.conftest import BIN, run_env
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 MINIMAL = ["grpo-minimal", "tracin-minimal", "joint-minimal", "sparsity-minimal", "sft-minimal"]
@@ -34,20 +34,19 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
     train["steps"] = min(3 if kind == "joint" else 2, train["steps"])  # joint: a third step, as a step may tie
     # evaluated on 2 prompts (that evaluation runs and is recorded; what it measures is the loops' tests' part)
     train["eval_prompts"] = min(2, train.get("eval_prompts", 32))
-    if name not in MINIMAL:  # the shipped size, cut to two small steps: this checks that it runs, not what it learns
-        if kind != "joint":  # the joint example's groups of 2 need its 4 queries to find rewards that differ
-            train["prompts_per_step"] = min(2, train["prompts_per_step"])
     agent = "environment" in spec
+    if name not in MINIMAL and not agent:
+        # The shipped options at the minimal examples' size (2 prompts, groups of 4, 12 tokens): this checks that
+        # they run together, not what they learn, and sampling is most of an example's time.
+        train.update(prompts_per_step=min(2, train["prompts_per_step"]),
+                     num_generations=min(4, train["num_generations"]), max_new_tokens=min(12, train["max_new_tokens"]))
     if agent:  # one step of 2 turns, evaluated on one episode: that it runs and records its episodes
         train["steps"] = 1
         spec["environment"].update(eval_episodes=1, max_turns=min(2, spec["environment"]["max_turns"]))
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"
-    # this test process's share of the cores (tests/conftest.py): torch's default, every core, would have two
-    # runs at once on two cores spin against each other (one thread runs an example faster than two here)
-    env = {"GRPO_DATA_DIR": str(tmp_path / "data"), "GRPO_MODELS_ROOT": str(models_root), "PATH": "/usr/bin:/bin",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = run_env(tmp_path / "data", GRPO_MODELS_ROOT=str(models_root))
     r = subprocess.run([str(BIN), "run", str(path), "--out", str(out)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -99,6 +98,6 @@ def test_run_rejects_a_bad_spec_with_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: grpo\ngrpo: {num_generations: 1}\n")
     r = subprocess.run([str(BIN), "run", str(bad), "--out", str(tmp_path / "o")], capture_output=True, text=True,
-                       env={"GRPO_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
+                       env=run_env(tmp_path))
     assert r.returncode != 0 and "line 2, grpo.num_generations: Input should be greater than or equal to 2" in r.stderr
     assert "tagged-union" not in r.stderr, r.stderr

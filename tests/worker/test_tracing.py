@@ -1,14 +1,13 @@
 """OpenTelemetry spans of a job's attempt and of every phase of its steps, exported over OTLP/HTTP
 to a receiver on loopback (what a collector gets), from `grpo-jobs run` as a user starts it."""
 
-import os
 import subprocess
 import time
 
 import pytest
 import yaml
 
-from tests.e2e.conftest import BIN
+from tests.e2e.conftest import BIN, run_env
 from tests.otlp import Receiver
 
 JOB = {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
@@ -29,8 +28,7 @@ def _run(tmp_path, spec, env):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return subprocess.run([str(BIN), "run", str(path), "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "GRPO_DATA_DIR": str(tmp_path / "data"),
-                                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env})
+                          timeout=300, env=run_env(tmp_path / "data", **env))
 
 
 def test_every_phase_of_every_step_is_a_span_under_its_attempt(tmp_path, receiver):

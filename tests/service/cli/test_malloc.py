@@ -1,7 +1,6 @@
 """Training processes start with jemalloc preloaded where the machine has it."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import yaml
 
 from service.cli import malloc
 from service.core.settings import Settings
+from tests.e2e.conftest import run_env
 
 needs_jemalloc = pytest.mark.skipif(malloc.jemalloc_library() is None, reason="no libjemalloc on this machine")
 
@@ -65,9 +65,7 @@ def test_grpo_jobs_run_trains_under_the_chosen_malloc(tmp_path, models_root, cho
             "grpo": {"steps": 1, "prompts_per_step": 1, "num_generations": 2, "max_new_tokens": 4,
                      "eval_prompts": 1, "samples_per_step": 0}}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    # this test process's share of the cores (tests/conftest.py), as every run the suite starts takes
-    env = {"GRPO_DATA_DIR": str(tmp_path), "GRPO_MODELS_ROOT": str(models_root), "GRPO_MALLOC": choice,
-           "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = run_env(tmp_path, GRPO_MODELS_ROOT=str(models_root), GRPO_MALLOC=choice)
     subprocess.run([sys.executable, "-m", "service.cli", "run", str(tmp_path / "spec.yaml"), "--out",
                     str(tmp_path / "out")], check=True, capture_output=True, env=env, timeout=300)
     events = [json.loads(x) for x in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]

@@ -25,7 +25,8 @@ def _split(v: str) -> list[str]:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+    # A variable set to nothing is unset: `GRPO_MODELS_ROOT=` must not put a converted model in the current folder
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore", env_ignore_empty=True)
 
     data_dir: Path = Field(
         default=Path.home() / ".grpo-jobs",

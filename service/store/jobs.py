@@ -99,7 +99,10 @@ def request_cancel(session: Session, *, job: Job, lease_timeout_s: float) -> Job
     elif job.status == Status.running and not job.cancel_requested:
         job.cancel_requested = True
         session.add(JobEvent(job_id=job.id, type="cancel_requested",
-                             message="cancel requested; the job stops after its current step"))
+                             message="cancel requested; the job stops after its current step" if job.kind != "session"
+                             else "cancel requested; its pending operations fail and it takes no new one"))
+        # a session run's queued operations fail with the cancel, not when its worker next hears of it
+        fail_pending_in(session, job_ids=[job.id], error="the run was cancelled", category="user")
     session.flush()
     return job
 

@@ -65,7 +65,7 @@ def create_run(session: Session, *, owner: str, spec: SessionJob) -> Job:
     return job
 
 
-def run_for_model(session: Session, *, model_id: str, owner: str) -> Job | None:
+def run_for_model(session: Session, *, model_id: str, owner: str, for_update: bool = False) -> Job | None:
     """The session run a tinker `model_id` names, if this owner's: the job's uid, or
     `<session_id>:train:<model_seq_id>` (the id the SDK gives a run it created from a saved state)."""
     q = select(Job).where(Job.owner == owner, Job.kind == "session")
@@ -77,7 +77,8 @@ def run_for_model(session: Session, *, model_id: str, owner: str) -> Job | None:
         q = q.where(spec["tinker_session"].as_string() == tinker_session, spec["model_seq_id"].as_integer() == int(seq))
     else:
         q = q.where(Job.uid == model_id)
-    return session.scalars(q.order_by(Job.id.desc())).first()
+    q = q.order_by(Job.id.desc())
+    return session.scalars(q.with_for_update() if for_update else q).first()
 
 
 def add_op(session: Session, *, job: Job, kind: str, body: bytes, seq: int | None = None) -> SessionOp:
@@ -87,6 +88,15 @@ def add_op(session: Session, *, job: Job, kind: str, body: bytes, seq: int | Non
         seq = (session.scalar(select(func.max(SessionOp.seq)).where(SessionOp.job_id == job.id)) or 0) + 1
     op = SessionOp(request_id="req-" + uuid.uuid4().hex, job_id=job.id, seq=seq, kind=kind, body=body)
     session.add(op)
+    session.flush()
+    return op
+
+
+def add_refused(session: Session, *, job: Job, kind: str, seq: int | None, error: str) -> SessionOp:
+    """An operation sent to a run that takes no more: stored already failed (category `user`, with why), with
+    no body, so its future ends at once and a retry of the same call finds it."""
+    op = add_op(session, job=job, kind=kind, body=b"", seq=seq)
+    op.status, op.error, op.category, op.finished_at = "failed", error, "user", utcnow()
     session.flush()
     return op
 
@@ -141,9 +151,15 @@ def wake_stranded(url: str, *, older_than_s: float) -> list[Message]:
         return [m for job_id in ids if (m := wake(session, job_id=job_id)) is not None]
 
 
+def _not_cancelled(job_id: int):
+    """No operation of a run is started once its cancel was accepted (what was pending failed with it)."""
+    return ~exists().where(Job.id == job_id, Job.cancel_requested.is_(True))
+
+
 def next_op(url: str, *, job_id: int) -> PendingOp | None:
     with session_scope(url, read_only=True) as session:
-        op = session.scalars(select(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+        op = session.scalars(select(SessionOp).where(SessionOp.job_id == job_id, SessionOp.status == "pending",
+                                                     _not_cancelled(job_id))
                              .order_by(SessionOp.seq, SessionOp.id).limit(1)).first()
         return None if op is None else PendingOp(id=op.id, request_id=op.request_id, kind=op.kind, body=op.body)
 
@@ -153,7 +169,8 @@ def next_run(url: str, *, job_id: int, kind: str, limit: int) -> list[PendingOp]
     run together without reordering anything the client sent."""
     with session_scope(url, read_only=True) as session:
         head = session.execute(select(SessionOp.id, SessionOp.kind)
-                               .where(SessionOp.job_id == job_id, SessionOp.status == "pending")
+                               .where(SessionOp.job_id == job_id, SessionOp.status == "pending",
+                                      _not_cancelled(job_id))
                                .order_by(SessionOp.seq, SessionOp.id).limit(limit)).all()
         ids = [row.id for row in takewhile(lambda row: row.kind == kind, head)]
         ops = session.scalars(select(SessionOp).where(SessionOp.id.in_(ids)).order_by(SessionOp.seq, SessionOp.id))

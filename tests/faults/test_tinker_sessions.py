@@ -204,3 +204,63 @@ def test_the_cookbooks_rl_loop_learns_on_the_production_layout(cluster, models_r
         # the answers sampled before the first optim_step: 8 problems x 4, graded by the client
         samples = c.get(f"/v1/jobs/{job['id']}/samples", params={"step": 0, "limit": 100}).json()
         assert len(samples) == 32 and all(s["reward"] is None for s in samples), samples
+
+
+def _every_call(client, sampler, saved: str) -> dict:
+    """One call of each kind the SDK sends to a run, each returning the future it waits on."""
+    ask = types.SamplingParams(max_tokens=2, temperature=1.0)
+    return {"forward_backward": lambda: client.forward_backward(CE, "cross_entropy"),
+            "forward": lambda: client.forward(CE, "cross_entropy"),
+            "optim_step": lambda: client.optim_step(types.AdamParams(learning_rate=1e-2)),
+            "sample": lambda: sampler.sample(types.ModelInput.from_ints([5, 9]), 1, ask),
+            "save_state": lambda: client.save_state("late"),
+            "save_weights_for_sampler": lambda: client.save_weights_for_sampler("late"),
+            "load_state": lambda: client.load_state(saved)}
+
+
+def _raises_at_once(calls: dict, state: str) -> dict[str, float]:
+    """Seconds each call took to raise, through the unmodified SDK (it retries every 409 for 300 s)."""
+    took = {}
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError, match=state):
+            call().result(timeout=30)
+        took[name] = time.monotonic() - t0
+    return took
+
+
+def test_from_the_moment_a_cancel_is_accepted_every_call_on_the_run_raises_within_2_s(cluster, pg_url,
+                                                                                     tinker_service):
+    """A cancelled run takes no new work: calls sent 0, 1 and 5 s after the cancel (the run's worker hears of
+    it at its next heartbeat), and every kind of call on a run that was cancelled, failed or finished, each
+    raise within 2 s naming the run's state; what was pending when the cancel arrived fails with it."""
+    from service.store.db import session_scope
+    from service.store.models import Job
+
+    cluster.serve()
+    cluster.worker("w1", GRPO_HEARTBEAT_S="5")  # a wide window between the cancel and the worker's hearing it
+    service = tinker_service(cluster.base, cluster.key)
+    client = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
+    step(client)
+    sampler = client.save_weights_and_get_sampling_client().result()
+    saved = client.save_state("s1").result().path
+    with cluster.client() as c:
+        job = c.get("/v1/jobs", params={"kind": "session"}).json()["items"][0]
+        pending = client.forward_backward(CE * 64, "cross_entropy")  # likely still queued when the cancel lands
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+        accepted, took = time.monotonic(), {}
+        for after in (0, 1, 5):
+            time.sleep(max(0.0, accepted + after - time.monotonic()))
+            took[after] = _raises_at_once(_every_call(client, sampler, saved), "cancel")
+        try:  # it ran before the cancel, or failed with it: never left waiting
+            pending.result(timeout=10)
+        except tinker.RequestFailedError as exc:
+            assert "cancelled" in str(exc)
+        wait_for(lambda: c.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled", "the run to end", cluster)
+        assert "started" not in [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()[-3:]]
+    for status in ("failed", "succeeded"):  # how a run that ended otherwise reads to its client
+        with session_scope(pg_url) as s:
+            s.get(Job, job["id"]).status = status
+        took[status] = _raises_at_once(_every_call(client, sampler, saved), f"has ended \\({status}\\)")
+    slowest = max(t for row in took.values() for t in row.values())
+    assert slowest < 2, took

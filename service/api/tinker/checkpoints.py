@@ -21,7 +21,7 @@ from service.store.models import new_uid
 router = tinker_router()
 
 
-@router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
+@router.post("/save_weights_for_sampler", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def save_weights_for_sampler(body: SaveForSamplerIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """A snapshot of the run's weights to sample from (`save_weights_and_get_sampling_client`)."""
     if body.path is not None:  # a named checkpoint to sample from later
@@ -39,13 +39,13 @@ def _save_named(settings, owner: str, model_id: str, kind: Literal["weights", "s
     return queue_op(settings, owner, model_id, "save_weights", body, seq_id)
 
 
-@router.post("/save_weights", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
+@router.post("/save_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def save_weights(body: SaveWeightsIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """The run's state (weights and optimizer) as `tinker://<model_id>/weights/<name>` (`save_state`)."""
     return _save_named(settings, owner, body.model_id, "weights", body.path, body.seq_id)
 
 
-@router.post("/load_weights", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
+@router.post("/load_weights", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, settings: SettingsDep):
     """A saved checkpoint into a run (`load_state`), or into a new run of this session
     (`create_training_client_from_state`), with its optimizer state when asked."""
@@ -60,7 +60,7 @@ def load_weights(body: LoadWeightsIn, owner: OwnerDep, session: SessionDep, sett
     trained = source.job_spec().model
     load = LoadWeightsOp(job=source.id, step=step, optimizer=body.optimizer, path=body.path).model_dump_json().encode()
     if body.model_id is not None:
-        target = owned_run(session, model_id=body.model_id, owner=owner)
+        target = owned_run(session, model_id=body.model_id, owner=owner, for_update=True)
         if not target.job_spec().model.same_weights_as(trained):
             return refused("path", f"{body.path} holds weights of {trained.name} with lora "
                             f"{None if trained.lora is None else trained.lora.r}: not the shape of this run")

@@ -22,8 +22,11 @@ def lora_spec(cfg: LoraConfigIn) -> LoraSpec:
     return LoraSpec(r=cfg.rank, alpha=cfg.rank, target_modules=modules)  # alpha = r: the adapter's scale is 1
 
 
-def owned_run(session, *, model_id: str, owner: str):
-    job = ops_q.run_for_model(session, model_id=model_id, owner=owner)
+def owned_run(session, *, model_id: str, owner: str, for_update: bool = False):
+    """The run `model_id` names, if `owner`'s. `for_update` locks its row until the caller commits, so an
+    operation stored with it and a cancel of the run are ordered: the operation is failed by the cancel, or
+    refused after it, never left pending for a worker to run."""
+    job = ops_q.run_for_model(session, model_id=model_id, owner=owner, for_update=for_update)
     if job is None:  # another owner's run reads as missing
         raise HTTPException(404, f"model {model_id} not found")
     return job
@@ -33,15 +36,26 @@ def submit_op(settings, session, *, job, kind: str, body: bytes, seq: int | None
     """The operation, and an idle run woken, in the caller's transaction on its one connection (a second
     connection taken while holding one starves the pool under concurrent requests); a worker is told once
     both are committed."""
-    if job.status in TERMINAL:  # nothing will ever run it: refused, never stored as a future that cannot end
-        raise HTTPException(409, f"model {job.uid} has ended ({job.status}): start a new training client",
-                            headers={"x-should-retry": "false"})  # the SDK retries a 409 unless told not to
     if seq is not None and (op := ops_q.sent_before(session, job_id=job.id, kind=kind, body=body, seq=seq)):
         return UntypedFuture(request_id=op.request_id, model_id=job.uid)  # a retry: the same future, stored once
+    if (why := ended(job)) is not None:
+        # Nothing will ever run it. Answered with a future that has already failed, not a 409: the pinned SDK
+        # retries every 409 for five minutes whatever x-should-retry says, and raises on a failed future at once.
+        op = ops_q.add_refused(session, job=job, kind=kind, seq=seq, error=why)
+        return UntypedFuture(request_id=op.request_id, model_id=job.uid)
     op = ops_q.add_op(session, job=job, kind=kind, body=body, seq=seq)
     if (message := ops_q.wake(session, job_id=job.id)) is not None:
         after_commit(session, partial(_enqueue, settings, message))
     return UntypedFuture(request_id=op.request_id, model_id=job.uid)
+
+
+def ended(job) -> str | None:
+    """Why `job` takes no new operation, or None while it does: it has ended, or a cancel was accepted."""
+    if job.status in TERMINAL:
+        return f"model {job.uid} has ended ({job.status}): start a new training client"
+    if job.cancel_requested:
+        return f"model {job.uid} was cancelled: start a new training client"
+    return None
 
 
 def _enqueue(settings, message: queue.Message) -> None:
@@ -75,6 +89,6 @@ def service_model_name(base_model: str) -> str:
 
 def queue_op(settings, owner: str, model_id: str, kind: str, body: bytes, seq: int | None) -> UntypedFuture:
     with session_scope(settings.store_url) as session:
-        job = owned_run(session, model_id=model_id, owner=owner)
+        job = owned_run(session, model_id=model_id, owner=owner, for_update=True)
         return submit_op(settings, session, job=job, kind=kind, body=body, seq=seq)
 

@@ -70,11 +70,11 @@ def _start_sampler(body: CreateSamplingSessionIn, owner: str, session, settings,
     return {"sampling_session_id": sampler_id(future.model_id, 0)}
 
 
-def _sampler_run(session, *, sampling_session_id: str, owner: str):
+def _sampler_run(session, *, sampling_session_id: str, owner: str, for_update: bool = False):
     parsed = parse_sampler_id(sampling_session_id)
     if parsed is None:
         raise HTTPException(404, f"sampling session {sampling_session_id} not found")
-    job = ops_q.run_for_model(session, model_id=parsed.model_id, owner=owner)
+    job = ops_q.run_for_model(session, model_id=parsed.model_id, owner=owner, for_update=for_update)
     if job is None:
         raise HTTPException(404, f"sampling session {sampling_session_id} not found")
     return job
@@ -86,7 +86,7 @@ def get_sampler(sampling_session_id: Annotated[str, Path(max_length=100)], owner
     return {"sampler_id": sampling_session_id, "base_model": job.job_spec().model.name, "model_path": None}
 
 
-@router.post("/asample", response_model=UntypedFuture, responses=error_responses(404, 409) | REFUSED)
+@router.post("/asample", response_model=UntypedFuture, responses=error_responses(404) | REFUSED)
 def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
     """Completions of one prompt from a snapshot of a run's weights, run by the run's worker."""
     if any(c.type != "encoded_text" for c in body.prompt.chunks):
@@ -104,7 +104,7 @@ def asample(body: SampleIn, owner: ReleasedOwnerDep, settings: SettingsDep):
                         f"{positions} token positions, over this server's {settings.sample_request_tokens} a request "
                         "(GRPO_SAMPLE_REQUEST_TOKENS): send fewer samples or a shorter prompt")
     with session_scope(settings.store_url) as session:
-        job = _sampler_run(session, sampling_session_id=body.sampling_session_id, owner=owner)
+        job = _sampler_run(session, sampling_session_id=body.sampling_session_id, owner=owner, for_update=True)
         future = submit_op(settings, session, job=job, kind="sample", body=body.model_dump_json().encode(), seq=None)
     return future.model_copy(update={"sample_sequence_ids": [f"{future.request_id}.{i}"
                                                              for i in range(body.num_samples)]})

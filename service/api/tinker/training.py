@@ -70,7 +70,7 @@ def get_info(body: ModelIdIn, owner: OwnerDep, session: SessionDep) -> dict:
             "model_data": {"model_name": spec.model.name, "arch": None, "tokenizer_id": None}}
 
 
-@router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 409, 413) | REFUSED,
+@router.post("/forward_backward", response_model=UntypedFuture, responses=error_responses(404, 413) | REFUSED,
              openapi_extra={"requestBody": {"required": True, "content": {m: {"schema": {
                  "type": "string", "format": "binary"}} for m in (PROTOBUF, OCTET_STREAM)}}})
 async def forward_backward(request: Request, owner: ReleasedOwnerDep, settings: SettingsDep):
@@ -103,6 +103,6 @@ def _unzstd(body: bytes) -> bytes | None:
 
 
 
-@router.post("/optim_step", responses=error_responses(404, 409))
+@router.post("/optim_step", responses=error_responses(404))
 def optim_step(body: OptimStepIn, owner: ReleasedOwnerDep, settings: SettingsDep) -> UntypedFuture:
     return queue_op(settings, owner, body.model_id, "optim_step", body.model_dump_json().encode(), body.seq_id)

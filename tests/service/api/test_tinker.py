@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 from service.core.queue import Message
 from service.store import session_ops
 from service.store.db import session_scope
-from service.store.models import Job, JobEvent, SessionOp
+from service.store.models import Job, JobEvent, SessionOp, utcnow
 from tests.conftest import Api, free_port
 
 MODEL = {"base_model": "tiny-random-llama", "lora_config": {"rank": 4, "seed": 0}}
@@ -58,11 +58,35 @@ def test_a_cancelled_run_fails_its_futures_and_refuses_new_operations(api):
     assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
     ended = api.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
     assert ended == {"error": "the run was cancelled before it started", "category": "user"}
-    before = _counts(api)
+    # not a 409, which the SDK retries for five minutes: a future that has already failed, naming the state
     r = api.post("/api/v1/optim_step", json={"model_id": future["model_id"], **STEP})
-    assert r.status_code == 409 and r.headers["x-should-retry"] == "false"  # the SDK raises at once
-    assert "has ended (cancelled)" in r.json()["detail"]
-    assert _counts(api) == before  # refused: nothing stored
+    assert r.status_code == 200, r.text
+    refused = api.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}).json()
+    assert refused == {"error": f"model {future['model_id']} has ended (cancelled): start a new training client",
+                       "category": "user"}
+    with session_scope(api.settings.store_url) as s:  # stored failed, with no body: nothing will run it
+        assert [(op.status, op.body) for op in s.scalars(select(SessionOp).where(SessionOp.kind == "optim_step"))] \
+            == [("failed", b"")]
+
+
+def test_a_cancel_of_a_running_run_fails_its_queue_at_once_and_no_worker_starts_one_after(api):
+    session_id = api.post("/api/v1/create_session", json={}).json()["session_id"]
+    future = _run(api, session_id)
+    with session_scope(api.settings.store_url) as s:  # a worker holds it
+        job = s.scalars(select(Job)).one()
+        job.status, job.lease_owner, job.heartbeat_at, job_id = "running", "w1", utcnow(), job.id
+    queued = api.post("/api/v1/optim_step", json={"model_id": future["model_id"], **STEP}).json()
+    assert api.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "running"  # its worker ends it
+    for request_id in (future["request_id"], queued["request_id"]):
+        failed = api.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+        assert failed == {"error": "the run was cancelled", "category": "user"}
+    r = api.post("/api/v1/optim_step", json={"model_id": future["model_id"], **STEP})
+    refused = api.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}).json()
+    assert refused["error"] == f"model {future['model_id']} was cancelled: start a new training client"
+    with session_scope(api.settings.store_url) as s:  # one stored in the instant before the cancel: not started
+        session_ops.add_op(s, job=s.get(Job, job_id), kind="optim_step", body=b"{}")
+    assert session_ops.next_op(api.settings.store_url, job_id=job_id) is None
+    assert session_ops.next_run(api.settings.store_url, job_id=job_id, kind="optim_step", limit=4) == []
 
 
 def test_a_pending_operation_of_a_run_that_ended_is_failed_by_the_sweep(api):

@@ -92,8 +92,11 @@ def worker_queues(gpus: int) -> list[str]:
     return [queue_for(n) for n in range(gpus + 1)]
 
 
-def enqueue(message: Message, *, broker_url: str) -> None:
-    producer(broker_url).send_task(TASK_NAME, args=[message.job_id, message.uid], queue=queue_for(message.gpus))
+def enqueue(message: Message, *, broker_url: str, countdown_s: float = 0.0) -> None:
+    """Send `message` to a worker of its queue; with `countdown_s`, no worker runs it before then (the worker
+    holding it meanwhile takes other work)."""
+    producer(broker_url).send_task(TASK_NAME, args=[message.job_id, message.uid], queue=queue_for(message.gpus),
+                                   countdown=countdown_s or None)
 
 
 def enqueue_node(message: NodeMessage, *, broker_url: str) -> None:

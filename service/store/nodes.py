@@ -99,3 +99,10 @@ def silent_nodes(url: str, *, job_id: int, attempt: int, within_s: float) -> lis
         return list(session.scalars(select(JobNode.node).where(
             JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node > 0, JobNode.heartbeat_at < cutoff)
             .order_by(JobNode.node)))
+
+
+def joined_count(url: str, *, job_id: int, attempt: int) -> int:
+    """How many nodes of the attempt have been taken by a worker (node 0 among them)."""
+    with session_scope(url, read_only=True) as session:
+        return session.scalar(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id,
+                                                                               JobNode.attempt == attempt))

@@ -52,3 +52,8 @@ def why_waiting(session: Session, *, gpus: int, within_s: float) -> str | None:
             if live else "no worker is live")
     return (f"this job needs {gpus} GPU(s) on one worker (its devices name a GPU) and {seen}: it waits in queue "
             f"{queue_for(gpus)!r} until a worker with {gpus} starts; or set devices.policy 'auto' to run anywhere")
+
+
+def live_machines(session: Session, *, queue: str, within_s: float) -> set[str]:
+    """The machines (node names) with a live worker consuming `queue`: how many nodes of a job could start now."""
+    return {w.hostname for w in live_workers(session, within_s=within_s) if queue in w.queues}

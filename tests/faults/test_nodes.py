@@ -56,15 +56,22 @@ def test_a_two_node_job_waits_for_its_second_node_then_trains_as_one_node_with_t
         r = c.post("/v1/jobs", json={**TWO_NODES, "resources": {"nodes": 4},
                                       "grpo": {**TWO_NODES["grpo"], "prompts_per_step": 4}})
         assert r.status_code == 422 and "GRPO_MAX_NODES" in r.text, r.text  # the admin's limit, at submit time
+        # one machine: the lone worker takes no node of it, says why at once, and keeps taking single-node jobs
+        lone = c.post("/v1/jobs", json=TWO_NODES).json()["id"]
+        waiting = wait_for(lambda: _waiting(c, lone, "1 machine(s) have a live worker"), "a waiting event", nodes,
+                           timeout=60)[0]
+        assert "waiting for 2 workers on different machines" in waiting["message"], waiting
+        single = c.post("/v1/jobs", json={**EQUAL_JOB, "name": "meanwhile"}).json()["id"]
+        assert finished(c, single, nodes)["status"] == "succeeded", nodes.logs()
+        assert c.post(f"/v1/jobs/{lone}/cancel").status_code == 200
+        assert wait_for(lambda: job_state(c, lone)["status"] == "cancelled", "the cancel", nodes, timeout=5)
+        assert not _events(c, lone, "node") and job_state(c, lone)["attempt"] <= 1  # no node was ever taken
         with socket.create_server(("", nodes.rendezvous_port)):  # another program holds the only rendezvous port
+            nodes.worker("b", GRPO_NODE_NAME="b")
             job_id = c.post("/v1/jobs", json=TWO_NODES).json()["id"]
             taken = wait_for(lambda: _waiting(c, job_id, "is taken"), "a port-taken event", nodes, timeout=60)[0]
         assert f"every port of GRPO_RENDEZVOUS_PORTS ({nodes.rendezvous_port}-" in taken["message"], taken
-        # the port free again, one worker: node 0 waits GANG_WAIT_S for node 1, then gives the job back, uncounted
-        waiting = wait_for(lambda: _waiting(c, job_id, "clients joined"), "a gang-wait event", nodes, timeout=60)[0]
-        assert "waiting for 2 workers on different machines" in waiting["message"], waiting
         assert job_state(c, job_id)["attempt"] <= 1
-        nodes.worker("b", GRPO_NODE_NAME="b")
         job = finished(c, job_id, nodes)
         assert job["status"] == "succeeded" and job["attempt"] == 1, nodes.logs()
         assert_every_step_once(c, job_id, 3)

@@ -41,7 +41,7 @@ def _consume_what_it_can_run(sender: str, instance, **_kwargs) -> None:
     for name in queues:
         instance.app.amqp.queues.select_add(name)
     _me = WorkerInfo(name=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
-                     hostname=socket.gethostname(), gpus=gpus, queues=queues, concurrency=instance.concurrency)
+                     hostname=get_settings().node, gpus=gpus, queues=queues, concurrency=instance.concurrency)
     log.info("worker %s: %d GPU(s) %s, queues %s", _me.name, len(gpus), [g.name for g in gpus], queues)
 
 

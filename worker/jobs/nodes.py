@@ -19,6 +19,7 @@ import random
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,10 @@ from service.core import queue
 from service.core.settings import Settings
 from service.core.specs import JobSpec
 from service.store import nodes as nodes_q
+from service.store import workers as workers_q
+from service.store.db import session_scope
 from service.store.leases import Lease
-from worker.parallel.launch import Gang
+from worker.parallel.launch import Gang, GangIncomplete
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,34 @@ def host(lease: Lease, *, settings: Settings, holder: str) -> Gang:
         queue.enqueue_node(queue.NodeMessage(job_id=lease.job_id, uid=lease.uid, gpus=gpus, attempt=lease.attempt,
                                              node=node, endpoint=endpoint, head=holder), broker_url=settings.broker)
     return Gang(nodes=nodes, node=0, endpoint=endpoint, wait_s=settings.gang_wait_s)
+
+
+def too_few_machines(spec: JobSpec, *, settings: Settings) -> str | None:
+    """Why the job's gang cannot form now (fewer live machines consume its queue than it has nodes), before
+    this worker takes node 0 of it: then it waits queued, and this worker takes other work. None when it can."""
+    with session_scope(settings.store_url, read_only=True) as session:
+        live = workers_q.live_machines(session, queue=queue.queue_for(spec.gpus), within_s=settings.lease_timeout_s)
+    if len(live) >= spec.nodes:
+        return None
+    return (f"waiting for {spec.nodes} workers on different machines (GRPO_NODE_NAME) to take a node each: "
+            f"{len(live)} machine(s) have a live worker for it now. Queued again; single-node jobs run meanwhile")
+
+
+def await_nodes(lease: Lease, *, settings: Settings, cancelled: Callable[[], bool]) -> bool:
+    """Node 0's wait for the other nodes to be taken, read from the store every half second (so a cancel is
+    heard at once, where the rendezvous itself blocks in C for its whole timeout): True once every node is,
+    False when the job was cancelled meanwhile; GangIncomplete after GRPO_GANG_WAIT_S."""
+    assert lease.spec is not None
+    deadline = time.monotonic() + settings.gang_wait_s
+    while (joined := nodes_q.joined_count(settings.store_url, job_id=lease.job_id,
+                                          attempt=lease.attempt)) < lease.spec.nodes:
+        if cancelled():
+            return False
+        if time.monotonic() >= deadline:
+            raise GangIncomplete(f"{joined} of {lease.spec.nodes} nodes were taken within GRPO_GANG_WAIT_S "
+                                 f"({settings.gang_wait_s:g} s)")
+        time.sleep(0.5)
+    return True
 
 
 def shared_marker(settings: Settings, uid: str, attempt: int) -> Path:

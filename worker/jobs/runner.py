@@ -221,11 +221,11 @@ def _requeue(lease: leases.Lease, reporter: SqlReporter, settings: Settings, mes
                            failed=waiting is None, data=waiting.data if waiting else None)
     if again is None:
         raise LeaseLost(f"job {lease.job_id}: lease lost")
-    if waiting is not None:
-        log.info("job %s: %s; sending it again in %.1f s", lease.job_id, message, waiting.pause_s)
-        time.sleep(waiting.pause_s)
+    pause_s = 0.0 if waiting is None else waiting.pause_s
+    if waiting is not None:  # sent with a countdown, not slept on: this worker takes other work meanwhile
+        log.info("job %s: %s; sending it again in %.1f s", lease.job_id, message, pause_s)
     try:
-        queue.enqueue(again, broker_url=settings.broker)
+        queue.enqueue(again, broker_url=settings.broker, countdown_s=pause_s)
     except Exception as err:  # the sweep enqueues a queued job nobody takes
         log.warning("job %s: could not enqueue it again (%s); the sweep will", lease.job_id, err)
     return "requeued" if waiting is None else "waiting"
@@ -277,8 +277,16 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
     gang, watch = None, None
     try:
         if spec.nodes > 1:  # node 0 of a job on several machines; it watches the others
+            if (short := nodes.too_few_machines(spec, settings=settings)) is not None:  # no node taken, none held
+                return _requeue(lease, reporter, settings, short, waiting=nodes.waiting(spec, settings=settings))
             gang, watch = nodes.host(lease, settings=settings, holder=reporter.holder), nodes.watch_others(
                 lease, settings=settings)
+            reporter.event("waiting", f"node 0 waits up to {settings.gang_wait_s:g} s (GRPO_GANG_WAIT_S) for "
+                           f"{spec.nodes - 1} more node(s) to be taken by workers on other machines",
+                           data={"nodes": spec.nodes, "wait_s": settings.gang_wait_s})
+            if not nodes.await_nodes(lease, settings=settings, cancelled=reporter.should_stop):
+                reporter.finish("cancelled", "cancelled while waiting for its other nodes")
+                return "cancelled"
         with watch or nullcontext():
             result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
                               run_id=nodes.run_id(lease.uid, lease.attempt), gang=gang)

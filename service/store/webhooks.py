@@ -7,6 +7,7 @@ path that ends a job (a worker, a cancel, the sweep) adds its event through a se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import delete, event, func, select, update
@@ -48,22 +49,37 @@ def list_deliveries(session: Session, *, webhook_id: int, after: int = 0, limit:
     return list(session.scalars(q))
 
 
-def claim_due(session: Session, *, now: datetime, hold_s: float, limit: int = 16) -> list[tuple[WebhookDelivery, Webhook]]:
-    """Pending deliveries due by `now`, each claimed for `hold_s` (its next attempt moved past the send)
-    by a conditional UPDATE, so that of several deliverers one sends it; with their webhooks."""
-    due = session.scalars(select(WebhookDelivery.id).where(WebhookDelivery.status == "pending",
-                                                           WebhookDelivery.next_attempt_at <= now)
-                          .order_by(WebhookDelivery.next_attempt_at).limit(limit)).all()
+def claim_due(session: Session, *, now: datetime, hold_s: float, busy_hooks: frozenset[int] = frozenset(),
+              owner_room: Callable[[str], int] = lambda _owner: 1 << 30, per_hook: int = 16,
+              max_hooks: int = 1 << 30, limit: int = 256) -> list[tuple[WebhookDelivery, Webhook]]:
+    """Pending deliveries due by `now`, oldest first, each claimed by a conditional UPDATE (its next attempt
+    moved past the sends before it and its own, `hold_s` each), so that of several deliverers one sends it;
+    with their webhooks. None of `busy_hooks` (being sent to already), at most `per_hook` of one webhook, and
+    of at most `owner_room(owner)` webhooks per owner: a deliverer sends one webhook's deliveries one after
+    another, in order, and one owner's webhooks beside each other up to a bound (`max_hooks` in all)."""
+    due = session.execute(select(WebhookDelivery.id, WebhookDelivery.webhook_id, Webhook.owner)
+                          .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+                          .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
+                          .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id).limit(limit)).all()
+    taken: dict[int, int] = {}  # webhook -> deliveries claimed of it
+    hooks_of: dict[str, set[int]] = {}
     claimed = []
-    for delivery_id in due:
-        hold = now + timedelta(seconds=hold_s)
+    for row in due:
+        mine = hooks_of.setdefault(row.owner, set())
+        new_hook = row.webhook_id not in taken
+        if row.webhook_id in busy_hooks or taken.get(row.webhook_id, 0) >= per_hook or (new_hook and (
+                len(mine) >= owner_room(row.owner) or len(taken) >= max_hooks)):
+            continue
+        hold = now + timedelta(seconds=hold_s * (taken.get(row.webhook_id, 0) + 1))
         if session.execute(update(WebhookDelivery).where(
-                WebhookDelivery.id == delivery_id, WebhookDelivery.status == "pending",
+                WebhookDelivery.id == row.id, WebhookDelivery.status == "pending",
                 WebhookDelivery.next_attempt_at <= now).values(next_attempt_at=hold)
                 .execution_options(synchronize_session=False)).rowcount == 1:
-            d = session.get(WebhookDelivery, delivery_id)
+            d = session.get(WebhookDelivery, row.id)
             if (hook := session.get(Webhook, d.webhook_id)) is not None:
                 claimed.append((d, hook))
+                mine.add(row.webhook_id)
+                taken[row.webhook_id] = taken.get(row.webhook_id, 0) + 1
     return claimed
 
 

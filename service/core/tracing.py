@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import Token
@@ -25,6 +26,9 @@ from opentelemetry.context import Context
 
 TRACER = trace.get_tracer("grpo_jobs")
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+TIMEOUT_VARS = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+EXPORT_TIMEOUT_S = 2.0  # one export's bound, retries included, where no OTEL_*_TIMEOUT is set
+FLUSH_S = 1.0  # how long a job's end waits for its spans to be exported
 _provider = None  # this process's, once set up
 _step: tuple[trace.Span, Token[Context]] | None = None  # the step span in progress and its context token
 
@@ -50,11 +54,15 @@ def setup(service: str, *, exporter: Any = None) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
-    provider = TracerProvider(resource=Resource.create(attrs))
+    # no flush at exit beyond ours (`flush`): an exit never waits on a collector
+    provider = TracerProvider(resource=Resource.create(attrs), shutdown_on_exit=False)
     if exporter is None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        # a collector that does not answer must cost a job no visible time: each export gives up after
+        # EXPORT_TIMEOUT_S unless the standard variables say otherwise
+        timeout = None if any(os.environ.get(v) for v in TIMEOUT_VARS) else EXPORT_TIMEOUT_S
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(timeout=timeout)))
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -63,9 +71,13 @@ def setup(service: str, *, exporter: Any = None) -> bool:
 
 
 def flush() -> None:
-    """Export what is buffered (a Celery pool process may end without running atexit)."""
-    if _provider is not None:
-        _provider.force_flush(10_000)
+    """Export what is buffered (a Celery pool process may end without running atexit), waiting at most
+    FLUSH_S: a silent collector delays a job's end by that, no more (what is left is sent in the background)."""
+    if _provider is not None:  # in a thread: the SDK's flush waits out an export in progress, whatever its bound
+        flusher = threading.Thread(target=_provider.force_flush, args=(int(EXPORT_TIMEOUT_S * 1000),),
+                                   name="otlp-flush", daemon=True)
+        flusher.start()
+        flusher.join(FLUSH_S)
 
 
 def _clean(attributes: dict[str, Any]) -> dict[str, Any]:

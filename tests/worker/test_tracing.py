@@ -65,3 +65,38 @@ def test_a_failed_attempt_is_an_error_span_and_no_endpoint_means_no_spans(tmp_pa
     (step,) = receiver.named("rl.loop")
     (attempt,) = receiver.named("grpo_jobs.attempt")
     assert attempt.error and not step.error and step.parent_id == attempt.span_id
+
+
+FLUSH_ONE_SPAN = """
+import sys, time
+from service.core import tracing
+tracing.setup("probe")
+with tracing.span("grpo_jobs.attempt"):
+    pass
+t = time.monotonic()
+tracing.flush()
+print(time.monotonic() - t)
+"""
+
+
+@pytest.mark.parametrize("collector", ["silent", "refusing"])
+def test_a_collector_that_does_not_answer_delays_a_jobs_end_by_at_most_a_second(tmp_path, collector):
+    """The span flush at a job's end (and the process's exit) waits at most FLUSH_S for a collector that
+    accepts and never answers, or refuses: with no bound it waited 10 s and 8 s."""
+    import socket
+    import sys
+
+    from service.core.tracing import FLUSH_S
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        if collector == "refusing":
+            silent.close()  # nothing listens there any more
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-c", FLUSH_ONE_SPAN], capture_output=True, text=True, timeout=60,
+                           env=run_env(tmp_path / "data", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}"))
+        whole = time.monotonic() - started
+    assert r.returncode == 0, r.stderr[-2000:]
+    flushed = float(r.stdout.split()[-1])
+    assert flushed < FLUSH_S + 0.25, (flushed, r.stderr[-2000:])
+    assert whole < flushed + 5, whole  # the exit waits on nothing more (the import is most of it)

@@ -3,6 +3,7 @@ admin's allow-list again), and what plays and bounds its episodes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,12 @@ class EnvironmentHost:
     url: str  # the OpenEnv server's base URL
     players: Players
     limits: Limits
+    stop: Callable[[], bool]  # a cancel, asked before each wave and turn of episodes
 
 
 def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: RolloutEngine, tokenizer,
-                     eos_ids: set[int], chat: bool, max_new_tokens: int, log_dir: Path) -> EnvironmentHost:
+                     eos_ids: set[int], chat: bool, max_new_tokens: int, log_dir: Path,
+                     stop: Callable[[], bool] = lambda: False) -> EnvironmentHost:
     """The job's environment, ready: the chat template checked to extend turn by turn (TemplateRefused
     otherwise), the URL on the allow-list (UrlRefused otherwise), a bundled server started and healthy."""
     turns = turn_format(tokenizer, chat=chat)
@@ -39,4 +42,4 @@ def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: Rollo
                     action_field=spec.action_field, observation_field=spec.observation_field)
     players = Players(engine=engine, tokenizer=tokenizer, turns=turns, eos_ids=frozenset(eos_ids),
                       max_new_tokens=max_new_tokens)
-    return EnvironmentHost(spec=spec, url=url, players=players, limits=limits)
+    return EnvironmentHost(spec=spec, url=url, players=players, limits=limits, stop=stop)

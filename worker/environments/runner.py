@@ -55,6 +55,11 @@ class Players:
 TurnSeed = Callable[[int, int], int]  # (episode index, turn) -> that turn's sampling seed
 
 
+class Stopped(Exception):
+    """The job was cancelled while its episodes played: no further wave or turn was started, and every
+    session was closed (the step is dropped; it made no update)."""
+
+
 def observation_text(result: StepResult, field: str) -> str:
     """The observation's text for the model: its `field` (any JSON value shown as text)."""
     value = result.observation.get(field, "")
@@ -142,9 +147,9 @@ def _answered(p: Players, e: Episode, text: str, eos: bool, r: StepResult | None
 
 
 async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, seed_of: TurnSeed | None,
-                first: int) -> float:
+                first: int, stop: Callable[[], bool]) -> float:
     """Play `episodes` (indices first.. in the step) to the end; returns the wall time spent waiting on the
-    environment."""
+    environment. Stopped, with the sessions closed, when `stop()` says so before a turn."""
     async with AsyncExitStack() as stack:
         t0 = time.monotonic()
         sessions = await _start(p, url, episodes, limits, stack)
@@ -153,6 +158,8 @@ async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, s
             live = [(i, e) for i, e in enumerate(episodes) if e.live]
             if not live:
                 break
+            if await asyncio.to_thread(stop):
+                raise Stopped(f"cancelled at turn {turn} of episodes {first}..{first + len(episodes) - 1}")
             seeds = None if seed_of is None else [seed_of(first + i, turn) for i, _ in live]
             actions = await asyncio.to_thread(_sample_turn, p, [e for _, e in live], seeds)
             t0 = time.monotonic()
@@ -165,13 +172,16 @@ async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, s
 
 
 def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits, *,
-         seed_of: TurnSeed | None) -> tuple[list[Episode], float]:
+         seed_of: TurnSeed | None, stop: Callable[[], bool] = lambda: False) -> tuple[list[Episode], float]:
     """`group_size` episodes per reset seed, seed-major [len(seeds) * G]; `seed_of` None: greedy turns.
-    Returns the episodes and the wall time spent waiting on the environment."""
+    Returns the episodes and the wall time spent waiting on the environment. `stop()` is asked before every
+    wave and turn (a cancel): once it says so, Stopped, with every session closed."""
     episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="") for s in seeds for g in range(group_size)]
     env_s = 0.0
     for at in range(0, len(episodes), limits.max_concurrent):
-        env_s += asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at))
+        if stop():
+            raise Stopped(f"cancelled before episodes {at}..{len(episodes) - 1}")
+        env_s += asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at, stop))
     return episodes, env_s
 
 

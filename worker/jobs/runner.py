@@ -277,16 +277,9 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
     gang, watch = None, None
     try:
         if spec.nodes > 1:  # node 0 of a job on several machines; it watches the others
-            if (short := nodes.too_few_machines(spec, settings=settings)) is not None:  # no node taken, none held
-                return _requeue(lease, reporter, settings, short, waiting=nodes.waiting(spec, settings=settings))
-            gang, watch = nodes.host(lease, settings=settings, holder=reporter.holder), nodes.watch_others(
-                lease, settings=settings)
-            reporter.event("waiting", f"node 0 waits up to {settings.gang_wait_s:g} s (GRPO_GANG_WAIT_S) for "
-                           f"{spec.nodes - 1} more node(s) to be taken by workers on other machines",
-                           data={"nodes": spec.nodes, "wait_s": settings.gang_wait_s})
-            if not nodes.await_nodes(lease, settings=settings, cancelled=reporter.should_stop):
-                reporter.finish("cancelled", "cancelled while waiting for its other nodes")
-                return "cancelled"
+            if isinstance(hosted := _host_gang(lease, reporter, settings), str):
+                return hosted
+            gang, watch = hosted
         with watch or nullcontext():
             result = run_spec(spec, reporter, settings=owner_settings, rank_reporter=rank_reporter,
                               run_id=nodes.run_id(lease.uid, lease.attempt), gang=gang)
@@ -319,6 +312,25 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
     reporter.finish(result.status, f"job {result.status} at step {result.step}",
                     data={"step": result.step, **result.eval})
     return result.status
+
+
+def _host_gang(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> tuple[Gang, nodes.Watch] | Outcome:
+    """Node 0 of a job on several machines, once every node is taken: its gang and the watch on the others.
+    Else the outcome: waiting, queued again before any node is taken, while too few machines have a live
+    worker; cancelled while it waited. GangIncomplete when the others did not come within GRPO_GANG_WAIT_S."""
+    spec = lease.spec
+    assert spec is not None
+    if (short := nodes.too_few_machines(spec, settings=settings)) is not None:  # no node taken, no worker held
+        return _requeue(lease, reporter, settings, short, waiting=nodes.waiting(spec, settings=settings))
+    gang, watch = nodes.host(lease, settings=settings, holder=reporter.holder), nodes.watch_others(
+        lease, settings=settings)
+    reporter.event("waiting", f"node 0 waits up to {settings.gang_wait_s:g} s (GRPO_GANG_WAIT_S) for "
+                   f"{spec.nodes - 1} more node(s) to be taken by workers on other machines",
+                   data={"nodes": spec.nodes, "wait_s": settings.gang_wait_s})
+    if not nodes.await_nodes(lease, settings=settings, cancelled=reporter.should_stop):
+        reporter.finish("cancelled", "cancelled while waiting for its other nodes")
+        return "cancelled"
+    return gang, watch
 
 
 def _release_idle(lease: leases.Lease, reporter: SqlReporter, settings: Settings, result: LoopResult) -> Outcome:

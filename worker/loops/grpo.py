@@ -21,6 +21,7 @@ from functools import partial
 
 from service.core.settings import Settings
 from service.core.specs import GRPOJob
+from worker.environments.runner import Stopped
 from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.rollouts import TrainRollouts
 from worker.loops.setup import build
@@ -41,7 +42,10 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings, ranks: Ranks =
         timer = skeleton.begin_step(run, step)  # 1. seed, sync the rollout copy from the policy
 
         # 2-3. sample, score, advantages
-        ro = rollouts.collect(step, reporter)
+        try:
+            ro = rollouts.collect(step, reporter)
+        except Stopped as exc:  # a cancel heard between the step's episodes
+            return skeleton.stopped_in_step(run, step, str(exc))
         skeleton.rollouts_done(run, timer)
         if ro is None:
             skeleton.skip_step(run, step, "every group's rewards tied", {"frac_reward_zero_std": 1.0}, timer=timer)

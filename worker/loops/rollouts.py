@@ -267,7 +267,7 @@ def submit_episodes(s: Setup, G: int, *, seed_tag: str, validation: bool = False
                  for _ in range(n)]
         with tracing.span("rl.episodes", **{"grpo_jobs.round": round}):
             episodes, env_s = play(env.players, env.url, seeds, G, env.limits,
-                                   seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn))
+                                   seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn), stop=env.stop)
         batch = episode_rows.rows(episodes, s.tokenizer.pad_token_id)
         firsts = [Example(question=episodes[i * G].first_observation, answers=(), meta={"seed": seed})
                   for i, seed in enumerate(seeds)]

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -133,7 +134,9 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
                            total=g.steps * g.epochs_per_step)
     scorer = build_scorer(entries, settings=settings, device=dev, job_id=reporter.job_id,
                           on_failures=partial(warn_reward_failures, reporter))
-    environment = job_environment(spec, settings, reporter, engine, model, tok)
+    # one process: a cancel stops the step's episodes; ranks ask it together, between steps
+    environment = job_environment(spec, settings, reporter, engine, model, tok,
+                                  stop=reporter.should_stop if ranks.world == 1 else _never)
     return Setup(spec=spec, model=model, tokenizer=tok, engine=engine, ref_model=ref, optimizer=opt, scheduler=sched,
                  task=task, scorer=scorer, device=device, extra=dict(extra or {}),
                  extra_optimizers=dict(extra_optimizers or {}), extra_schedulers=dict(extra_schedulers or {}),
@@ -248,8 +251,12 @@ def without_option(args: tuple[str, ...], option: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _never() -> bool:
+    return False
+
+
 def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engine: RolloutEngine,
-                    model: torch.nn.Module, tok) -> EnvironmentHost | None:
+                    model: torch.nn.Module, tok, *, stop: Callable[[], bool] = _never) -> EnvironmentHost | None:
     """The spec's environment, its server started (bundled) or its URL checked; None for single-turn jobs."""
     env = getattr(spec, "environment", None)
     if env is None:
@@ -261,7 +268,8 @@ def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engin
                          "the first prompt included): lower them")
     host = open_environment(env, settings, engine=engine, tokenizer=tok, eos_ids=eos_token_ids(tok, model),
                             chat=spec.dataset.chat_template, max_new_tokens=spec.train.max_new_tokens,
-                            log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}")
+                            log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}",
+                            stop=stop)
     reporter.event("environment", f"episodes in {env.name or env.url} at {host.url}",
                    data={"url": host.url, "bundled": env.name})
     return host

@@ -95,6 +95,16 @@ def stop_requested(run: Run, step: int) -> LoopResult | None:
     return LoopResult("cancelled", step - 1, run.last_eval)
 
 
+def stopped_in_step(run: Run, step: int, why: str) -> LoopResult:
+    """A cancel heard inside step `step` (between its episodes): the step is dropped, having made no
+    update; checkpoint what was done before it and say so."""
+    tracing.end_step()
+    save(run, step - 1)
+    run.reporter.event("stopping", f"cancel requested: step {step} stopped ({why}); it made no update; "
+                       "checkpoint saved")
+    return LoopResult("cancelled", step - 1, run.last_eval)
+
+
 @dataclass
 class StepTimer:
     """Wall-clock phases of one step."""

@@ -40,6 +40,7 @@ from service.core.specs import BASELINES, PAIRWISE, TracInJob
 from worker import rewards
 from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks, adam_direction
+from worker.environments.runner import Stopped
 from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import (
     Rollouts,
@@ -271,7 +272,10 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
         if stopped := skeleton.stop_requested(run, step):
             return stopped
         timer = skeleton.begin_step(run, step)  # seed, sync the rollout copy from the policy
-        ro = rollouts.collect(step, reporter)
+        try:
+            ro = rollouts.collect(step, reporter)
+        except Stopped as exc:  # a cancel heard between the step's episodes
+            return skeleton.stopped_in_step(run, step, str(exc))
         val_stats = validation_batch(s, val, step, reporter) if by_influence else {}
         skeleton.rollouts_done(run, timer)
         if ro is None:

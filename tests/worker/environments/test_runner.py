@@ -10,7 +10,7 @@ from service.core.specs import LoraSpec, ModelSpec
 from worker.engines.sampling import HFEngine, SamplingParams, eos_token_ids
 from worker.environments.client import EnvironmentFailed
 from worker.environments.episodes import TokenMismatch, rows
-from worker.environments.runner import EpisodeStats, Limits, Players, play
+from worker.environments.runner import EpisodeStats, Limits, Players, Stopped, play
 from worker.environments.servers import BundledServer
 from worker.environments.turns import PlainTurns
 from worker.models import load_policy
@@ -91,3 +91,20 @@ def test_a_dead_server_fails_the_step_and_a_death_mid_episode_ends_the_episodes(
     rows(episodes, players.tokenizer.pad_token_id)  # what was sampled is still a valid row
     with pytest.raises(EnvironmentFailed, match="no episode could start"):
         play(players, url, [5], 1, LIMITS, seed_of=lambda i, t: t)
+
+
+def test_a_cancel_stops_the_episodes_between_turns_and_closes_their_sessions(players, guess):
+    """Asked before every wave and turn: once it says stop, no further turn or wave starts (the sessions are
+    closed as the wave's exit stack unwinds). The episodes of the 3 later waves are never opened."""
+    url = guess.start() if not guess.alive() else guess.url
+    asked = []
+
+    def stop() -> bool:  # a cancel heard at the second question: after wave 0's first turn was sent
+        asked.append(len(asked))
+        return len(asked) > 2
+
+    with pytest.raises(Stopped, match="cancelled at turn 1 of episodes 0..2"):
+        play(players, url, [3, 4, 5, 6], 3, LIMITS, seed_of=lambda i, turn: turn, stop=stop)
+    assert len(asked) == 3  # before wave 0, its turn 0 and its turn 1: the other three waves never began
+    episodes, _ = play(players, url, [3], 3, LIMITS, seed_of=lambda i, turn: turn)  # the server goes on
+    assert all(e.error is None for e in episodes), [e.error for e in episodes]

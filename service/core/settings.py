@@ -76,7 +76,8 @@ class Settings(BaseSettings):
     )
     webhook_timeout_s: float = Field(
         default=10.0, gt=0, validation_alias="GRPO_WEBHOOK_TIMEOUT_S",
-        description="Seconds a webhook receiver has to answer one delivery attempt.",
+        description="Seconds a webhook receiver has for one delivery attempt, the whole exchange: connect, "
+        "request, and the answer's status line and headers (its body is not read).",
     )
     reward_max_response_bytes: int = Field(
         default=4 * 1024 * 1024, gt=0, validation_alias="GRPO_REWARD_MAX_RESPONSE_BYTES",

@@ -69,6 +69,14 @@ OwnerDep = Annotated[str, Depends(get_owner)]
 ReleasedOwnerDep = Annotated[str, Depends(get_owner_released)]
 
 
+def sees_cluster(owner: OwnerDep, settings: SettingsDep) -> bool:
+    """Whether this key's owner is the admin's (GRPO_ADMIN_OWNERS): only they see hosts, processes, ports."""
+    return owner in settings.admin_owners
+
+
+SeesClusterDep = Annotated[bool, Depends(sees_cluster)]
+
+
 MAX_INT = 2**31 - 1  # ids and steps are 32-bit integer columns
 JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="Job id.")]
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from service.api.deps import MAX_INT, JobDep, OwnerDep, SessionDep, SettingsDep
-from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses
+from service.api.deps import MAX_INT, JobDep, OwnerDep, SeesClusterDep, SessionDep, SettingsDep
+from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses, event_out
 from service.api.sources import check_sources
 from service.core import fingerprint, health, queue
 from service.core.artifacts import open_store
@@ -112,7 +112,9 @@ def _starts_from(job, earlier: int) -> bool:
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404))
-def job_events(job: JobDep, session: SessionDep,
+def job_events(job: JobDep, session: SessionDep, admin: SeesClusterDep,
                after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 500):
-    return events_q.list_events(session, job_id=job.id, after_id=after_id, limit=limit)
+    """The job's events, oldest first; what names the cluster's hosts and processes only to the admin's keys."""
+    return [event_out(e, admin=admin) for e in events_q.list_events(session, job_id=job.id, after_id=after_id,
+                                                                     limit=limit)]

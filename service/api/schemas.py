@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from service.core.fingerprint import Fingerprint
 from service.core.health import JobHealth
+from service.core.records import without_cluster
 from service.core.sparsity import SparsityReport
 from service.core.specs import JobSpec
 
@@ -139,8 +140,16 @@ class EventOut(_Out):
     type: str
     level: str
     message: str
-    data: dict[str, Any] | None
+    data: dict[str, Any] | None = Field(description="The event's facts; those that name the cluster (`holder`, "
+                                        "`node_name`, `hostname`, `server_url`, `log`) only for the admin's keys "
+                                        "(GRPO_ADMIN_OWNERS).")
     created_at: datetime
+
+
+def event_out(event, *, admin: bool) -> EventOut:
+    """A stored event as its reader may see it: the admin all of it, a tenant nothing that names the cluster."""
+    out = EventOut.model_validate(event)
+    return out if admin else out.model_copy(update={"data": without_cluster(out.data)})
 
 
 class Point(BaseModel):

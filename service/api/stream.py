@@ -31,7 +31,7 @@ from service.api.deps import (
     bearer_key,
     unauthorized,
 )
-from service.api.schemas import EventOut, error_responses
+from service.api.schemas import error_responses, event_out
 from service.core.specs import TERMINAL
 from service.store import events as events_q
 from service.store import jobs as jobs_q
@@ -89,11 +89,11 @@ class StreamHub:
                 del self._versions[gone]
 
 
-def _read(url: str, job_id: int, last_step: int, last_event: int):
+def _read(url: str, job_id: int, last_step: int, last_event: int, admin: bool):
     with session_scope(url) as s:
         row = jobs_q.get_job(s, job_id=job_id)
         points = metrics_q.points_between(s, job_id=job_id, after_step=last_step, to_step=MAX_INT)
-        evs = [EventOut.model_validate(e).model_dump(mode="json")
+        evs = [event_out(e, admin=admin).model_dump(mode="json")
                for e in events_q.list_events(s, job_id=job_id, after_id=last_event, limit=200)]
         status = {"status": row.status, "step": row.step, "total_steps": row.total_steps, "error": row.error}
     return status, points, evs
@@ -139,14 +139,16 @@ async def stream_job(
     """Server-sent events: `status` on every change, `metrics` per new step, `event` per job event;
     `end` when the job reaches a terminal status."""
     url = settings.store_url
-    if await run_in_threadpool(_stream_owner, url, job_id, bearer_key(request), access_token) is None:
+    owner = await run_in_threadpool(_stream_owner, url, job_id, bearer_key(request), access_token)
+    if owner is None:
         raise HTTPException(404, f"job {job_id} not found")
+    admin = owner in settings.admin_owners
     hub: StreamHub = request.app.state.stream_hub
 
     async def gen():
         last_step, last_event, last_status = from_step, 0, None
         while not await request.is_disconnected():
-            status, points, evs = await run_in_threadpool(_read, url, job_id, last_step, last_event)
+            status, points, evs = await run_in_threadpool(_read, url, job_id, last_step, last_event, admin)
             if status != last_status:
                 last_status = status
                 yield {"event": "status", "data": json.dumps(status)}

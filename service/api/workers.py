@@ -8,7 +8,7 @@ from datetime import datetime
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from service.api.deps import JobDep, OwnerDep, SessionDep, SettingsDep
+from service.api.deps import JobDep, SeesClusterDep, SessionDep, SettingsDep
 from service.api.schemas import _Out, error_responses
 from service.store import nodes as nodes_q
 from service.store import workers as workers_q
@@ -24,9 +24,12 @@ class GpuOut(BaseModel):
 
 
 class WorkerOut(_Out):
-    name: str = Field(description="hostname:pid:random of its main process (a job's `started` event names the pool "
-                      "process that runs it, a child of this pid).")
-    hostname: str
+    id: int = Field(description="Its row in the registry: how a tenant tells two workers apart.")
+    name: str | None = Field(description="hostname:pid:random of its main process (a job's `started` event names the "
+                             "pool process that runs it, a child of this pid); only for the admin's keys "
+                             "(GRPO_ADMIN_OWNERS), null for others.")
+    hostname: str | None = Field(description="Its machine (GRPO_NODE_NAME, else its hostname); only for the admin's "
+                                 "keys, null for others.")
     gpus: list[GpuOut] = Field(description="The GPUs it has; empty for a CPU worker.")
     queues: list[str] = Field(description="The queues it takes jobs from: `jobs` (jobs that need no GPU), and "
                               "`gpu`, `gpu2`... up to its GPU count (jobs whose devices name that many).")
@@ -40,16 +43,20 @@ class WorkerList(BaseModel):
 
 
 @router.get("", response_model=WorkerList)
-def list_workers(_owner: OwnerDep, session: SessionDep, settings: SettingsDep):
-    """The live workers, the oldest first: those heard from within the lease timeout (GRPO_LEASE_TIMEOUT_S)."""
-    return {"items": workers_q.live_workers(session, within_s=settings.lease_timeout_s)}
+def list_workers(admin: SeesClusterDep, session: SessionDep, settings: SettingsDep):
+    """The live workers, the oldest first: those heard from within the lease timeout (GRPO_LEASE_TIMEOUT_S).
+    Where they run (host and process) only to the admin's keys."""
+    items = [WorkerOut.model_validate(w) for w in workers_q.live_workers(session, within_s=settings.lease_timeout_s)]
+    return {"items": items if admin else [w.model_copy(update={"name": None, "hostname": None}) for w in items]}
 
 
 class NodeOut(_Out):
     node: int = Field(description="0 leased the job, hosts its rendezvous and reports; ranks go node by node.")
     attempt: int = Field(description="The attempt it ran (each attempt's nodes may be other workers).")
-    node_name: str = Field(description="The machine, as its worker names it (GRPO_NODE_NAME, else its hostname).")
-    holder: str = Field(description="hostname:pid:random of the worker process that runs the node's ranks.")
+    node_name: str | None = Field(description="The machine, as its worker names it (GRPO_NODE_NAME, else its "
+                                  "hostname); only for the admin's keys (GRPO_ADMIN_OWNERS), null for others.")
+    holder: str | None = Field(description="hostname:pid:random of the worker process that runs the node's ranks; "
+                               "only for the admin's keys, null for others.")
     joined_at: datetime
 
 
@@ -58,7 +65,8 @@ class NodeList(BaseModel):
 
 
 @nodes_router.get("/{job_id}/nodes", response_model=NodeList)
-def job_nodes(job: JobDep, session: SessionDep):
-    """The workers that ran each node of the job's latest attempt to start (a job on one machine: none; its
-    `started` event names its worker)."""
-    return {"items": nodes_q.nodes_of(session, job_id=job.id)}
+def job_nodes(job: JobDep, session: SessionDep, admin: SeesClusterDep):
+    """The nodes of the job's latest attempt to start (a job on one machine: none), and, to the admin's keys,
+    the worker that ran each."""
+    items = [NodeOut.model_validate(n) for n in nodes_q.nodes_of(session, job_id=job.id)]
+    return {"items": items if admin else [n.model_copy(update={"node_name": None, "holder": None}) for n in items]}

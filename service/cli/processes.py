@@ -59,6 +59,8 @@ def dev(host: str, port: int) -> None:
     from service.store.migrate import upgrade
 
     settings = get_settings()
+    if not settings.admin_owners:  # one machine, one user: its key is the operator's and sees the workers
+        settings = settings.model_copy(update={"admin_owners_env": "local"})
     upgrade(settings.store_url)
     key_file = settings.data_dir / DEV_KEY_FILE
     key = key_file.read_text().strip() if key_file.exists() else None

@@ -99,6 +99,16 @@ class GpuInfo:
     memory_bytes: int  # total
 
 
+# Event data that names the cluster (a worker process, a machine, a server's address or a file on it): kept
+# in the store, shown only to the admin's keys (GRPO_ADMIN_OWNERS). Messages never carry them.
+CLUSTER_KEYS = frozenset({"holder", "node_name", "hostname", "server_url", "log"})
+
+
+def without_cluster(data: dict | None) -> dict | None:
+    """Event data as a tenant sees it: without what names the cluster."""
+    return None if data is None else {k: v for k, v in data.items() if k not in CLUSTER_KEYS}
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """What a worker says of itself in the registry (service/store/workers.py)."""

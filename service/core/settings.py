@@ -74,6 +74,11 @@ class Settings(BaseSettings):
         description="Comma-separated URLs under which an owner may register a webhook, compared as "
         "GRPO_REWARD_URLS is; empty: no webhooks.",
     )
+    admin_owners_env: str = Field(
+        default="", validation_alias="GRPO_ADMIN_OWNERS",
+        description="Comma-separated owners whose keys see the cluster: worker hostnames, processes and ports in "
+        "/v1/workers, a job's nodes and its events. Every other key sees none of them.",
+    )
     webhook_timeout_s: float = Field(
         default=10.0, gt=0, validation_alias="GRPO_WEBHOOK_TIMEOUT_S",
         description="Seconds a webhook receiver has for one delivery attempt, the whole exchange: connect, "
@@ -338,6 +343,10 @@ class Settings(BaseSettings):
     def _webhook_urls(cls, v: str) -> str:
         parse_allow_list(_split(v), "GRPO_WEBHOOK_URLS")
         return v
+
+    @property
+    def admin_owners(self) -> frozenset[str]:
+        return frozenset(_split(self.admin_owners_env))
 
     @property
     def webhook_urls(self) -> list[GraderUrl]:

@@ -56,7 +56,7 @@ def join(url: str, *, job_id: int, uid: str, attempt: int, head: str, node: int,
             session.add(JobNode(job_id=job_id, attempt=attempt, node=node, node_name=node_name, holder=holder))
             session.flush()  # the constraints decide here, before the event
             session.add(JobEvent(job_id=job_id, type="node", message=f"node {node} of {spec.nodes} "
-                                 f"(attempt {attempt}) runs on {node_name} ({holder})",
+                                 f"(attempt {attempt}) taken by a worker",
                                  data={"node": node, "attempt": attempt, "node_name": node_name, "holder": holder}))
             return Joined(job_id=job_id, uid=job.uid, owner=job.owner, spec=spec, attempt=attempt)
     except IntegrityError:

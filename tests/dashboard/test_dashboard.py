@@ -327,7 +327,8 @@ def test_an_agent_jobs_samples_show_each_episode_turn_by_turn(page, service):
 
 
 def test_a_multi_node_jobs_page_names_the_worker_of_each_node(page, service):
-    """A job that ran on two machines (recorded as its workers would: `dev` runs one machine's jobs)."""
+    """A job that ran on two machines (recorded as its workers would: `dev` runs one machine's jobs), seen by
+    `dev`'s key, the operator's."""
     from service.core.specs import parse_spec
     from service.store import leases
     from service.store import nodes as nodes_q
@@ -344,4 +345,4 @@ def test_a_multi_node_jobs_page_names_the_worker_of_each_node(page, service):
     page.wait_for_selector('#nodes [data-node="1"]')
     assert page.locator("#nodes").inner_text().splitlines() == ["node 0: gpu-a (gpu-a:11:x, attempt 1)",
                                                                 "node 1: gpu-b (gpu-b:12:x, attempt 1)"]
-    assert "node 1 of 2 (attempt 1) runs on gpu-b" in page.locator("#events").inner_text()
+    assert "node 1 of 2 (attempt 1) taken by a worker" in page.locator("#events").inner_text()

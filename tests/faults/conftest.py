@@ -205,9 +205,10 @@ def cluster(tmp_path, models_root, pg_url, redis_server):
     env = {**os.environ, **FAULT_ENV, "GRPO_DATA_DIR": str(tmp_path / "data"), "GRPO_MODELS_ROOT": str(models_root),
            "DATABASE_URL": pg_url, "BROKER_URL": redis_server.url}
     upgrade(pg_url)
-    c = Cluster(tmp_path, env)
+    owner = f"faults-{uuid.uuid4().hex[:6]}"
+    c = Cluster(tmp_path, {**env, "GRPO_ADMIN_OWNERS": owner})  # the operator: it sees which worker runs what
     with session_scope(pg_url) as s:
-        c.key = keys_q.create_key(s, owner=f"faults-{uuid.uuid4().hex[:6]}")
+        c.key = keys_q.create_key(s, owner=owner)
     yield c
     c.stop()
 

@@ -3,10 +3,14 @@ go away mid-job. Every job ends, with every step recorded once."""
 
 from __future__ import annotations
 
+import socket
 import time
 
+import httpx
 import pytest
 
+from service.store import keys as keys_q
+from service.store.db import session_scope
 from tests.e2e.conftest import parent_pid
 from tests.faults.conftest import (
     LEASE_S,
@@ -30,15 +34,31 @@ def _events(c, job_id) -> list[str]:
     return [e["type"] for e in c.get(f"/v1/jobs/{job_id}/events").json()]
 
 
-def test_five_jobs_in_a_row_on_one_worker_all_succeed(cluster):
+def test_five_jobs_in_a_row_on_one_worker_all_succeed_and_a_tenant_sees_no_host(cluster, pg_url):
+    """The fifth is a tenant's: its views of the workers and of its job (events, nodes, the live stream) name
+    no host, process or port of the cluster, where the admin's key (the cluster's) sees them."""
+    with session_scope(pg_url) as s:
+        tenant = keys_q.create_key(s, owner="tenant")
     cluster.serve()
-    cluster.worker()
-    with cluster.client() as c:
-        ids = [c.post("/v1/jobs", json={**SHORT_JOB, "name": f"row-{i}"}).json()["id"] for i in range(5)]
+    cluster.worker(GRPO_NODE_NAME="machine-zq7")
+    with cluster.client() as c, httpx.Client(base_url=cluster.base, timeout=30,
+                                             headers={"Authorization": f"Bearer {tenant}"}) as t:
+        ids = [c.post("/v1/jobs", json={**SHORT_JOB, "name": f"row-{i}"}).json()["id"] for i in range(4)]
+        ids.append(t.post("/v1/jobs", json={**SHORT_JOB, "name": "row-4"}).json()["id"])
         for job_id in ids:
-            job = finished(c, job_id, cluster)
+            job = finished(t if job_id == ids[-1] else c, job_id, cluster)
             assert job["status"] == "succeeded", (job, cluster.logs())
-            assert_every_step_once(c, job_id, 3)
+            assert_every_step_once(t if job_id == ids[-1] else c, job_id, 3)
+        (seen,) = c.get("/v1/workers").json()["items"]
+        holder = next(e for e in c.get(f"/v1/jobs/{ids[0]}/events").json() if e["type"] == "started")["data"]["holder"]
+        assert seen["hostname"] == "machine-zq7" and holder.startswith(f"{socket.gethostname()}:")
+        with t.stream("GET", f"/v1/jobs/{ids[-1]}/stream") as r:
+            streamed = "".join(r.iter_text())  # the job has ended: the stream sends everything, then ends
+        views = [t.get("/v1/workers").text, t.get(f"/v1/jobs/{ids[-1]}/events").text,
+                 t.get(f"/v1/jobs/{ids[-1]}/nodes").text, t.get(f"/v1/jobs/{ids[-1]}").text, streamed]
+    for view in views:
+        assert "machine-zq7" not in view and holder not in view and seen["name"] not in view, view[:2000]
+        assert '"holder"' not in view and '"hostname":"' not in view.replace(" ", ""), view[:2000]
 
 
 def test_killed_worker_is_replaced_at_once_and_the_job_resumes(cluster):

@@ -53,8 +53,8 @@ def rendezvous_endpoint(settings: Settings) -> str:
             except OSError:
                 continue
         return f"{settings.rendezvous_address}:{port}"
-    raise NoRendezvousPort(f"every port of GRPO_RENDEZVOUS_PORTS ({settings.rendezvous_ports}) is taken on "
-                           f"{settings.node}")
+    raise NoRendezvousPort(f"every port of GRPO_RENDEZVOUS_PORTS ({settings.rendezvous_ports}) is taken on node "
+                           "0's machine")
 
 
 def host(lease: Lease, *, settings: Settings, holder: str) -> Gang:

@@ -146,7 +146,7 @@ def run_node(message: queue.NodeMessage, *, settings: Settings) -> NodeOutcome:
         log.error("job %s node %s: node 0's files are not in this worker's GRPO_CACHE_DIR", message.job_id,
                   message.node)
         nodes_q.node_failed(settings.store_url, job_id=joined.job_id, attempt=joined.attempt, node=message.node,
-                            message=f"the worker on {settings.node} does not see node 0's files: the nodes of a job "
+                            message=f"the worker of node {message.node} does not see node 0's files: the nodes of a job "
                             "share checkpoints and data files through one GRPO_DATA_DIR (GRPO_CACHE_DIR) on shared "
                             "storage; node 0 waits for another worker")
         return "refused"
@@ -265,7 +265,7 @@ def _run(lease: leases.Lease, reporter: SqlReporter, settings: Settings) -> Outc
                    "stopped: out of memory, killed or lost; or a rank or its environment server was lost)")
         reporter.finish("failed", message, error=message)
         return "failed"
-    reporter.event("started", f"attempt {lease.attempt} on {reporter.holder}",
+    reporter.event("started", f"attempt {lease.attempt} started",
                    data={"attempt": lease.attempt, "holder": reporter.holder})
     if (spec := lease.spec) is None:
         reporter.finish("failed", lease.spec_error, error=lease.spec_error)

@@ -270,8 +270,11 @@ def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engin
                             chat=spec.dataset.chat_template, max_new_tokens=spec.train.max_new_tokens,
                             log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}",
                             stop=stop)
-    reporter.event("environment", f"episodes in {env.name or env.url} at {host.url}",
-                   data={"url": host.url, "bundled": env.name})
+    if env.name is not None:  # its address is the worker's: only the admin's keys see it (server_url)
+        reporter.event("environment", f"episodes in the bundled {env.name} environment",
+                       data={"server_url": host.url, "bundled": env.name})
+    else:
+        reporter.event("environment", f"episodes in {host.url}", data={"url": host.url})
     return host
 
 

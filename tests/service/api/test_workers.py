@@ -1,4 +1,7 @@
-"""GET /v1/workers, and what a submitted job is told about where it can run."""
+"""GET /v1/workers, and what a submitted job is told about where it can run; only the admin sees where workers
+run."""
+
+import pytest
 
 from service.core.queue import worker_queues
 from service.core.records import GpuInfo, WorkerInfo
@@ -17,13 +20,23 @@ def _waiting(api, job_id: int) -> list[dict]:
     return [e for e in api.get(f"/v1/jobs/{job_id}/events").json() if e["type"] == "waiting"]
 
 
-def test_the_live_workers_are_listed_with_their_gpus(api):
+@pytest.fixture
+def admin_api(api):
+    """alice is the admin (GRPO_ADMIN_OWNERS); bob a tenant."""
+    api.settings.admin_owners_env = "alice"
+    return api
+
+
+def test_the_live_workers_are_listed_with_their_gpus_and_only_the_admin_sees_where(admin_api):
+    api = admin_api
     assert api.get("/v1/workers").json() == {"items": []}
     assert api.client.get("/v1/workers").status_code == 401
     _register(api, "node-7:41:ab", 1)
-    (w,) = api.get("/v1/workers", key=api.bob).json()["items"]  # every tenant sees where jobs can run
-    assert (w["name"], w["hostname"], w["queues"], w["concurrency"]) == ("node-7:41:ab", "node-7", ["jobs", "gpu"], 2)
+    (w,) = api.get("/v1/workers", key=api.bob).json()["items"]  # every tenant sees what jobs can run on
+    assert (w["name"], w["hostname"], w["queues"], w["concurrency"]) == (None, None, ["jobs", "gpu"], 2)
     assert w["gpus"] == [{"index": 0, "name": A100.name, "memory_bytes": A100.memory_bytes}]
+    (w,) = api.get("/v1/workers").json()["items"]  # the admin also sees where
+    assert (w["name"], w["hostname"]) == ("node-7:41:ab", "node-7")
 
 
 def test_a_job_that_names_gpus_no_live_worker_has_is_queued_with_why(api):
@@ -40,7 +53,8 @@ def test_a_job_that_names_gpus_no_live_worker_has_is_queued_with_why(api):
     assert r.json()["gpus"] == 0 and _waiting(api, r.json()["id"]) == []
 
 
-def test_a_jobs_nodes_say_which_worker_runs_each_and_only_to_its_owner(api):
+def test_a_jobs_nodes_say_which_worker_runs_each_and_only_to_its_owner(admin_api):
+    api = admin_api
     from service.store import leases
     from service.store import nodes as nodes_q
 
@@ -57,3 +71,15 @@ def test_a_jobs_nodes_say_which_worker_runs_each_and_only_to_its_owner(api):
     assert [(n["node"], n["attempt"], n["node_name"], n["holder"]) for n in items] == [(0, 1, "a", "a:1:x"),
                                                                                           (1, 1, "b", "b:2:x")]
     assert api.get(f"/v1/jobs/{job_id}/nodes", key=api.bob).status_code == 404  # another tenant's job
+    # to a tenant, its own job's nodes and their events name no machine or process
+    bobs = api.post("/v1/jobs", json={**JOB, "resources": {"nodes": 2}}, key=api.bob).json()["id"]
+    lease = leases.acquire_lease(api.settings.store_url, job_id=bobs, holder="a:1:x", lease_timeout_s=60)
+    nodes_q.join(api.settings.store_url, job_id=bobs, uid=lease.uid, attempt=1, head="a:1:x", node=0,
+                 node_name="a", holder="a:1:x")
+    (node,) = api.get(f"/v1/jobs/{bobs}/nodes", key=api.bob).json()["items"]
+    assert (node["node"], node["node_name"], node["holder"]) == (0, None, None)
+    (event,) = [e for e in api.get(f"/v1/jobs/{bobs}/events", key=api.bob).json() if e["type"] == "node"]
+    assert event["data"] == {"node": 0, "attempt": 1} and "a:1:x" not in event["message"], event
+    with api.client.stream("GET", f"/v1/jobs/{bobs}/stream", headers=api.auth(api.bob)) as r:  # the same live
+        text = next(chunk for chunk in r.iter_text() if '"type": "node"' in chunk or '"type":"node"' in chunk)
+    assert "a:1:x" not in text and '"node_name"' not in text, text

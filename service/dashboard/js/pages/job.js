@@ -134,7 +134,8 @@ function header(job, cancel, nodes) {
         h("dt", {}, "ETA"), h("dd", { id: "eta" }, eta === null ? "–" : duration(eta)),
         h("dt", {}, "attempt"), h("dd", {}, job.attempt),
         nodes ? [h("dt", {}, "nodes"), h("dd", { id: "nodes" }, nodes.length
-          ? nodes.map((n) => h("div", { "data-node": n.node }, `node ${n.node}: ${n.node_name} (${n.holder}, attempt ${n.attempt})`))
+          ? nodes.map((n) => h("div", { "data-node": n.node }, n.node_name === null  // the admin's keys see where
+            ? `node ${n.node} (attempt ${n.attempt})` : `node ${n.node}: ${n.node_name} (${n.holder}, attempt ${n.attempt})`))
           : `${job.spec.resources.nodes} machines, none joined yet`)] : null),
       job.error ? h("div", { class: "error-box", id: "job-error" }, job.error) : null,
       job.cancel_requested && !TERMINAL.has(job.status) ? h("p", { class: "muted" }, "Cancel requested: stopping after the current step.") : null,

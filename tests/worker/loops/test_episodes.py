@@ -70,3 +70,32 @@ def test_episodes_longer_than_the_model_holds_fail_at_the_start(tmp_path, settin
     spec = _spec("http://127.0.0.1:9/", max_episode_tokens=1000, max_observation_tokens=100)
     with pytest.raises(ValueError, match=r"\(100 \+ 1000\) is more than tiny-random-llama holds \(1024 positions"):
         grpo.run(spec, FileReporter(tmp_path), settings=settings_factory())
+
+
+class CancelledAt(FileReporter):
+    """A reporter whose cancel arrives at its `at`-th question (as a heartbeat would bring it, mid-step)."""
+
+    def __init__(self, out, at: int) -> None:
+        super().__init__(out)
+        self.asked, self.at = 0, at
+
+    def should_stop(self) -> bool:
+        self.asked += 1
+        return self.asked >= self.at
+
+
+def test_a_cancel_mid_step_stops_the_episodes_and_the_job_without_an_update(tmp_path, settings_factory):
+    """Waves of one episode, four a step: the cancel heard before wave 0's second turn (the 4th question:
+    step 1's start, wave 0, its turn 0, its turn 1) ends the job at once, step 1 dropped, nothing trained."""
+    server = BundledServer("calculator", tmp_path / "calculator.log")
+    url = server.start()
+    try:
+        reporter = CancelledAt(tmp_path / "out", at=4)
+        result = grpo.run(_spec(url, steps=3, max_concurrent=1), reporter,
+                          settings=settings_factory(GRPO_ENVIRONMENT_URLS=url))
+    finally:
+        server.stop()
+    assert (result.status, result.step, reporter.asked) == ("cancelled", 0, 4)
+    stopping = [e for e in _lines(tmp_path / "out" / "events.jsonl") if e["type"] == "stopping"]
+    assert len(stopping) == 1 and "step 1 stopped (cancelled at turn 1 of episodes 0..0)" in stopping[0]["message"]
+    assert [m["step"] for m in _lines(tmp_path / "out" / "metrics.jsonl")] == [0]  # step 0's evaluation only

@@ -1,13 +1,17 @@
 """API load on PostgreSQL: concurrent clients against the metrics and job-list routes of a real
-`grpo-jobs serve` process, then the job list again while 100 live streams are open.
+`grpo-jobs serve`, then the job list again while 100 live streams are open; each phase with the API on 1
+process and on --api-workers processes (`serve --workers N`), side by side in one run.
 
 Works in a scratch database beside --url: one job with 30 steps x 23 metric keys (the size of a
 real GRPO run's chart page), 50 more jobs for the list. Each phase runs --clients concurrent
-clients (asyncio + httpx, one process) for --seconds and prints requests/s and p50/p95/p99.
+clients (asyncio + httpx, one process) for --seconds and prints requests/s and p50/p95/p99. The metrics
+route is polled twice: full bodies, and conditionally (each client sends the ETag it got, and the
+unchanged run answers 304 with no body), as the dashboard and `grpo-jobs watch` poll.
 
     python bench/api_load.py [--url postgresql+psycopg://postgres@127.0.0.1:5432/test] [--clients 20]
 
-Ends with: RESULT metrics_rps=... metrics_p95_ms=... list_rps=... list_p95_ms=... list_p95_ms_with_streams=...
+Ends with: RESULT metrics_rps_wN=... metrics_p95_ms_wN=... metrics_304_rps_wN=... metrics_304_p95_ms_wN=...
+list_rps_wN=... list_p95_ms_wN=... list_p95_ms_with_streams_wN=... for N in 1 and --api-workers.
 """
 
 from __future__ import annotations
@@ -69,16 +73,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def load(name: str, base: str, key: str, path: str, params: dict, *, clients: int, seconds: float) -> Phase:
+async def load(name: str, base: str, key: str, path: str, params: dict, *, clients: int, seconds: float,
+               conditional: bool = False) -> Phase:
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
 
     async def client() -> None:
         async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+            headers = {"If-None-Match": (await c.get(path, params=params)).headers["etag"]} if conditional else {}
             while time.perf_counter() < deadline:
                 t = time.perf_counter()
-                r = await c.get(path, params=params)
-                r.raise_for_status()
+                r = await c.get(path, params=params, headers=headers)
+                assert r.status_code == (304 if conditional else 200), r.status_code
                 latencies.append((time.perf_counter() - t) * 1000)
 
     t0 = time.perf_counter()
@@ -118,6 +124,8 @@ async def run(args, base: str, port: int, key: str, job_id: int, ids: list[int])
     await load("warm-up", base, key, "/v1/jobs", {}, clients=args.clients, seconds=1)
     phases.append(await load("GET /v1/jobs/{id}/metrics", base, key, f"/v1/jobs/{job_id}/metrics", {},
                              clients=args.clients, seconds=args.seconds))
+    phases.append(await load("  the same, If-None-Match", base, key, f"/v1/jobs/{job_id}/metrics", {},
+                             clients=args.clients, seconds=args.seconds, conditional=True))
     phases.append(await load("GET /v1/jobs", base, key, "/v1/jobs", {}, clients=args.clients, seconds=args.seconds))
     writers = await open_streams(port, key, ids, args.streams)
     await asyncio.sleep(2)
@@ -135,6 +143,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=20, help="concurrent clients")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     ap.add_argument("--streams", type=int, default=100, help="live streams open during the last phase")
+    ap.add_argument("--api-workers", type=int, default=os.cpu_count() or 1,
+                    help="API processes of the second run of every phase (the first has 1)")
     args = ap.parse_args()
 
     with scratch_database(args.url) as url:
@@ -142,30 +152,40 @@ def main() -> None:
 
 
 def measure(args, url: str) -> None:
+    key, job_id, ids = seed(url)
+    get_engine(url).dispose()
+    results = []
+    for workers in sorted({1, args.api_workers}):
+        phases = serve_and_load(args, url, key, job_id, ids, workers)
+        print(f"-- serve --workers {workers}")
+        for p in phases:
+            print(p.line())
+        metrics, conditional, listing, with_streams = phases
+        results.append(f"metrics_rps_w{workers}={metrics.rps:.0f} metrics_p95_ms_w{workers}={metrics.pct(95):.1f} "
+                       f"metrics_304_rps_w{workers}={conditional.rps:.0f} "
+                       f"metrics_304_p95_ms_w{workers}={conditional.pct(95):.1f} "
+                       f"list_rps_w{workers}={listing.rps:.0f} list_p95_ms_w{workers}={listing.pct(95):.1f} "
+                       f"list_p95_ms_with_streams_w{workers}={with_streams.pct(95):.1f}")
+    print("RESULT " + " ".join(results))
+
+
+def serve_and_load(args, url: str, key: str, job_id: int, ids: list[int], workers: int) -> list[Phase]:
     api = None
     try:
-        key, job_id, ids = seed(url)
-        get_engine(url).dispose()
         port = free_port()
         env = {**os.environ, "DATABASE_URL": url, "GRPO_DATA_DIR": tempfile.mkdtemp(prefix="grpo-bench-")}
         bin_ = Path(sys.executable).parent / "grpo-jobs"
-        api = subprocess.Popen([str(bin_), "serve", "--port", str(port)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        api = subprocess.Popen([str(bin_), "serve", "--port", str(port), "--workers", str(workers)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
-        for _ in range(200):
+        for _ in range(300):
             try:
                 if httpx.get(f"{base}/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        phases = asyncio.run(run(args, base, port, key, job_id, ids))
-        for p in phases:
-            print(p.line())
-        metrics, listing, with_streams = phases
-        print(f"RESULT metrics_rps={metrics.rps:.0f} metrics_p95_ms={metrics.pct(95):.1f} "
-              f"list_rps={listing.rps:.0f} list_p95_ms={listing.pct(95):.1f} "
-              f"list_p95_ms_with_streams={with_streams.pct(95):.1f}")
+        return asyncio.run(run(args, base, port, key, job_id, ids))
     finally:
         if api is not None:
             api.terminate()

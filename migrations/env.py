@@ -23,6 +23,9 @@ def run_migrations_online() -> None:
         # batch mode lets later migrations alter SQLite tables
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":  # several API processes start at once: one migrates,
+                # the others wait here and then find the store at head (SQLite's own lock serialises them)
+                connection.exec_driver_sql("SELECT pg_advisory_xact_lock(72616501)")
             context.run_migrations()
 
 

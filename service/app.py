@@ -40,6 +40,11 @@ ROUTERS = (health.router, jobs.router, stream.router, series.router, reports.rou
            workers.nodes_router)
 
 
+def serve_app() -> FastAPI:
+    """`grpo-jobs serve`'s app, made in each of its processes: it migrates the store in the background."""
+    return create_app(migrate=True)
+
+
 def create_app(settings: Settings | None = None, *, migrate: bool = False) -> FastAPI:
     """The API. With `migrate`, the store is migrated in the background (retrying until it is
     reachable) and /v1 answers 503 until then."""

@@ -30,6 +30,8 @@ ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 def pytest_configure(config):
     """GRPO_TEST_DETERMINISTIC=1 runs the suite with torch's deterministic algorithms (and warns
     where an op has none): a tolerance that only holds for one kernel choice shows up as a failure."""
+    # one API process per `serve` a test starts, as on a one-core machine; the tests of several name theirs
+    os.environ.setdefault("GRPO_API_WORKERS", "1")
     if os.environ.get("GRPO_TEST_DETERMINISTIC") == "1":
         import torch
 

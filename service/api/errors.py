@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.conditional import NotModified, not_modified
 from service.core.artifacts import ArtifactStoreError
 from service.core.errors import format_errors
 from service.store.db import is_unreachable
@@ -67,6 +68,7 @@ async def store_busy(_: Request, exc: PoolTimeout) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
+    app.add_exception_handler(NotModified, not_modified)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(DBAPIError, store_error)

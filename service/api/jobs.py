@@ -8,6 +8,7 @@ from fastapi import APIRouter, Body, Header, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from service.api.conditional import NOT_MODIFIED, IfNoneMatch, JobETag, check, rows_etag
 from service.api.deps import MAX_INT, JobDep, OwnerDep, SeesClusterDep, SessionDep, SettingsDep
 from service.api.schemas import EventOut, HealthOut, JobOut, JobPage, LatestPoint, error_responses, event_out
 from service.api.sources import check_sources
@@ -51,9 +52,9 @@ def submit_job(
     return job
 
 
-@router.get("", response_model=JobPage)
+@router.get("", response_model=JobPage, responses=NOT_MODIFIED)
 def list_jobs(
-    owner: OwnerDep, session: SessionDep,
+    owner: OwnerDep, session: SessionDep, response: Response, if_none_match: IfNoneMatch = None,
     status: Annotated[Literal[STATUSES] | None, Query(description="Only jobs in this status.")] = None,  # type: ignore[valid-type]
     kind: Annotated[Literal[KINDS] | None, Query(description="Only jobs of this kind.")] = None,  # type: ignore[valid-type]
     after: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Cursor: the `next_after` of the previous page.")] = None,
@@ -62,8 +63,10 @@ def list_jobs(
                                         "carries the newest point of each, e.g. `reward/mean`.")] = None,
 ):
     rows, has_more = jobs_q.list_jobs(session, owner=owner, status=status, kind=kind, after=after, limit=limit)
-    items = [JobOut.model_validate(r) for r in rows]
     wanted = [k.strip() for k in latest.split(",") if k.strip()] if latest else []
+    # the newest points change only with a job's step or status, which its row carries
+    check(rows_etag(rows, has_more, wanted), if_none_match, response)
+    items = [JobOut.model_validate(r) for r in rows]
     if wanted:
         newest = metrics_q.latest_of(session, job_ids=[j.id for j in items], keys=wanted)
         for j in items:
@@ -71,8 +74,8 @@ def list_jobs(
     return JobPage(items=items, has_more=has_more, next_after=items[-1].id if has_more and items else None)
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404))
-def get_job(job: JobDep, session: SessionDep):
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404) | NOT_MODIFIED)
+def get_job(job: JobDep, session: SessionDep, _unchanged: JobETag):
     """The job, with its health (each guard's latest flag and the worst level) and the fingerprint of
     its latest attempt (what it ran: spec, code, libraries, hardware, seeds, data and weights)."""
     out = JobOut.model_validate(job)
@@ -111,8 +114,8 @@ def _starts_from(job, earlier: int) -> bool:
     return spec is not None and spec.model.init_from is not None and spec.model.init_from.job == earlier
 
 
-@router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404))
-def job_events(job: JobDep, session: SessionDep, admin: SeesClusterDep,
+@router.get("/{job_id}/events", response_model=list[EventOut], responses=error_responses(404) | NOT_MODIFIED)
+def job_events(job: JobDep, session: SessionDep, admin: SeesClusterDep, _unchanged: JobETag,
                after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 500):
     """The job's events, oldest first; what names the cluster's hosts and processes only to the admin's keys."""

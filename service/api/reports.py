@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
+from service.api.conditional import NOT_MODIFIED, JobETag
 from service.api.deps import MAX_INT, JobDep, SessionDep, SettingsDep
 from service.api.schemas import (
     CheckpointOut,
@@ -85,16 +86,16 @@ def job_sparsity_report(job: JobDep, session: SessionDep, report_id: Annotated[i
     return r
 
 
-@router.get("/{job_id}/samples", response_model=list[SampleOut])
-def job_samples(job: JobDep, session: SessionDep,
+@router.get("/{job_id}/samples", response_model=list[SampleOut], responses=NOT_MODIFIED)
+def job_samples(job: JobDep, session: SessionDep, _unchanged: JobETag,
                 step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
                 after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 200):
     return records.list_samples(session, job_id=job.id, step=step, after_id=after_id, limit=limit)
 
 
-@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
-def job_checkpoints(job: JobDep, session: SessionDep):
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=NOT_MODIFIED)
+def job_checkpoints(job: JobDep, session: SessionDep, _unchanged: JobETag):
     return records.list_checkpoints(session, job_id=job.id)
 
 

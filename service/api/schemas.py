@@ -42,8 +42,7 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
     """OpenAPI `responses` for the error statuses a route can send, in the shapes sent."""
     what = {401: "Missing, invalid, revoked or expired API key.",
             404: "No such job, file or checkpoint for this key's owner.",
-            409: "The job, file or training run is in a state that does not allow this (the detail says which); "
-                 "an operation sent to a training run that has ended is refused so, with `x-should-retry: false`.",
+            409: "The job, file or training run is in a state that does not allow this (the detail says which).",
             413: "The request body is over the limit, or an uploaded file is over one of its budgets (rows, "
                  "bytes per row, decoded bytes, memory, time: the detail names the setting).",
             429: "Too many uploads are being checked at once, for this owner or this API process; retry after "

@@ -92,6 +92,27 @@ def _compare_runs(c: httpx.Client, a: int, b: int, rtol: float) -> bool:
     return not diffs and equal
 
 
+class ConditionalGet:
+    """GETs that send the validator of the last answer to the same path (If-None-Match): while nothing
+    changed the server answers 304 with no body, and the last answer stands."""
+
+    def __init__(self, c: httpx.Client) -> None:
+        self.c = c
+        self.seen: dict[str, tuple[str, dict | list]] = {}  # path -> (ETag, its answer)
+        self.unchanged = 0  # answers that were 304s
+
+    def __call__(self, path: str) -> dict | list:
+        tag, body = self.seen.get(path, (None, None))
+        r = self.c.get(path, headers={"If-None-Match": tag} if tag else {})
+        if r.status_code == 304 and body is not None:
+            self.unchanged += 1
+            return body
+        body = check(r)
+        if etag := r.headers.get("etag"):
+            self.seen[path] = (etag, body)
+        return body
+
+
 def watch_job(c: httpx.Client, job_id: int) -> dict:
     from rich.progress import (
         BarColumn,
@@ -103,10 +124,10 @@ def watch_job(c: httpx.Client, job_id: int) -> dict:
 
     with Progress(TextColumn("job {task.fields[job]}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()) as bar:
-        task = None
+        task, get = None, ConditionalGet(c)
         while True:
-            job = check(c.get(f"/v1/jobs/{job_id}"))
-            latest = check(c.get(f"/v1/jobs/{job_id}/metrics/latest"))
+            job = get(f"/v1/jobs/{job_id}")
+            latest = get(f"/v1/jobs/{job_id}/metrics/latest")
             info = job["status"]
             if "reward/mean" in latest:
                 info += f"  reward {latest['reward/mean']['value']:.3f}"

@@ -23,14 +23,17 @@ from service.core.settings import get_settings
 @main.command()
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=8000, type=int)
-def serve(host: str, port: int) -> None:
+@click.option("--workers", default=None, type=click.IntRange(1, 64),
+              help="API processes behind the port (default: GRPO_API_WORKERS, else the machine's cores).")
+def serve(host: str, port: int, workers: int | None) -> None:
     """Run the API. It starts even while the store is down: it migrates the store as soon as it
-    can, answers 503 on /v1 until then, and /readyz says what is missing."""
+    can, answers 503 on /v1 until then, and /readyz says what is missing. Each of its processes migrates
+    (one at a time: the others find the store at head), delivers webhooks (each delivery claimed by one)
+    and watches its own streams."""
     import uvicorn
 
-    from service.app import create_app
-
-    uvicorn.run(create_app(migrate=True), host=host, port=port, log_level="info")
+    n = workers or get_settings().api_workers or os.cpu_count() or 1
+    uvicorn.run("service.app:serve_app", factory=True, workers=n, host=host, port=port, log_level="info")
 
 
 def _worker_cmd(concurrency: int, loglevel: str) -> list[str]:

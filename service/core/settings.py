@@ -74,6 +74,11 @@ class Settings(BaseSettings):
         description="Comma-separated URLs under which an owner may register a webhook, compared as "
         "GRPO_REWARD_URLS is; empty: no webhooks.",
     )
+    api_workers: int | None = Field(
+        default=None, ge=1, le=64, validation_alias="GRPO_API_WORKERS",
+        description="API processes `grpo-jobs serve` runs behind its port (its --workers wins). Unset: the "
+        "machine's cores.",
+    )
     admin_owners_env: str = Field(
         default="", validation_alias="GRPO_ADMIN_OWNERS",
         description="Comma-separated owners whose keys see the cluster: worker hostnames, processes and ports in "

@@ -135,3 +135,13 @@ def job_versions(session: Session, *, job_ids: list[int]) -> dict[int, tuple]:
     rows = session.execute(select(Job.id, Job.status, Job.step, Job.cancel_requested, newest_event, newest_step)
                            .where(Job.id.in_(job_ids))).all()
     return {row[0]: tuple(row[1:]) for row in rows}
+
+
+def job_changes(session: Session, *, job_id: int) -> tuple[int | None, int | None, int | None, int]:
+    """What the job's records have come to, from its indexes: its newest event's id, its newest sample's id
+    (a tinker run's samples come without a step), its newest metric step and how many metric points it has
+    (a resume rewrites points only after a `resumed` event)."""
+    newest_event = select(func.max(JobEvent.id)).where(JobEvent.job_id == job_id).scalar_subquery()
+    newest_sample = select(func.max(Sample.id)).where(Sample.job_id == job_id).scalar_subquery()
+    return tuple(session.execute(select(newest_event, newest_sample, func.max(Metric.step), func.count())
+                                 .select_from(Metric).where(Metric.job_id == job_id)).one())

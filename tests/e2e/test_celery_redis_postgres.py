@@ -56,10 +56,12 @@ def service(procs, pg_url, redis_url):
 
 @pytest.mark.redis
 @pytest.mark.postgres
-def test_job_over_http_on_redis_and_postgres(service, procs):
+def test_job_over_http_on_redis_and_postgres_behind_two_api_processes(service, procs):
     otlp = Receiver()  # both processes export their spans to it, as to a collector
     hooks = WebhookReceiver(fail_first=1)  # the first delivery gets a 500 and is retried
-    c = service(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, GRPO_WEBHOOK_URLS=f"{hooks.base}/hooks")
+    # two API processes behind the port (`serve --workers 2`): each migrates, delivers webhooks, answers
+    c = service(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, GRPO_WEBHOOK_URLS=f"{hooks.base}/hooks",
+                GRPO_API_WORKERS="2")
     assert c.get("/readyz").json()["checks"] == {"store": "ok", "broker": "ok", "artifacts": "ok"}
     hook = c.post("/v1/webhooks", json={"url": f"{hooks.base}/hooks", "events": ["job.succeeded"]}).json()
     gpu_job = submit_gpu_job(c, procs)  # on this CPU worker's machine, it waits for a GPU worker
@@ -69,7 +71,9 @@ def test_job_over_http_on_redis_and_postgres(service, procs):
     check_finished_job(c, job)
     # the outcome, delivered by the worker's deliverer: refused once, retried after its backoff (5 s)
     assert hooks.wait_for("job.succeeded", job["id"]).signed_by(hook["secret"])
+    time.sleep(2 * 1.0)  # two more rounds of both processes' deliverers: none sends it again
     hooks.close()
+    assert [r.delivery_id for r in hooks.received].count(hooks.received[-1].delivery_id) == 2  # a 500, then once
     (delivery,) = c.get(f"/v1/webhooks/{hook['id']}/deliveries").json()
     assert (delivery["status"], delivery["attempts"], delivery["last_status"]) == ("delivered", 2, 200)
     deadline = time.time() + 30  # the API exports in batches, every few seconds

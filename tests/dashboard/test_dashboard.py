@@ -4,6 +4,7 @@ Screenshots land in test-artifacts/dashboard/."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,8 @@ def test_nothing_is_visible_without_a_key(page, service):
 
 
 def test_jobs_list_shows_every_job_and_filters(page, service):
+    polls: list[int] = []  # the list's refreshes: with its validator, a 304 while nothing changed
+    page.on("response", lambda r: polls.append(r.status) if "/v1/jobs?" in r.url else None)
     sign_in(page, service)
     api_ids = {j["id"] for j in service.client.get("/v1/jobs", params={"limit": 200}).json()["items"]}
     rows = page.locator("#jobs-table tbody tr")
@@ -48,6 +51,10 @@ def test_jobs_list_shows_every_job_and_filters(page, service):
     assert f"{sparse['total_steps']} / {sparse['total_steps']}" in row.inner_text()
     latest = service.client.get(f"/v1/jobs/{sparse['id']}/metrics/latest").json()["reward/mean"]["value"]
     assert float(row.locator('[data-metric="reward/mean"]').inner_text()) == pytest.approx(latest, abs=1e-3)
+    deadline = time.monotonic() + 15
+    while 304 not in polls and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+    assert 304 in polls and polls[0] == 200, polls
     page.select_option("#filter-kind", "tracin")
     page.wait_for_function("() => [...document.querySelectorAll('#jobs-table tbody tr')].length === 1")
     assert int(rows.first.get_attribute("data-job-id")) == service.jobs["tracin"]["id"]

@@ -16,13 +16,27 @@ export class ApiError extends Error {
   }
 }
 
+// The last answer to each GET and its validator: a poll sends it back (If-None-Match), and a 304 (nothing
+// changed) costs the server no read of the records and reuses the answer here.
+const seen = new Map();
+const SEEN_MAX = 200;
+
 export async function api(path, { method = "GET", json, text, contentType, headers = {}, key } = {}) {
   const h = { Authorization: `Bearer ${key || auth.key}`, ...headers };
+  const cached = method === "GET" && !key ? seen.get(path) : undefined;
+  if (cached) h["If-None-Match"] = cached.etag;
   let body;
   if (json !== undefined) { body = JSON.stringify(json); h["Content-Type"] = "application/json"; }
   if (text !== undefined) { body = text; h["Content-Type"] = contentType || "application/yaml"; }
-  const r = await fetch(path, { method, headers: h, body });
+  const r = await fetch(path, { method, headers: h, body, cache: "no-store" });
+  if (r.status === 304 && cached) return structuredClone(cached.data);
   const data = r.headers.get("content-type")?.includes("json") ? await r.json() : await r.text();
+  const etag = r.headers.get("etag");
+  if (r.ok && method === "GET" && !key && etag) {
+    seen.delete(path);  // re-inserted last: the oldest goes first when full
+    seen.set(path, { etag, data: structuredClone(data) });
+    if (seen.size > SEEN_MAX) seen.delete(seen.keys().next().value);
+  }
   if (r.status === 401 && !key) {
     auth.clear();
     location.hash = "#/login";

@@ -104,7 +104,7 @@ class GpuInfo:
 CLUSTER_KEYS = frozenset({"holder", "node_name", "hostname", "server_url", "log"})
 
 
-def without_cluster(data: dict | None) -> dict | None:
+def without_cluster(data: dict[str, Any] | None) -> dict[str, Any] | None:
     """Event data as a tenant sees it: without what names the cluster."""
     return None if data is None else {k: v for k, v in data.items() if k not in CLUSTER_KEYS}
 

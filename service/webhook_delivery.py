@@ -113,17 +113,18 @@ class Sender:
         self.per_owner: Counter[str] = Counter()
         self.tasks: set[asyncio.Task] = set()
 
-    def _claim(self) -> dict[int, list[Claimed]]:
-        """Due deliveries this sender has room for, by webhook, in order."""
-        room = PARALLEL - len(self.busy_hooks)
+    def _claim(self, busy: frozenset[int], per_owner: dict[str, int]) -> dict[int, list[Claimed]]:
+        """Due deliveries there is room for beside `busy` (webhooks in flight) and `per_owner` (how many of
+        each owner's), by webhook, in order. Runs in a thread: it reads only these copies."""
+        room = PARALLEL - len(busy)
         if room <= 0:
             return {}
         with session_scope(self.settings.store_url) as s:
             chains: dict[int, list[Claimed]] = {}
             for delivery, hook in webhooks_q.claim_due(
                     s, now=datetime.now(UTC), hold_s=self.settings.webhook_timeout_s + 30,
-                    busy_hooks=frozenset(self.busy_hooks), max_hooks=room,
-                    owner_room=lambda owner: OWNER_PARALLEL - self.per_owner[owner]):
+                    busy_hooks=busy, max_hooks=room,
+                    owner_room=lambda owner: OWNER_PARALLEL - per_owner.get(owner, 0)):
                 chains.setdefault(hook.id, []).append(_claimed(delivery, hook))
             return chains
 
@@ -137,7 +138,7 @@ class Sender:
 
     async def start_due(self) -> int:
         """Start sending what is due (beside what is in flight); returns how many deliveries were taken."""
-        chains = await asyncio.to_thread(self._claim)
+        chains = await asyncio.to_thread(self._claim, frozenset(self.busy_hooks), dict(self.per_owner))
         for webhook_id, chain in chains.items():
             self.busy_hooks.add(webhook_id)
             self.per_owner[chain[0].owner] += 1

@@ -29,6 +29,7 @@ from service.api.deps import (
     SessionDep,
     SettingsDep,
     bearer_key,
+    sees_cluster,
     unauthorized,
 )
 from service.api.schemas import error_responses, event_out
@@ -142,7 +143,7 @@ async def stream_job(
     owner = await run_in_threadpool(_stream_owner, url, job_id, bearer_key(request), access_token)
     if owner is None:
         raise HTTPException(404, f"job {job_id} not found")
-    admin = owner in settings.admin_owners
+    admin = sees_cluster(owner, settings)  # the same rule as every other route's SeesClusterDep
     hub: StreamHub = request.app.state.stream_hub
 
     async def gen():

@@ -5,7 +5,7 @@ and fast on a machine's accelerator, for the docs (docs/development/device-check
     python bench/device_check.py --short         # tiny shapes on the CPU, in seconds: what CI runs
 
 It needs torch, transformers, peft and this checkout, nothing else of the service (worker/algos,
-worker/engines/sampling and worker/hardware import with those alone), and downloads nothing: the models
+worker/engines/hf_engine and worker/machine/hardware import with those alone), and downloads nothing: the models
 are randomly initialised from the shapes of the real ones (SHAPES), so weights are not needed, and the
 numbers are the kernels' and the shapes', not a trained model's. Rows:
 
@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, w
 from worker.algos import flops  # noqa: E402
 from worker.algos.logprobs import Float32Head  # noqa: E402
 from worker.algos.losses import Normaliser, sample_losses  # noqa: E402
-from worker.engines.sampling import RolloutBatch, sequence_logprobs  # noqa: E402
-from worker.hardware import decoder_shape, peak_flops  # noqa: E402
+from worker.batch import RolloutBatch  # noqa: E402
+from worker.machine.hardware import decoder_shape, peak_flops  # noqa: E402
+from worker.model.forward import sequence_logprobs  # noqa: E402
 
 # Config fields of the real models (their config.json): the same layers, widths, heads and vocabulary.
 SHAPES = {

@@ -5,7 +5,7 @@ micro-batch) and no-grad log-probs (old or reference), the two ways taking turns
     python bench/prefix.py [--model smollm2-135m-instruct] [--prompts 4] [--generations 8] [--repeats 5]
 
 The defaults are the matched spec's (bench/specs/matched-trl.yaml: LoRA r=16, 4 prompts x 8 completions of
-up to 24 tokens, micro-batches of 16 rows). Gradients agree to rounding (tests/worker/engines/test_prefix.py).
+up to 24 tokens, micro-batches of 16 rows). Gradients agree to rounding (tests/worker/model/test_prefix.py).
 Ends with: RESULT train_per_row_s=... train_shared_s=... train_ratio=... logp_per_row_s=... logp_shared_s=...
 logp_ratio=... positions_per_row=... positions_shared=...
 """
@@ -22,11 +22,11 @@ import torch
 
 from service.core.settings import get_settings
 from service.core.specs import GRPOJob
-from worker.engines.prefix import prompt_groups
-from worker.engines.sampling import batch_logprobs, sequence_logprobs
 from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.update import micro
+from worker.model.forward import batch_logprobs, sequence_logprobs
+from worker.model.prefix import prompt_groups
 from worker.reporting import Reporter
 
 

@@ -79,8 +79,8 @@ def in_process(args) -> list[float]:
 
     from service.core.settings import Settings
     from service.core.specs import LoraSpec, ModelSpec, SessionJob, SessionSpec
-    from worker.loops.session import forward_backward, load, optim_step
     from worker.reporting import FileReporter
+    from worker.session.run import forward_backward, load, optim_step
 
     out = Path(tempfile.mkdtemp(prefix="bench-primitives-"))
     spec = SessionJob(model=ModelSpec(name=args.model, dtype="float32", lora=LoraSpec(r=args.rank, alpha=args.rank)),

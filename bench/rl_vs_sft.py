@@ -133,7 +133,7 @@ def main() -> None:
         sft["sft"].update(steps=args.sft_steps - args.sft_steps % every, eval_every=every, checkpoint_every=every)
         sft["sparsity"]["measure_interval"] = every
     from service.core.settings import Settings
-    from worker.models import smollm2_dir
+    from worker.model.loading import smollm2_dir
 
     base_folder = smollm2_dir(Settings().models_dir)
     prompts = forgetting_prompts(32)

@@ -19,11 +19,12 @@ import torch
 
 from service.core.settings import get_settings
 from service.core.specs import DatasetSpec, LoraSpec, ModelSpec
+from worker.batch import SamplingParams
 from worker.datasets import ARITH_INSTRUCTION, arith, render_example
-from worker.engines.sampling import HFEngine, SamplingParams
-from worker.hardware import decoder_shape, peak_flops
+from worker.engines.hf_engine import HFEngine
 from worker.loops.utilisation import sampling_flops
-from worker.models import load_policy
+from worker.machine.hardware import decoder_shape, peak_flops
+from worker.model.loading import load_policy
 
 
 def main() -> None:

@@ -114,7 +114,7 @@ def write_rows(path: Path, rows) -> None:
 
 @functools.cache
 def _tokenizer():
-    from worker.models import char_tokenizer
+    from worker.model.loading import char_tokenizer
 
     return char_tokenizer()
 
@@ -139,7 +139,7 @@ def pretrain_base(folder: Path, task: Task, *, target: float, seed: int) -> floa
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.models import char_tokenizer
+    from worker.model.loading import char_tokenizer
 
     tok = char_tokenizer()
     torch.manual_seed(seed)

@@ -41,13 +41,13 @@ from rss import PeakRss, high_water_mb  # bench/ is on the path when a bench run
 
 from service.core.settings import get_settings
 from service.core.specs import TracInJob
-from worker import allocator
 from worker.algos.influence import influence_scores
 from worker.algos.lora import lora_layers
 from worker.algos.losses import Normaliser, sample_losses
-from worker.engines.sampling import sequence_logprobs
 from worker.loops.rollouts import collect_rollouts, collect_train_rollouts, draw_prompts
 from worker.loops.setup import build
+from worker.machine import allocator
+from worker.model.forward import sequence_logprobs
 from worker.reporting import Reporter
 
 

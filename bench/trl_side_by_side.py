@@ -35,7 +35,7 @@ from learning import ROOT, run_seed  # bench/ is on the path when a bench runs
 from service.core.settings import get_settings
 from service.core.specs import GRPOJob
 from worker.datasets import load_task, render_example
-from worker.models import load_tokenizer, smollm2_dir
+from worker.model.loading import load_tokenizer, smollm2_dir
 
 SPEC = ROOT / "bench" / "specs" / "matched-trl.yaml"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from service.core.datafiles import read_rows, sniff, task_row  # noqa: E402
 from worker import rewards  # noqa: E402
 from worker.datasets import render_prompt  # noqa: E402
-from worker.engines.sampling import eos_token_ids  # noqa: E402
-from worker.models import TINY_PRESETS, tiny_model  # noqa: E402
+from worker.engines.hf_engine import eos_token_ids  # noqa: E402
+from worker.model.loading import TINY_PRESETS, tiny_model  # noqa: E402
 
 
 def load(checkpoint: Path, base: str):

@@ -60,6 +60,43 @@ def test_only_the_job_host_stands_on_the_store(module):
     assert not bad, f"{module} imports {sorted(bad)}"
 
 
+@pytest.mark.parametrize("module", sorted(modules("service/store")))
+def test_the_store_never_imports_the_api(module):
+    """The API stands on the store, never the other way: a query that needs a route's knowledge is a bug."""
+    bad = {i for i in imports(ALL[module]) if within(i, "service.api")}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("module", sorted(modules("worker/algos")))
+def test_the_maths_imports_nothing_else_of_the_worker(module):
+    """worker/algos is pure torch: a loss, an advantage or an influence is testable on hand-made tensors."""
+    bad = {i for i in imports(ALL[module]) if within(i, "worker") and i != "worker" and not within(i, "worker.algos")}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+# The runs (a job kind's loop, the session run) and the job host that starts them; everything else is shared.
+RUNS = ("worker.loops", "worker.session", JOB_HOST)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules("worker") if not any(within(m, r) for r in RUNS)))
+def test_shared_parts_never_import_the_loops(module):
+    """An engine, the model room, an environment or a reward serves every loop, so it knows none of them."""
+    bad = {i for i in imports(ALL[module]) if within(i, "worker.loops")}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_engines_hold_only_samplers():
+    """worker/engines/ is where a sampler lives: each module is a RolloutEngine or serves one that is."""
+    engines = {m.removeprefix("worker.engines.") for m in modules("worker/engines") if m != "worker.engines"}
+    assert engines == {"hf_engine", "vllm_engine", "folded", "vllm_watchdog"}, sorted(engines)
+
+
+def test_at_most_eight_loose_modules_in_the_worker():
+    """Beside its rooms, the worker keeps only what every room shares; a ninth loose file belongs in a room."""
+    loose = sorted(p.name for p in (ROOT / "worker").glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 8, loose
+
+
 def test_only_the_cli_imports_the_worker():
     found = {m: sorted(i for i in imports(p) if within(i, "worker"))
              for m, p in modules("service").items() if not within(m, "service.cli")}

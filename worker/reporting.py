@@ -108,7 +108,7 @@ class Reporter:
 
     def resume_from(self) -> Path | None:
         """The folder of this job's newest complete checkpoint, if an earlier attempt left one."""
-        from worker.checkpoints import latest_checkpoint
+        from worker.model.checkpoints import latest_checkpoint
 
         return latest_checkpoint(self.checkpoint_root)
 

@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
 from service.core.sources import require_model_path
 from service.core.specs import RETRIEVER_PRESETS, RetrieverSpec
-from worker.models import DTYPES, char_tokenizer
+from worker.model.loading import DTYPES, char_tokenizer
 
 
 def _minilm_dir() -> Path:

@@ -30,8 +30,9 @@ from worker.algos.sparsity import (
     random_mask_like,
     task_kl,
 )
+from worker.batch import RolloutBatch
 from worker.datasets import render_example
-from worker.engines.sampling import RolloutBatch, batch_logprobs, micro_batches
+from worker.model.forward import batch_logprobs, micro_batches
 from worker.reporting import Reporter
 from worker.training import eval_mode, step_seed
 

@@ -1,4 +1,4 @@
-"""Optimizer, schedule and seeding shared by every loop (checkpoints: worker/checkpoints.py)."""
+"""Optimizer, schedule and seeding shared by every loop (checkpoints: worker/model/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from worker.algos.optim import MasterWeightsAdamW
-from worker.models import trainable_parameters
+from worker.model.loading import trainable_parameters
 
 
 @contextmanager

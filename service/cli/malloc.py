@@ -2,7 +2,7 @@
 
 A process's allocator is chosen when it is loaded, so the processes that train (Celery workers,
 `grpo-jobs run`, and through them every rank they spawn) start with jemalloc preloaded: a step's
-activations no longer fragment glibc's heap (worker/allocator.py has the figures). Where the
+activations no longer fragment glibc's heap (worker/machine/allocator.py has the figures). Where the
 machine has no jemalloc (Debian: `apt install libjemalloc2`), they start as they are and glibc
 serves them with the worker's own settings.
 """

@@ -4,7 +4,7 @@ object storage, through fsspec.
 The API streams downloads from it and workers write checkpoints and read files through it, so
 with `GRPO_ARTIFACT_STORE=s3://bucket/prefix` API and workers share no disk. Keys:
 
-    <job uid>/checkpoints/step-N/<file>     a job's checkpoints (worker/checkpoints.py)
+    <job uid>/checkpoints/step-N/<file>     a job's checkpoints (worker/model/checkpoints.py)
     files/<owner folder>/<file id>          uploaded data files (service/core/datafiles.py)
 
 A store that cannot be reached raises `ArtifactStoreError` with a message naming the store

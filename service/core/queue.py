@@ -1,7 +1,7 @@
 """The broker seen from the API: enqueue by task name, never importing the worker (or torch).
 
 A job's message goes to the queue of the GPUs it needs on one worker: `jobs` for none, which every worker
-consumes, `gpu` for one and `gpuN` for N, which a worker consumes when it has that many (worker/inventory.py).
+consumes, `gpu` for one and `gpuN` for N, which a worker consumes when it has that many (worker/machine/inventory.py).
 A job that needs GPUs no worker has waits in its queue, never on a CPU.
 
 The Celery settings for long GPU jobs live here so the producer and worker/jobs/celery_app.py agree.

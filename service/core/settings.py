@@ -262,7 +262,7 @@ class Settings(BaseSettings):
         default="jemalloc", validation_alias="GRPO_MALLOC",
         description="The malloc training processes (workers, `grpo-jobs run`) start with: jemalloc, "
         "preloaded where the machine has it (its heap does not fragment under a step's activations), "
-        "or glibc's (worker/allocator.py).",
+        "or glibc's (worker/machine/allocator.py).",
     )
     memory_budget_gb: float | None = Field(
         default=None, gt=0, validation_alias="GRPO_MEMORY_BUDGET_GB",
@@ -273,7 +273,7 @@ class Settings(BaseSettings):
     keep_freed_memory: bool = Field(
         default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
         description="Training on a CPU: keep freed memory in the worker for the next step instead of "
-        "faulting it in again (worker/allocator.py; under jemalloc, `MALLOC_CONF` unless set); handed back "
+        "faulting it in again (worker/machine/allocator.py; under jemalloc, `MALLOC_CONF` unless set); handed back "
         "when the job ends.",
     )
 

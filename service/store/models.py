@@ -343,7 +343,7 @@ class Worker(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)  # hostname:pid:random of its main process
     hostname: Mapped[str] = mapped_column(String(200))
-    gpus: Mapped[list] = mapped_column(JSON)  # [{index, name, memory_bytes}], worker/inventory.py
+    gpus: Mapped[list] = mapped_column(JSON)  # [{index, name, memory_bytes}], worker/machine/inventory.py
     queues: Mapped[list] = mapped_column(JSON)
     concurrency: Mapped[int] = mapped_column(Integer)  # jobs it runs at once
     started_at: Mapped[datetime] = mapped_column(default=utcnow)

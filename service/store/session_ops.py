@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from service.core.queue import Message
 from service.core.records import OpResult, PendingOp
 from service.core.specs import TERMINAL, SessionJob, Status
-from service.core.tinker_wire import TinkerPath
+from service.core.tinker.wire import TinkerPath
 from service.store import jobs as jobs_q
 from service.store import records
 from service.store.db import session_scope

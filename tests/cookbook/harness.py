@@ -16,7 +16,7 @@ HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def hf_cache_with_smollm2(models_root: Path, root: Path) -> Path:
     """A Hugging Face cache holding the bundled SmolLM2's tokenizer under its hub name: the cookbook
     loads its tokenizer by that name, with no network."""
-    from worker.models import smollm2_dir
+    from worker.model.loading import smollm2_dir
 
     repo = root / "hub" / f"models--{HUB_NAME.replace('/', '--')}"
     snapshot = repo / "snapshots" / "local"

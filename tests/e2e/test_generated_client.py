@@ -68,7 +68,7 @@ def test_a_generated_client_calls_every_operation(generated):
     documents with a body the generated model parses (None would mean an undocumented answer)."""
     import numpy as np
 
-    from service.core.tinker_wire import pb
+    from service.core.tinker.wire import pb
 
     base, key, c, operations, procs = generated
     client = c.AuthenticatedClient(base_url=base, token=key, timeout=httpx.Timeout(60))

@@ -72,7 +72,7 @@ def reference_model():
     """The run's weights, built as the worker builds them: the tiny model of this seed with a fresh
     LoRA adapter (B = 0, so the policy is the base model), rank RANK on every linear layer and the head."""
     from service.core.specs import LoraSpec, ModelSpec
-    from worker.models import load_policy
+    from worker.model.loading import load_policy
 
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     spec = ModelSpec(name=MODEL, dtype="float32", lora=LoraSpec(r=RANK, alpha=RANK, target_modules=modules))
@@ -333,7 +333,7 @@ def test_sampling_from_snapshots_of_the_trained_weights(dev, tinker_service):
     assert not np.allclose(moved.sequences[0].logprobs[:1], out.sequences[0].logprobs[:1], atol=1e-4)
     # a base model's own weights, sampled by a run that only samples (the tiny presets' base: seed 0)
     from service.core.specs import ModelSpec
-    from worker.models import load_policy
+    from worker.model.loading import load_policy
 
     base_sampler = service.create_sampling_client(base_model=MODEL).result()
     from_base = base_sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()

@@ -5,7 +5,7 @@ import pytest
 from service.core.datafiles import task_row
 from service.core.specs import DatasetSpec
 from worker.datasets import Example, arith, jsonl, load_task, render_example, render_prompt
-from worker.models import char_tokenizer
+from worker.model.loading import char_tokenizer
 
 
 def test_arith_is_seeded_and_splits_are_disjoint():
@@ -91,7 +91,7 @@ def test_bad_chat_rows_say_what_is_wrong(row, error):
 @pytest.mark.slow
 def test_chat_rows_render_with_the_models_chat_template(models_root):
     from service.core.specs import ModelSpec
-    from worker.models import load_tokenizer
+    from worker.model.loading import load_tokenizer
 
     tok = load_tokenizer(ModelSpec(name="smollm2-135m-instruct"), models_root=models_root)
     ex = Example("And 3+3?", ("6",), {"messages": CHAT["messages"][:-1]})

@@ -1,4 +1,4 @@
-"""What samples rollouts: the RolloutEngine protocol, the batch records and log-probs (sampling.py),
-generate on a frozen copy (HFEngine) and a vLLM server of the job's own (vllm_engine.py, run under
-vllm_watchdog.py, which imports nothing of this package). They import torch, transformers, `worker.algos`
-and `service.core`, never the store."""
+"""Samplers, and only samplers: generate on a frozen copy in this process (hf_engine.py, with the folded
+LoRA copy of folded.py) and a vLLM server of the job's own (vllm_engine.py, run under vllm_watchdog.py,
+which imports nothing of this package). Each implements worker.batch.RolloutEngine. They import torch,
+transformers, `worker.algos`, the model room and `service.core`, never the loops or the store."""

@@ -34,18 +34,10 @@ import httpx
 import torch
 
 from worker.algos.lora import base_model, is_lora
-from worker.engines.sampling import (
-    Prompts,
-    RolloutBatch,
-    SamplingParams,
-    batch_logprobs,
-    completion_lengths,
-    cut_at_stop,
-    encode_prompts,
-    eos_token_ids,
-    micro_batches,
-)
-from worker.models import WEIGHTS, loader_state
+from worker.batch import Prompts, RolloutBatch, SamplingParams, encode_prompts
+from worker.engines.hf_engine import completion_lengths, cut_at_stop, eos_token_ids
+from worker.model.forward import batch_logprobs, micro_batches
+from worker.model.loading import WEIGHTS, loader_state
 from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.training import eval_mode
 
@@ -305,7 +297,7 @@ def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
 
 
 class VLLMEngine:
-    """The rollout engine of `rollout.engine: vllm`: a worker.engines.sampling.RolloutEngine, as HFEngine is
+    """The rollout engine of `rollout.engine: vllm`: a worker.batch.RolloutEngine, as HFEngine is
     (sync, generate, logprobs), with the engine's sampling log-probs on every batch."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engines.sampling import RolloutBatch, left_padded
+from worker.batch import RolloutBatch, left_padded
 
 
 class TokenMismatch(RuntimeError):

@@ -10,7 +10,7 @@ from pathlib import Path
 from service.core.grader_urls import check_url
 from service.core.settings import Settings
 from service.core.specs import EnvironmentSpec
-from worker.engines.sampling import RolloutEngine
+from worker.batch import RolloutEngine
 from worker.environments.runner import Limits, Players
 from worker.environments.servers import BundledServer
 from worker.environments.turns import turn_format

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engines.sampling import RolloutEngine
+from worker.batch import RolloutEngine
 from worker.environments.client import EnvironmentDown, EnvironmentFailed, Session, StepResult
 from worker.environments.episodes import Episode, Segment, Turn
 from worker.environments.turns import TurnFormat

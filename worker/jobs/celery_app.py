@@ -21,7 +21,7 @@ from service.core.records import WorkerInfo
 from service.core.settings import get_settings
 from service.store import workers as workers_q
 from service.store.periodic import Periodic
-from worker import inventory
+from worker.machine import inventory
 from worker.session import stopping
 
 app = Celery("grpo_jobs", include=["worker.jobs.tasks"])

@@ -29,10 +29,10 @@ from service.store import jobs as jobs_q
 from service.store import leases, session_ops
 from service.store import nodes as nodes_q
 from service.store.db import is_unreachable, session_scope
-from worker import allocator
 from worker.environments.client import EnvironmentDown
 from worker.jobs import nodes
 from worker.jobs.sql_reporter import SqlReporter
+from worker.machine import allocator
 from worker.parallel.distributed import Ranks
 from worker.parallel.launch import (
     Gang,
@@ -56,7 +56,7 @@ Outcome = Literal["succeeded", "failed", "cancelled", "skipped", "busy", "missin
 # what a node other than node 0 did: ran its ranks to the end, or not (node 0 records what the job did)
 NodeOutcome = Literal["done", "failed", "refused", "gave up", "stopped"]
 LOOPS = {"grpo": "worker.loops.grpo", "tracin": "worker.loops.tracin", "joint": "worker.loops.joint",
-         "sft": "worker.loops.sft", "session": "worker.loops.session"}
+         "sft": "worker.loops.sft", "session": "worker.session.run"}
 assert set(LOOPS) == set(KINDS), "every job kind has its loop"
 preload_in_ranks(["worker.jobs.runner", *LOOPS.values()])  # a job's ranks start with every loop imported
 

@@ -41,8 +41,8 @@ from worker.algos.retrieval import (
     sample_without_replacement,
     sequential_logprobs,
 )
+from worker.batch import RolloutBatch
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
-from worker.engines.sampling import RolloutBatch
 from worker.loops import evaluation, skeleton, update
 from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts, unit_draws
 from worker.loops.setup import Setup, build, policy_device

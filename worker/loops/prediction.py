@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from worker.algos.influence import GhostHooks
-from worker.engines.sampling import batch_logprobs
 from worker.loops import update
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
+from worker.model.forward import batch_logprobs
 from worker.training import eval_mode, trainable
 
 

@@ -22,8 +22,8 @@ from service.core import tracing
 from service.core.records import SampleRow
 from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
+from worker.batch import RolloutBatch
 from worker.datasets import Example, render_example
-from worker.engines.sampling import RolloutBatch
 from worker.environments import episodes as episode_rows
 from worker.environments.episodes import Episode
 from worker.environments.runner import EpisodeStats, episode_rewards, play

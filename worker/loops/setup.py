@@ -16,20 +16,21 @@ from transformers import PreTrainedTokenizerBase
 from service.core.fingerprint import EVENT as FINGERPRINT
 from service.core.settings import Settings
 from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob
-from worker import allocator, memory
 from worker.algos.lora import base_model, is_lora
-from worker.checkpoints import (
+from worker.batch import RolloutEngine, SamplingParams
+from worker.datasets import TaskData, load_task, render_example
+from worker.engines.folded import adapted_bytes, foldable
+from worker.engines.hf_engine import HFEngine, eos_token_ids
+from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
+from worker.environments.host import EnvironmentHost, open_environment
+from worker.machine import allocator, memory
+from worker.machine.fingerprint import fingerprint, model_sha256
+from worker.model.checkpoints import (
     Trainables,
     load_checkpoint,
     load_weights,
 )
-from worker.datasets import TaskData, load_task, render_example
-from worker.engines.folded import adapted_bytes, foldable
-from worker.engines.sampling import HFEngine, RolloutEngine, SamplingParams, eos_token_ids
-from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
-from worker.environments.host import EnvironmentHost, open_environment
-from worker.fingerprint import fingerprint, model_sha256
-from worker.models import enable_checkpointing, load_policy
+from worker.model.loading import enable_checkpointing, load_policy
 from worker.parallel.distributed import SINGLE, Ranks, shard
 from worker.parallel.launch import place, trainer_gpus, visible_gpus
 from worker.reporting import Reporter
@@ -63,7 +64,7 @@ class Setup:
 
     @property
     def share_prompts(self) -> bool:
-        """Whether a group's rows share their prompt's forward (grpo.share_prompts; worker/engines/prefix.py):
+        """Whether a group's rows share their prompt's forward (grpo.share_prompts; worker/model/prefix.py):
         never under TracIn, whose hooks take each row's own activations, nor with a sharded policy, whose
         processes' forwards must stay in lockstep."""
         return isinstance(self.spec.train, GRPOSpec) and self.spec.train.share_prompts and \

@@ -28,11 +28,12 @@ import torch
 from service.core import tracing
 from service.core.settings import Settings
 from service.core.specs import SFTJob
+from worker.batch import RolloutBatch
 from worker.datasets import Example
-from worker.engines.sampling import RolloutBatch, forward_inputs, sequence_logprobs
 from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
+from worker.model.forward import forward_inputs, sequence_logprobs
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import NonFiniteUpdate, eval_mode, seed_everything

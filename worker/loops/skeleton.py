@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from service.core import health, tracing
 from service.core.records import SampleRow
-from worker import memory
-from worker.checkpoints import gather_states, save_checkpoint
 from worker.loops.setup import Setup, resume
+from worker.machine import memory
+from worker.model.checkpoints import gather_states, save_checkpoint
 from worker.reporting import LoopResult, Reporter
 from worker.sparsity_tracker import SparsityTracker
 from worker.training import seed_everything, step_seed

@@ -11,10 +11,11 @@ import torch
 from service.core import tracing
 from worker.algos.correction import Correction, MismatchStats, correct
 from worker.algos.losses import Normaliser, SampleLosses, TokenStats, sample_losses
-from worker.engines.sampling import RolloutBatch, batch_logprobs, micro_batches, sequence_logprobs
+from worker.batch import RolloutBatch
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
 from worker.loops.skeleton import Run
+from worker.model.forward import batch_logprobs, micro_batches, sequence_logprobs
 from worker.parallel.distributed import Ranks
 from worker.training import NonFiniteUpdate, grad_norm, has_dropout
 

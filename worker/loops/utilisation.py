@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from worker.algos import flops
 from worker.algos.lora import is_lora
-from worker.engines.prefix import prompt_groups
-from worker.engines.sampling import RolloutBatch
-from worker.hardware import decoder_shape, peak_flops
+from worker.batch import RolloutBatch
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import Setup
+from worker.machine.hardware import decoder_shape, peak_flops
+from worker.model.prefix import prompt_groups
 
 
 def _lengths(batch: RolloutBatch, rows: list[int]) -> tuple[list[int], list[int]]:

@@ -129,7 +129,7 @@ def shard(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from worker.models import enable_checkpointing
+    from worker.model.loading import enable_checkpointing
 
     if getattr(model, "is_gradient_checkpointing", False):  # FSDP2's hooks need the non-reentrant kind
         enable_checkpointing(model, reentrant=False)

@@ -96,7 +96,7 @@ class Judge:
 
     @classmethod
     def load(cls, spec: JudgeReward, *, settings, device: str) -> Judge:
-        from worker.models import load_base_model, load_tokenizer
+        from worker.model.loading import load_base_model, load_tokenizer
 
         mspec = ModelSpec(name=spec.model)
         kw = dict(models_root=settings.models_dir, model_roots=settings.model_roots)

@@ -1,6 +1,6 @@
 """What a sample request asks of its prompt, answered from one forward pass over it: each prompt
 token's log-prob, the top-k at each position, the log-probs of named token ids, and alternative tokens
-drawn at each position (service.core.tinker_sampling says what each is on the wire).
+drawn at each position (service.core.tinker.sampling says what each is on the wire).
 
 Only the positions some answer needs are turned into log-probs (`logits_to_keep`): scoring the last n
 tokens of a long prompt costs the forward pass, not a [P, V] softmax.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, PromptScores, TopK
+from service.core.tinker.sampling import MASK_LOGPROB, PromptAsk, PromptScores, TopK
 from worker.session.token_sampler import generator
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from service.core.tinker_sampling import TopK
+from service.core.tinker.sampling import TopK
 
 
 @dataclass(frozen=True)

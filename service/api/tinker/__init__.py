@@ -1,5 +1,5 @@
 """The tinker-compatible API (`/api/v1`): the routes the unmodified tinker SDK calls, at its paths and
-in its formats (SDK versions tested: service.core.tinker_wire.SDK_VERSIONS_TESTED).
+in its formats (SDK versions tested: service.core.tinker.wire.SDK_VERSIONS_TESTED).
 
 A tinker session is a row of `tinker_sessions`; each training run it creates (`create_model`) is a job of
 kind `session` owned by the key's owner, whose id for the SDK (`model_id`) is the job's uid. Every

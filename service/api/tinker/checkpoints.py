@@ -13,8 +13,8 @@ from service.api.schemas import error_responses
 from service.api.tinker.operations import owned_run, queue_op, start_run, submit_op
 from service.api.tinker.schemas import REFUSED, UntypedFuture, refused, tinker_router
 from service.core.specs import SessionJob, SessionSpec
-from service.core.tinker_requests import LoadWeightsIn, LoadWeightsOp, SaveForSamplerIn, SaveNamedOp, SaveWeightsIn
-from service.core.tinker_wire import CHECKPOINT_NAME, parse_tinker_path
+from service.core.tinker.requests import LoadWeightsIn, LoadWeightsOp, SaveForSamplerIn, SaveNamedOp, SaveWeightsIn
+from service.core.tinker.wire import CHECKPOINT_NAME, parse_tinker_path
 from service.store import session_ops as ops_q
 from service.store.models import new_uid
 

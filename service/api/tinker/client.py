@@ -12,7 +12,7 @@ from service.api.tinker.schemas import (
     tinker_router,
 )
 from service.core.specs import MODEL_PRESETS
-from service.core.tinker_requests import ClientConfigIn
+from service.core.tinker.requests import ClientConfigIn
 
 router = tinker_router()
 

@@ -14,9 +14,9 @@ from service.api.deps import ReleasedOwnerDep, SettingsDep
 from service.api.schemas import error_responses
 from service.api.tinker.schemas import PROTOBUF, RETRIEVE_WAIT_S, tinker_router
 from service.core.records import OpState
-from service.core.tinker_requests import RetrieveFutureIn
-from service.core.tinker_sampling import sample_response_json
-from service.core.tinker_wire import forward_backward_output_json
+from service.core.tinker.requests import RetrieveFutureIn
+from service.core.tinker.sampling import sample_response_json
+from service.core.tinker.wire import forward_backward_output_json
 from service.store import session_ops as ops_q
 from service.store.db import session_scope
 

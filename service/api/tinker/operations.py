@@ -10,7 +10,7 @@ from fastapi import HTTPException
 from service.api.tinker.schemas import UntypedFuture
 from service.core import queue
 from service.core.specs import HUB_NAMES, TERMINAL, LoraSpec, SessionJob
-from service.core.tinker_requests import LoraConfigIn
+from service.core.tinker.requests import LoraConfigIn
 from service.store import session_ops as ops_q
 from service.store.db import after_commit, session_scope
 

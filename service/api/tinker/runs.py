@@ -23,8 +23,8 @@ from service.api.deps import OwnerDep, SessionDep
 from service.api.schemas import error_responses
 from service.api.tinker.operations import owned_run
 from service.api.tinker.schemas import tinker_router
-from service.core.tinker_requests import Wire
-from service.core.tinker_wire import CHECKPOINT_KINDS, CHECKPOINT_NAME, parse_tinker_path, tinker_path
+from service.core.tinker.requests import Wire
+from service.core.tinker.wire import CHECKPOINT_KINDS, CHECKPOINT_NAME, parse_tinker_path, tinker_path
 from service.store import session_ops as ops_q
 from service.store.models import Job
 

@@ -12,9 +12,9 @@ from service.api.sources import model_unavailable
 from service.api.tinker.operations import service_model_name, start_run, submit_op
 from service.api.tinker.schemas import REFUSED, SamplerOut, SamplingSessionOut, UntypedFuture, refused, tinker_router
 from service.core.specs import TERMINAL, InitFrom, ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_requests import CreateSamplingSessionIn, SampleIn
-from service.core.tinker_sampling import DEFAULT_MAX_TOKENS, prompt_ask
-from service.core.tinker_wire import WireError, parse_sampler_id, parse_tinker_path, sampler_id, saved_sampler_id
+from service.core.tinker.requests import CreateSamplingSessionIn, SampleIn
+from service.core.tinker.sampling import DEFAULT_MAX_TOKENS, prompt_ask
+from service.core.tinker.wire import WireError, parse_sampler_id, parse_tinker_path, sampler_id, saved_sampler_id
 from service.store import session_ops as ops_q
 from service.store.db import session_scope
 from service.store.models import new_uid

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from service.api.deps import OwnerDep, SessionDep
 from service.api.schemas import ErrorOut, error_responses
 from service.api.tinker.schemas import SessionInfoOut, SessionListOut, SessionOut, TypedOut, tinker_router
-from service.core.tinker_requests import CreateSessionIn, SessionIdIn
+from service.core.tinker.requests import CreateSessionIn, SessionIdIn
 from service.store import session_ops as ops_q
 from service.store.models import utcnow
 

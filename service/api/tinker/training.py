@@ -25,8 +25,8 @@ from service.api.tinker.schemas import (
     tinker_router,
 )
 from service.core.specs import ModelSpec, SessionJob, SessionSpec
-from service.core.tinker_requests import CreateModelIn, ModelIdIn, OptimStepIn
-from service.core.tinker_wire import WireError, decode_forward_backward
+from service.core.tinker.requests import CreateModelIn, ModelIdIn, OptimStepIn
+from service.core.tinker.wire import WireError, decode_forward_backward
 from service.store import session_ops as ops_q
 from service.store.models import new_uid
 

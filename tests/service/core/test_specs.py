@@ -98,7 +98,7 @@ def test_bad_specs_name_the_field(spec, needle):
 
 
 def test_names_known_to_the_worker():
-    from worker.models import TINY_PRESETS
+    from worker.model.loading import TINY_PRESETS
 
     assert set(TINY_PRESETS) < set(MODEL_PRESETS)
     assert set(DATASETS) == {"arith", "file", "jsonl", "persona-facts"}

@@ -40,7 +40,7 @@ def test_a_group_prefills_its_prompt_once_and_backward_follows_what_trains():
 
 
 def test_projections_head_and_attention_match_torchs_flop_counter():
-    from worker.hardware import decoder_shape
+    from worker.machine.hardware import decoder_shape
 
     cfg = LlamaConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2, vocab_size=50, attn_implementation="eager")
@@ -63,14 +63,14 @@ def test_projections_head_and_attention_match_torchs_flop_counter():
 def test_a_config_that_does_not_name_the_shapes_reports_no_utilisation():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from worker.hardware import decoder_shape
+    from worker.machine.hardware import decoder_shape
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, bos_token_id=0, eos_token_id=0))
     assert decoder_shape(model) is None  # no intermediate_size: mfu/* left out rather than guessed
 
 
 def test_measuring_the_peak_leaves_the_jobs_random_stream_alone():
-    from worker.hardware import peak_flops
+    from worker.machine.hardware import peak_flops
 
     torch.manual_seed(5)
     expected = torch.rand(3)

@@ -5,7 +5,7 @@ from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import SEED, assert_close
 from worker.algos.influence import GhostHooks, influence_scores
 from worker.algos.lora import lora_layers
-from worker.models import load_policy
+from worker.model.loading import load_policy
 
 
 def _model(tmp_path, dropout=0.0, targets="all-linear"):

@@ -8,10 +8,11 @@ from peft import LoraConfig, get_peft_model
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
 from worker.algos.lora import lora_layers
+from worker.batch import SamplingParams
 from worker.engines.folded import FoldedSampler, adapted_bytes, foldable
-from worker.engines.sampling import HFEngine, SamplingParams
-from worker.memory import GB, plan_fold
-from worker.models import load_policy
+from worker.engines.hf_engine import HFEngine
+from worker.machine.memory import GB, plan_fold
+from worker.model.loading import load_policy
 
 
 def _policy(tmp_path, dtype="float32"):

@@ -11,14 +11,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from service.core.specs import LoraSpec, ModelSpec
-from worker.checkpoints import Trainables, save_checkpoint
-from worker.engines.sampling import RolloutBatch, SamplingParams, eos_token_ids, sequence_logprobs
+from worker.batch import RolloutBatch, SamplingParams
+from worker.engines.hf_engine import eos_token_ids
 from worker.engines.vllm_engine import ServerConfig, VLLMEngine, VLLMServer, write_model_folder
 from worker.environments.episodes import rows
 from worker.environments.runner import Limits, Players, play
 from worker.environments.servers import BundledServer
 from worker.environments.turns import ChatTurns
-from worker.models import load_policy
+from worker.model.checkpoints import Trainables, save_checkpoint
+from worker.model.forward import sequence_logprobs
+from worker.model.loading import load_policy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from service.core.specs import LoraSpec, ModelSpec
-from worker.engines.sampling import SamplingParams
+from worker.batch import SamplingParams
 from worker.engines.vllm_engine import EnginePlacement, VLLMEngine
-from worker.models import load_policy
+from worker.model.loading import load_policy
 
 FAKE = Path(__file__).with_name("fake_vllm")
 SHARED = EnginePlacement(0, True, 0.3)  # the trainer's GPU

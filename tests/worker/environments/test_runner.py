@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 
 from service.core.specs import LoraSpec, ModelSpec
-from worker.engines.sampling import HFEngine, SamplingParams, eos_token_ids
+from worker.batch import SamplingParams
+from worker.engines.hf_engine import HFEngine, eos_token_ids
 from worker.environments.client import EnvironmentFailed
 from worker.environments.episodes import TokenMismatch, rows
 from worker.environments.runner import EpisodeStats, Limits, Players, Stopped, play
 from worker.environments.servers import BundledServer
 from worker.environments.turns import PlainTurns
-from worker.models import load_policy
+from worker.model.loading import load_policy
 
 LIMITS = Limits(max_turns=3, max_episode_tokens=160, max_observation_tokens=48, max_concurrent=3, timeout_s=10.0,
                 max_bytes=1 << 20)

@@ -3,7 +3,7 @@
 import pytest
 
 from worker.environments.turns import ChatTurns, PlainTurns, TemplateRefused, turn_format
-from worker.models import char_tokenizer
+from worker.model.loading import char_tokenizer
 
 # ChatML as SmolLM2 and Qwen write it, with this tokenizer's EOS closing a turn
 CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -70,7 +70,7 @@ def test_resume_equals_straight_run(tmp_path, settings_factory, lora, dtype):
 def test_lora_checkpoint_loads_with_peft(tmp_path, settings_factory):
     from peft import PeftModel
 
-    from worker.models import char_tokenizer, tiny_model
+    from worker.model.loading import char_tokenizer, tiny_model
 
     spec = {"model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"num_train": 20, "num_val": 2},
             "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 2}}
@@ -89,7 +89,7 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
                  "learning_rate": 1e-3, "eval_prompts": 2, "kl_coef": 0.01},
     })
     settings = settings_factory()
-    from worker.models import load_policy
+    from worker.model.loading import load_policy
 
     model = load_policy(spec.model, models_root=settings.models_dir, device="cpu")[0]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 from service.core.specs import JointJob, RetrieverSpec
-from worker.checkpoints import STATE_FILE
 from worker.loops import joint
+from worker.model.checkpoints import STATE_FILE
 from worker.reporting import FileReporter
 from worker.retriever import load_retriever
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from service.core.specs import GRPOJob, TracInJob
-from worker.engines import sampling
-from worker.engines.sampling import RolloutBatch, micro_batches
+from worker.batch import RolloutBatch
+from worker.engines import hf_engine as sampling
 from worker.loops import grpo, tracin
+from worker.model.forward import micro_batches
 from worker.reporting import FileReporter
 
 BASE = {

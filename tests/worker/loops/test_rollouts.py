@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from service.core.specs import GRPOSpec
+from worker.batch import RolloutBatch
 from worker.datasets import Example
-from worker.engines.sampling import RolloutBatch
 from worker.loops.rollouts import Drawn, collect_rollouts
 from worker.parallel.distributed import SINGLE
 from worker.reporting import Reporter

@@ -18,7 +18,7 @@ def classifier_root(tmp_path):
     """A 2-layer BERT classifier with labels bad/good and a character tokenizer, saved under a model root."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from worker.models import char_tokenizer
+    from worker.model.loading import char_tokenizer
 
     tok = char_tokenizer()
     torch.manual_seed(0)

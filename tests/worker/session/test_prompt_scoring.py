@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from service.core.specs import LoraSpec, ModelSpec
-from service.core.tinker_sampling import MASK_LOGPROB, PromptAsk, TargetIds
+from service.core.tinker.sampling import MASK_LOGPROB, PromptAsk, TargetIds
 from tests.numerics import assert_close
-from worker.models import load_policy
+from worker.model.loading import load_policy
 from worker.session.prompt_scoring import score_prompt
 
 PROMPT = [5, 17, 40, 2, 9, 11, 3, 8]

@@ -4,7 +4,7 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import approx, assert_close
-from worker.models import load_policy
+from worker.model.loading import load_policy
 from worker.session import token_sampler
 from worker.session.token_sampler import Params, Request
 

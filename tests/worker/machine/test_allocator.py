@@ -4,13 +4,13 @@ import sys
 
 import pytest
 
-from worker import allocator
+from worker.machine import allocator
 
 # A language-model head's forward and backward (logits [8, 64, 32000] = 64 MiB, above glibc's
 # largest dynamic mmap threshold), five times to settle, then the page faults of ten more.
 PROBE = """
 import resource, sys, torch
-from worker import allocator
+from worker.machine import allocator
 if sys.argv[1] == "keep":
     assert allocator.keep_freed_memory()
 h = torch.randn(8, 64, 64, requires_grad=True)
@@ -43,7 +43,7 @@ def test_kept_memory_is_reused_without_faulting_it_in_again():
 
 RELEASE = """
 import os, torch
-from worker import allocator
+from worker.machine import allocator
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 assert allocator.keep_freed_memory()

@@ -30,7 +30,7 @@ weights is told they are no longer kept.
 
 A run create_sampling_session made for a base model, or for a path whose run has ended
 (`session.sampling_only`), only samples those weights (the path's through `model.init_from`).
-Snapshots and sampling: worker.loops.session_sampling.
+Snapshots and sampling: worker.session.sampling.
 
 Run it from the SDK: docs/guide/tinker.md.
 """
@@ -47,23 +47,23 @@ import torch
 from service.core.records import OpResult
 from service.core.settings import Settings
 from service.core.specs import SessionJob
-from service.core.tinker_requests import LoadWeightsOp, OptimStepIn, SaveNamedOp
-from service.core.tinker_wire import (
+from service.core.tinker.requests import LoadWeightsOp, OptimStepIn, SaveNamedOp
+from service.core.tinker.wire import (
     WireError,
     decode_forward_backward,
     encode_forward_backward_output,
     tinker_path,
 )
 from worker.algos import tinker_losses
-from worker.checkpoints import load_checkpoint, load_weights, save_checkpoint
-from worker.loops.session_sampling import gather_samples, run_samples, save_for_sampler
-from worker.loops.session_state import Session
 from worker.loops.setup import init_weights
 from worker.loops.update import clip_and_step
-from worker.models import load_policy
+from worker.model.checkpoints import load_checkpoint, load_weights, save_checkpoint
+from worker.model.loading import load_policy
 from worker.parallel.distributed import Ranks
 from worker.parallel.launch import place, visible_gpus
 from worker.reporting import LeaseLost, LoopResult, Reporter
+from worker.session.sampling import gather_samples, run_samples, save_for_sampler
+from worker.session.state import Session
 from worker.session.stopping import stopping
 from worker.training import NonFiniteUpdate, trainable
 

@@ -1,4 +1,4 @@
-"""What a session run holds between operations (worker.loops.session runs them, worker.loops.session_sampling
+"""What a session run holds between operations (worker.session.run runs them, worker.session.sampling
 samples from it)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.checkpoints import Trainables
+from worker.model.checkpoints import Trainables
 
 
 @dataclass

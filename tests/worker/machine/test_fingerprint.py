@@ -3,8 +3,8 @@
 import torch
 
 from service.core.specs import LoraSpec, ModelSpec
-from worker.fingerprint import trainable_sha256
-from worker.models import load_policy
+from worker.machine.fingerprint import trainable_sha256
+from worker.model.loading import load_policy
 
 SPEC = ModelSpec(name="tiny-random-llama", dtype="float32", lora=LoraSpec(r=4, dropout=0.0))
 

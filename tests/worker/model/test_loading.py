@@ -10,10 +10,12 @@ from transformers import AutoModelForCausalLM
 
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
-from worker import models
 from worker.algos.logprobs import Float32Head
-from worker.checkpoints import Trainables, save_checkpoint
-from worker.engines.sampling import HFEngine, SamplingParams, forward_inputs, sequence_logprobs
+from worker.batch import SamplingParams
+from worker.engines.hf_engine import HFEngine
+from worker.model import loading as models
+from worker.model.checkpoints import Trainables, save_checkpoint
+from worker.model.forward import forward_inputs, sequence_logprobs
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 

@@ -5,8 +5,8 @@ import sys
 from types import SimpleNamespace
 
 from service.core.records import GpuInfo
-from worker import inventory
 from worker.jobs import celery_app
+from worker.machine import inventory
 
 
 def test_no_driver_means_no_gpus_and_no_child_started(monkeypatch):

@@ -1,4 +1,4 @@
-from worker.loops.session import length_groups
+from worker.session.run import length_groups
 
 
 def test_length_groups_group_shortest_first_within_the_token_budget():
@@ -28,8 +28,8 @@ def _session(models_root):
     import torch
 
     from service.core.specs import LoraSpec, ModelSpec
-    from worker.loops.session_state import Session
-    from worker.models import load_policy
+    from worker.model.loading import load_policy
+    from worker.session.state import Session
 
     model, tok = load_policy(ModelSpec(name="tiny-random-llama", dtype="float32", lora=LoraSpec(r=4, dropout=0.0)),
                              models_root=models_root, device="cpu", seed=0)
@@ -42,9 +42,9 @@ def test_an_optim_step_takes_the_apis_adam_defaults_and_refuses_a_non_finite_gra
     import pytest
     import torch
 
-    from service.core.tinker_requests import AdamParamsIn, OptimStepIn
-    from service.core.tinker_wire import WireError
-    from worker.loops.session import optim_step
+    from service.core.tinker.requests import AdamParamsIn, OptimStepIn
+    from service.core.tinker.wire import WireError
+    from worker.session.run import optim_step
 
     s = _session(models_root)
     for p in s.params:

@@ -6,9 +6,11 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
-from worker.engines import prefix
-from worker.engines.sampling import HFEngine, SamplingParams, sequence_logprobs
-from worker.models import enable_checkpointing, load_policy
+from worker.batch import SamplingParams
+from worker.engines.hf_engine import HFEngine
+from worker.model import prefix
+from worker.model.forward import sequence_logprobs
+from worker.model.loading import enable_checkpointing, load_policy
 
 PROMPTS = ["Question: what is 12 + 30?\nAnswer:", "Hi", "Question: 7 * 6?\nAnswer:"]
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from service.core.tinker_requests import SampleIn, TensorIn
-from service.core.tinker_sampling import (
+from service.core.tinker.requests import SampleIn, TensorIn
+from service.core.tinker.sampling import (
     MAX_K,
     PromptScores,
     SampledSequence,
@@ -13,7 +13,7 @@ from service.core.tinker_sampling import (
     sample_response_json,
     target_ids,
 )
-from service.core.tinker_wire import WireError
+from service.core.tinker.wire import WireError
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402

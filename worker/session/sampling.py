@@ -18,22 +18,22 @@ from dataclasses import dataclass, replace
 import torch
 
 from service.core.records import OpResult, PendingOp, SampleRow, Samples
-from service.core.tinker_requests import SampleIn
-from service.core.tinker_sampling import (
+from service.core.tinker.requests import SampleIn
+from service.core.tinker.sampling import (
     DEFAULT_MAX_TOKENS,
     PromptAsk,
     SampledSequence,
     encode_sample_response,
     prompt_ask,
 )
-from service.core.tinker_wire import SamplerRef, WireError, parse_sampler_id, sampler_id
-from worker.allocator import release_freed_memory
-from worker.checkpoints import load_weights
-from worker.engines.sampling import eos_token_ids
-from worker.loops.session_state import Session
+from service.core.tinker.wire import SamplerRef, WireError, parse_sampler_id, sampler_id
+from worker.engines.hf_engine import eos_token_ids
+from worker.machine.allocator import release_freed_memory
+from worker.model.checkpoints import load_weights
 from worker.reporting import Operations, Reporter
 from worker.session import token_sampler
 from worker.session.prompt_scoring import score_prompt
+from worker.session.state import Session
 from worker.training import eval_mode
 
 log = logging.getLogger(__name__)

@@ -3,9 +3,11 @@ import torch
 
 from service.core.specs import LoraSpec, ModelSpec
 from tests.numerics import assert_close
-from worker.engines import sampling
-from worker.engines.sampling import HFEngine, SamplingParams, sequence_logprobs
-from worker.models import load_policy
+from worker.batch import RolloutBatch, SamplingParams
+from worker.engines import hf_engine as sampling
+from worker.engines.hf_engine import HFEngine
+from worker.model.forward import sequence_logprobs
+from worker.model.loading import load_policy
 
 
 def _policy(tmp_path, lora=True):
@@ -139,7 +141,7 @@ def test_per_row_sampling_draws_from_the_tempered_distribution(tmp_path, tempera
 def test_logprobs_without_full_logits_equal_the_full_logits_path(tmp_path, name, lora):
     """The chunked head on the decoder's hidden states, against model(...).logits: values, entropy,
     and every trained parameter's gradient (LoRA factors; all weights, the head included, in full FT)."""
-    from worker.engines.sampling import _logprobs_from_logits, split_head
+    from worker.model.forward import _logprobs_from_logits, split_head
 
     spec = ModelSpec(name=name, lora=LoraSpec(r=4, dropout=0.0) if lora else None)
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
@@ -230,11 +232,11 @@ def test_a_prompt_prefilled_once_for_its_group_samples_what_each_row_prefilled_d
 
 
 def test_both_engines_implement_the_rollout_engine_protocol():
-    """The loops call an engine only through worker.engines.sampling.RolloutEngine: each method of it is on
+    """The loops call an engine only through worker.batch.RolloutEngine: each method of it is on
     both engines with the same parameters, and each attribute is set by both."""
     import inspect
 
-    from worker.engines.sampling import RolloutEngine
+    from worker.batch import RolloutEngine
     from worker.engines.vllm_engine import VLLMEngine
 
     methods = [n for n, v in vars(RolloutEngine).items() if inspect.isfunction(v) and not n.startswith("_")]
@@ -248,13 +250,13 @@ def test_both_engines_implement_the_rollout_engine_protocol():
             assert f"self.{attribute}" in init, (engine, attribute)
 
 
-def _chat_batch(tok, rows: list[tuple[str, str]]) -> sampling.RolloutBatch:
+def _chat_batch(tok, rows: list[tuple[str, str]]) -> RolloutBatch:
     """(question, answer) rows as a rollout batch: prompts left-padded, completions right-padded."""
     prompts = [tok(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")["input_ids"] for q, _ in rows]
     answers = [tok(a)["input_ids"] + [tok.eos_token_id] for _, a in rows]
     P, T = max(map(len, prompts)), max(map(len, answers))
     pad = tok.pad_token_id
-    return sampling.RolloutBatch(
+    return RolloutBatch(
         prompt_ids=torch.tensor([[pad] * (P - len(p)) + p for p in prompts]),
         prompt_mask=torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]),
         completion_ids=torch.tensor([a + [pad] * (T - len(a)) for a in answers]),

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from service.core.specs import LoraSpec, ModelSpec
-from service.core.tinker_sampling import PromptAsk
-from service.core.tinker_wire import SamplerRef
-from worker.loops.session_sampling import SAMPLE_BATCH_ROWS, SampleCall, batches, sample
-from worker.loops.session_state import Session
-from worker.models import load_policy
+from service.core.tinker.sampling import PromptAsk
+from service.core.tinker.wire import SamplerRef
+from worker.model.loading import load_policy
 from worker.reporting import Reporter
 from worker.session import token_sampler
+from worker.session.sampling import SAMPLE_BATCH_ROWS, SampleCall, batches, sample
+from worker.session.state import Session
 
 
 def _call(n: int, prompt_len: int, max_tokens: int, seed: int | None = 1) -> SampleCall:
@@ -57,8 +57,8 @@ def test_a_request_past_the_models_context_is_refused(session):
     import json
     from dataclasses import replace
 
-    from service.core.tinker_wire import WireError
-    from worker.loops.session_sampling import parse_sample
+    from service.core.tinker.wire import WireError
+    from worker.session.sampling import parse_sample
 
     body = json.dumps({"sampling_session_id": "m:v0", "num_samples": 1, "prompt": {"chunks": [{"tokens": [5] * 8}]},
                        "sampling_params": {"max_tokens": 5}}).encode()

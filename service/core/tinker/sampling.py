@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from service.core.tinker_requests import MAX_CELLS, MAX_K, SampleIn, TensorIn
-from service.core.tinker_wire import WireError, pb
+from service.core.tinker.requests import MAX_CELLS, MAX_K, SampleIn, TensorIn
+from service.core.tinker.wire import WireError, pb
 
 DEFAULT_MAX_TOKENS = 16  # a completion's length when sampling_params.max_tokens is not sent
 MASK_LOGPROB = -99999.0  # the SDK's sentinel for a top-k row with nothing in it (token id 0)

@@ -10,14 +10,14 @@ import pytest
 import torch
 import yaml
 
-from worker import memory
+from worker.machine import memory
 
 CPU = torch.device("cpu")
 linux = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 
 PROBE = """
 import torch
-from worker import memory
+from worker.machine import memory
 cpu = torch.device("cpu")
 x = torch.ones(64 * 2**20)  # 256 MiB, every page touched, its own mapping (glibc's defaults)
 del x

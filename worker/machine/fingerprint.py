@@ -17,7 +17,7 @@ import torch
 
 from service.core.fingerprint import Fingerprint, Hardware
 from service.core.settings import Settings
-from worker.models import TINY_PRESETS, model_source
+from worker.model.loading import TINY_PRESETS, model_source
 
 SOURCE = Path(__file__).resolve().parents[1]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from service.core.tinker_wire import WireError, decode_forward_backward, pb
+from service.core.tinker.wire import WireError, decode_forward_backward, pb
 
 
 def _body(tokens: list[int], targets: np.ndarray) -> bytes:
@@ -39,7 +39,7 @@ def test_float_target_tokens_are_refused():
 
 def test_a_forward_backward_result_reads_the_same_as_json():
     """For a client that does not ask for protobuf: the same values, per datum, in the SDK's JSON form."""
-    from service.core.tinker_wire import encode_forward_backward_output, forward_backward_output_json
+    from service.core.tinker.wire import encode_forward_backward_output, forward_backward_output_json
 
     per_datum = [{"logprobs": np.array([-1.5, -0.25], dtype=np.float32)},
                  {"logprobs": np.array([-3.0], dtype=np.float32)}]

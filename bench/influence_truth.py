@@ -39,8 +39,8 @@ from service.core.settings import get_settings
 from service.core.specs import TracInJob
 from worker.algos.influence import GhostHooks
 from worker.loops import prediction, tracin, update
-from worker.loops.rollouts import TrainRollouts
 from worker.loops.setup import build
+from worker.loops.sources import TrainRollouts
 from worker.reporting import FileReporter
 from worker.training import seed_everything, step_seed, trainable
 

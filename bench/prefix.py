@@ -22,8 +22,8 @@ import torch
 
 from service.core.settings import get_settings
 from service.core.specs import GRPOJob
-from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
+from worker.loops.sources import collect_train_rollouts
 from worker.loops.update import micro
 from worker.model.forward import batch_logprobs, sequence_logprobs
 from worker.model.prefix import prompt_groups

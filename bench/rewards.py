@@ -34,9 +34,9 @@ from service.core.reward_specs import (
 )
 from service.core.settings import Settings, get_settings
 from service.core.specs import GRPOJob
-from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.skeleton import Run
+from worker.loops.sources import collect_train_rollouts
 from worker.loops.update import train_epochs
 from worker.reporting import FileReporter, Reporter
 from worker.rewards import FunctionComponent, Item, Scorer, lookup

@@ -20,9 +20,9 @@ from rss import PeakRss, rss_mb  # bench/ is on the path when a bench runs
 
 from service.core.settings import get_settings
 from service.core.specs import GRPOJob
-from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.skeleton import Run
+from worker.loops.sources import collect_train_rollouts
 from worker.loops.update import train_epochs
 from worker.reporting import Reporter
 from worker.sparsity_tracker import SparsityTracker

@@ -22,9 +22,9 @@ from rss import high_water_mb  # bench/ is on the path when a bench runs
 
 from service.core.settings import get_settings
 from service.core.specs import GRPOJob
-from worker.loops.rollouts import collect_train_rollouts
 from worker.loops.setup import build
 from worker.loops.skeleton import Run
+from worker.loops.sources import collect_train_rollouts
 from worker.loops.update import train_epochs
 from worker.loops.utilisation import forward_flops, sampling_flops, train_flops
 from worker.machine.hardware import decoder_shape, peak_flops

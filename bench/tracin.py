@@ -44,8 +44,9 @@ from service.core.specs import TracInJob
 from worker.algos.influence import influence_scores
 from worker.algos.lora import lora_layers
 from worker.algos.losses import Normaliser, sample_losses
-from worker.loops.rollouts import collect_rollouts, collect_train_rollouts, draw_prompts
+from worker.loops.rollouts import collect_rollouts
 from worker.loops.setup import build
+from worker.loops.sources import collect_train_rollouts, draw_prompts
 from worker.machine import allocator
 from worker.model.forward import sequence_logprobs
 from worker.reporting import Reporter

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -87,10 +87,10 @@ class RolloutBatch:
         P = max(b.prompt_ids.shape[1] for b in batches)
         T = max(b.completion_ids.shape[1] for b in batches)
 
-        def lpad(x, w, v):
+        def lpad(x: torch.Tensor, w: int, v: float) -> torch.Tensor:
             return torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)
 
-        def rpad(x, w, v):
+        def rpad(x: torch.Tensor, w: int, v: float) -> torch.Tensor:
             return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)
 
         return RolloutBatch(
@@ -101,8 +101,9 @@ class RolloutBatch:
             truncated=torch.cat([b.truncated for b in batches]),
             completions=[c for b in batches for c in b.completions],
             sampler_logp=None if any(b.sampler_logp is None for b in batches) else
-            torch.cat([rpad(b.sampler_logp, T, 0.0) for b in batches]),
-            version=None if any(b.version is None for b in batches) else torch.cat([b.version for b in batches]),
+            torch.cat([rpad(b.sampler_logp, T, 0.0) for b in batches if b.sampler_logp is not None]),
+            version=None if any(b.version is None for b in batches) else
+            torch.cat([b.version for b in batches if b.version is not None]),
             trained_mask=None if all(b.trained_mask is None for b in batches) else
             torch.cat([rpad(b.loss_mask(), T, 0) for b in batches]),
         )
@@ -122,7 +123,7 @@ def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def encode_prompts(tokenizer, prompts: Prompts, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(tokenizer: Any, prompts: Prompts, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask [P, L] of `prompts`: texts tokenized (no special tokens added), ids kept."""
     if prompts and not isinstance(prompts[0], str):
         ids, mask = left_padded(prompts, tokenizer.pad_token_id)

@@ -1,5 +1,14 @@
-"""Where a loop's results go. Loops call a Reporter; the runner passes a SQL one, `grpo-jobs run`
-a file one. Both take the same calls, so a loop never knows which it writes to."""
+"""The job's port: what a loop writes, what it reads, and whether it must stop, as separate protocols.
+
+- `Records`: what a loop writes (events, metrics, samples, selections, sparsity, checkpoints, progress);
+- `Inputs`: what it reads from where it runs (the resume point, an earlier job's weights, an uploaded file);
+- `StopSignal`: whether to stop now (a cancel, a lost lease);
+- `SessionQueue`: the operations a tinker session run executes (worker/session/).
+
+`Reporter` provides all four: the runner passes its SQL implementation (worker/jobs/sql_reporter.py),
+`grpo-jobs run` the file one (`FileReporter`), and a job on several processes wraps either in
+`RankReporter`. A part of a loop takes the narrowest protocol it needs, so it never knows which one it has.
+"""
 
 from __future__ import annotations
 
@@ -58,6 +67,60 @@ class InitWeights:
     step: int
 
 
+class Records(Protocol):
+    """What a loop writes."""
+
+    def event(self, type: str, message: str = "", *, level: str = "info", data: dict[str, Any] | None = None) -> None:
+        """A line of the job's log (`level` debug, info, warning or error) with optional structured data."""
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        """Step `step`'s metrics, by key."""
+
+    def samples(self, step: int, rows: list[SampleRow]) -> None: ...
+
+    def selection(self, record: SelectionRecord) -> None: ...
+
+    def sparsity(self, record: SparsityRecord) -> None: ...
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """Where the loop writes checkpoint `step` before handing it to `checkpoint`."""
+        ...
+
+    def checkpoint(self, step: int, path: Path, format: str, size_bytes: int) -> None:
+        """Checkpoint `step` is complete in folder `path`: keep it."""
+
+    def progress(self, step: int) -> None:
+        """Step `step`'s update is made (the job's progress and heartbeat)."""
+
+
+class Inputs(Protocol):
+    """What a loop reads from where it runs."""
+
+    def resume_from(self) -> Path | None:
+        """The folder of this job's newest complete checkpoint, if an earlier attempt left one."""
+        ...
+
+    def init_checkpoint(self, job: int, step: int | None) -> InitWeights:
+        """Checkpoint `step` (None: the latest) of the owner's earlier job `job` (model.init_from)."""
+        ...
+
+    def data_file(self, file_id: str) -> Path:
+        """An uploaded file of the owner's (dataset.name 'file'), on this machine."""
+        ...
+
+
+class StopSignal(Protocol):
+    """Whether the loop must stop at its next step boundary."""
+
+    def should_stop(self) -> bool: ...
+
+
+class SessionQueue(Protocol):
+    """Where a session run's operations come from."""
+
+    def operations(self) -> Operations: ...
+
+
 def _clean(x: Any) -> Any:
     """JSON-safe: NaN/inf become None (strict JSON has no NaN); records keep their type."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -80,7 +143,8 @@ def _json_model(x: Any) -> Any:
 
 
 class Reporter:
-    """Base reporter: records nothing, never asks to stop. Subclasses override what they keep."""
+    """The job's port, all of it (Records, Inputs, StopSignal, SessionQueue). This base records nothing and
+    never asks to stop; its subclasses override what they keep."""
 
     #: directory for checkpoints of this run
     checkpoint_root: Path

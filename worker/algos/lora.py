@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -11,7 +11,7 @@ class LoraLayer(NamedTuple):
     """One adapted linear layer: o = base(x) + scaling * B(A(dropout(x)))."""
 
     name: str  # the module's qualified name
-    module: torch.nn.Module  # the peft layer: .base_layer holds W0
+    module: Any  # the peft layer (its attributes are peft's, untyped): .base_layer holds W0
     a: torch.nn.Linear  # A: [r, d_in]
     b: torch.nn.Linear  # B: [d_out, r]
     scaling: float

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,11 +56,11 @@ class FoldedSampler:
     the adapted layers', which are its own and hold W0 + s·B·A as of the last `fold()`."""
 
     def __init__(self, model: torch.nn.Module, layers: list[LoraLayer]) -> None:
-        base = base_model(model)
+        base: Any = base_model(model)  # a transformers model: its submodules' attributes are untyped
         adapted = {id(la.module.base_layer.weight) for la in layers}
         shared = {id(p): p for p in base.parameters() if id(p) not in adapted}
         self.model = copy.deepcopy(base, shared)  # shares all but the adapted weights, which it copies
-        self._folds = []
+        self._folds: list[_Fold] = []
         for la in layers:  # the same names in the copy: each peft layer gives way to its base linear layer
             parent, _, child = la.name.rpartition(".")
             linear = self.model.get_submodule(la.name).base_layer

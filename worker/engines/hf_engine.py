@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import (
@@ -25,6 +26,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import StaticLayer
 
 from worker.algos.draws import inverse_cdf, uniforms
 from worker.algos.lora import is_lora
@@ -41,7 +43,7 @@ class RowSampler(LogitsProcessor):
 
     def __init__(self, seeds: list[int], params: SamplingParams, device: torch.device) -> None:
         self.gens = [torch.Generator(device).manual_seed(s) for s in seeds]
-        self.warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
         if params.top_k:
             self.warpers.append(TopKLogitsWarper(params.top_k))
         if params.top_p < 1.0:
@@ -56,7 +58,8 @@ class RowSampler(LogitsProcessor):
         return only.scatter_(1, picks[:, None], 0.0)
 
 
-def completion_lengths(tokenizer, rows: torch.Tensor, eos_ids: set[int], stop: tuple[str, ...]):
+def completion_lengths(tokenizer: Any, rows: torch.Tensor, eos_ids: set[int],
+                       stop: tuple[str, ...]) -> tuple[list[int], list[bool]]:
     """Per row: (number of tokens that count, ended_properly) from EOS or the first stop string."""
     lengths, ended = [], []
     for row in rows.tolist():
@@ -82,11 +85,12 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[: min(ends)] if ends else text
 
 
-def eos_token_ids(tokenizer, model: torch.nn.Module) -> set[int]:
+def eos_token_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation config's."""
-    gen_eos = model.generation_config.eos_token_id if hasattr(model, "generation_config") else None
+    config = getattr(model, "generation_config", None)
+    gen_eos = getattr(config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos})
-    return ids - {None}
+    return {int(i) for i in ids if i is not None}
 
 
 # The KV cache allocated once for the batch and the longest completion (a cache grown by
@@ -113,7 +117,7 @@ def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.T
     the demo, 32 rows of a 63-token prompt where 4 prompts need a quarter of the work). ids, mask: [P, L]
     left-padded. None where the model's cache is not plain full attention (sliding windows): those rows
     are prefilled one by one as before."""
-    config = model.config
+    config: Any = model.config
     once = StaticCache(config=config, max_cache_len=ids.shape[1] - 1)
     if any(type(layer).__name__ != "StaticLayer" for layer in once.layers):
         return None
@@ -125,6 +129,7 @@ def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.T
               cache=once, use_cache=True, logits_to_keep=1)
     rows = StaticCache(config=config, max_cache_len=max_len)
     for i, layer in enumerate(once.layers):
+        assert isinstance(layer, StaticLayer) and layer.keys is not None and layer.values is not None
         rows.update(layer.keys.repeat_interleave(repeats, 0), layer.values.repeat_interleave(repeats, 0), i)
     return rows
 
@@ -136,7 +141,7 @@ class HFEngine:
     every process's forward in lockstep; old log-probs are taken before the step's first update,
     when its weights are the rollout weights, so no copy is needed."""
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, device: str, params: SamplingParams, *,
                  sharded: bool = False, fold: bool = False) -> None:
         self.tokenizer, self.params, self.device, self.sharded = tokenizer, params, torch.device(device), sharded
         self.eos_ids = eos_token_ids(tokenizer, policy)
@@ -146,7 +151,7 @@ class HFEngine:
             self.model = policy
             return
         same_device = next(policy.parameters()).device == self.device
-        memo = {}
+        memo: dict[int, Any] = {}
         if is_lora(policy) and same_device:
             # Frozen base weights are identical and never change: share them, copy only the adapter.
             memo = {id(p): p for p in policy.parameters() if not p.requires_grad}
@@ -207,7 +212,8 @@ class HFEngine:
                 for k in ("cache_implementation", "prefill_chunk_size"):
                     kwargs.pop(k, None)
                 kwargs["cache"] = cache
-        out = self.sampler.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        generate: Any = self.sampler.generate  # transformers' GenerationMixin, untyped on a Module
+        out = generate(input_ids=ids, attention_mask=mask, **kwargs)
         completion = out[:, ids.shape[1]:]  # [N, T]
         lengths, ended = completion_lengths(tok, completion, self.eos_ids, sp.stop)
         T = completion.shape[1]

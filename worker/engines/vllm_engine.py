@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -120,7 +121,7 @@ def free_port() -> int:
     """A port free on loopback now (a server of the job's own binds it next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _client() -> httpx.Client:
@@ -132,7 +133,7 @@ class VLLMServer:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.http = _client()
 
@@ -247,7 +248,7 @@ class VLLMServer:
             return "(no log)"
         return " | ".join(line.strip()[:300] for line in text[-lines:] if line.strip())
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         r = self.http.post(f"{self.url}{path}", json=body)
         if r.status_code != 200:
             raise EngineFailed(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
@@ -269,11 +270,11 @@ def stop_servers() -> None:
         server.close()
 
 
-def write_model_folder(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
     """The policy's weights as a model folder every loader reads (transformers, vLLM): with LoRA the
     frozen base alone (the adapter goes separately at each sync). Written to a temporary name and
     renamed, so a reader never sees half a file."""
-    base = base_model(model)
+    base: Any = base_model(model)  # a transformers model: its config and embeddings are untyped attributes
     state = loader_state(base)
     if is_lora(model):  # peft wraps each adapted layer: its frozen weight is `<layer>.base_layer.weight`
         state = {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}
@@ -300,11 +301,11 @@ class VLLMEngine:
     """The rollout engine of `rollout.engine: vllm`: a worker.batch.RolloutEngine, as HFEngine is
     (sync, generate, logprobs), with the engine's sampling log-probs on every batch."""
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, device: str, params: SamplingParams, *,
+    def __init__(self, policy: Any, tokenizer: Any, device: str, params: SamplingParams, *,
                  python: Path, workdir: Path, max_model_len: int, extra_args: tuple[str, ...] = (),
                  start_timeout_s: float = 600.0, ranks: Ranks = SINGLE,
                  placement: EnginePlacement = EnginePlacement(None, False, None),
-                 on_event: Callable[[str, str, dict], None] = lambda kind, message, data: None) -> None:
+                 on_event: Callable[[str, str, dict[str, Any]], None] = lambda kind, message, data: None) -> None:
         self.tokenizer, self.params, self.device = tokenizer, params, torch.device(device)
         self.policy, self.ranks, self.on_event = policy, ranks, on_event
         self.eos_ids = eos_token_ids(tokenizer, policy)
@@ -387,7 +388,7 @@ class VLLMEngine:
         # the policy is pushed again now, as the next version (an adapter is cheap to load; older ones unload).
         self._pushed = None
 
-    def _push(self, policy: torch.nn.Module, version: int) -> None:
+    def _push(self, policy: Any, version: int) -> None:
         assert self.server is not None
         if self.lora:
             folder = self.workdir / "adapters" / f"v{version}"
@@ -447,7 +448,7 @@ class VLLMEngine:
         return f"; the server's log: {errors[0]}" if errors else ""  # the first: the root cause
 
     # -- sampling ----------------------------------------------------------------------------------
-    def _request(self, model: str, ids: list[int], seed: int | None, greedy: bool) -> dict:
+    def _request(self, model: str, ids: list[int], seed: int | None, greedy: bool) -> dict[str, Any]:
         sp = self.params
         body = {"model": model, "prompt": ids, "max_tokens": sp.max_new_tokens, "logprobs": 0,
                 "return_token_ids": True, "stop_token_ids": sorted(self.eos_ids), "skip_special_tokens": False,
@@ -461,15 +462,16 @@ class VLLMEngine:
         r = self.http.post(f"{self.url}/v1/completions", json=body)
         if r.status_code != 200:
             raise EngineFailed(f"vLLM /v1/completions answered {r.status_code}: {r.text[:300]}{self._server_error()}")
-        return r.json()["choices"][0]
+        choice: dict[str, Any] = r.json()["choices"][0]
+        return choice
 
-    def _send(self, rows: list[list[int]], seeds: list[int | None], greedy: bool) -> list[Future]:
+    def _send(self, rows: list[list[int]], seeds: list[int | None], greedy: bool) -> list[Future[dict[str, Any]]]:
         """One request per row, in flight on the engine's threads; counted per served model until done."""
         model = self.model_name
         with self._idle:
             self._in_flight[model] += len(rows)
 
-        def done(_: Future) -> None:
+        def done(_: Future[dict[str, Any]]) -> None:
             with self._idle:
                 self._in_flight[model] -= 1
                 self._idle.notify_all()
@@ -494,7 +496,8 @@ class VLLMEngine:
         ids = prompt_ids.repeat_interleave(G, dim=0)  # [P*G, Pw] left-padded, as the hf engine has them
         mask = prompt_mask.repeat_interleave(G, dim=0)
         rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        row_seeds = [None] * len(rows) if greedy else [row_seed(s, g) for s in seeds for g in range(G)]
+        row_seeds: list[int | None] = [None] * len(rows) if greedy or seeds is None else \
+            [row_seed(s, g) for s in seeds for g in range(G)]
         version, restarts, futures = self.version, self.restarts, self._send(rows, row_seeds, greedy)
 
         def result() -> RolloutBatch:
@@ -518,7 +521,7 @@ class VLLMEngine:
         """num_generations completions per prompt, prompt-major [P*G], with `sampler_logp`."""
         return self.submit(prompts, num_generations, seeds=seeds, greedy=greedy)()
 
-    def _batch(self, ids: torch.Tensor, mask: torch.Tensor, choices: list[dict], version: int) -> RolloutBatch:
+    def _batch(self, ids: torch.Tensor, mask: torch.Tensor, choices: list[dict[str, Any]], version: int) -> RolloutBatch:
         """The server's answers as a RolloutBatch: completions cut at the first stop, padded."""
         tok = self.tokenizer
         out = [c["token_ids"] for c in choices]

@@ -11,7 +11,7 @@ from service.core.grader_urls import check_url
 from service.core.settings import Settings
 from service.core.specs import EnvironmentSpec
 from worker.batch import RolloutEngine
-from worker.environments.runner import Limits, Players
+from worker.environments.runner import EpisodeScheduler, Limits, Players, Waves
 from worker.environments.servers import BundledServer
 from worker.environments.turns import turn_format
 
@@ -23,6 +23,7 @@ class EnvironmentHost:
     players: Players
     limits: Limits
     stop: Callable[[], bool]  # a cancel, asked before each wave and turn of episodes
+    scheduler: EpisodeScheduler = Waves()  # how a step's episodes advance
 
 
 def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: RolloutEngine, tokenizer,

@@ -1,8 +1,9 @@
 """Episodes played turn by turn: every live episode's next turn sampled in one engine call, then every
 environment step awaited at once.
 
-A wave of at most `max_concurrent` episodes opens one session each, resets them (a group's episodes
-share a seed), and then, turn after turn, samples each live episode's turn from exactly its ids so far
+Which episodes play side by side is the scheduler's (`EpisodeScheduler`; today `Waves`). A wave of at most
+`max_concurrent` episodes opens one session each, resets them (a group's episodes share a seed), and then,
+turn after turn, samples each live episode's turn from exactly its ids so far
 (checked against the ids the engine reports it sampled from), sends the text to the environment, and
 appends the environment's answer as tokens of its own (worker/environments/turns.py). An environment
 that fails one episode ends that episode with the error; one that fails every episode of a wave before
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -171,18 +173,39 @@ async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, s
     return env_s
 
 
-def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits, *,
-         seed_of: TurnSeed | None, stop: Callable[[], bool] = lambda: False) -> tuple[list[Episode], float]:
-    """`group_size` episodes per reset seed, seed-major [len(seeds) * G]; `seed_of` None: greedy turns.
-    Returns the episodes and the wall time spent waiting on the environment. `stop()` is asked before every
-    wave and turn (a cancel): once it says so, Stopped, with every session closed."""
+class EpisodeScheduler(Protocol):
+    """How a step's episodes advance: which of them play side by side, and when one starts."""
+
+    def run(self, p: Players, url: str, episodes: list[Episode], limits: Limits, *, seed_of: TurnSeed | None,
+            stop: Callable[[], bool]) -> float:
+        """Every one of `episodes` played to its end; the wall time spent waiting on the environment.
+        Stopped, with every session closed, once `stop()` says so."""
+        ...
+
+
+@dataclass(frozen=True)
+class Waves:
+    """Episodes in waves of at most `limits.max_concurrent`: a wave opens its sessions together, plays
+    turn by turn (every live episode's turn in one engine call) and closes before the next wave opens."""
+
+    def run(self, p: Players, url: str, episodes: list[Episode], limits: Limits, *, seed_of: TurnSeed | None,
+            stop: Callable[[], bool]) -> float:
+        env_s = 0.0
+        for at in range(0, len(episodes), limits.max_concurrent):
+            if stop():
+                raise Stopped(f"cancelled before episodes {at}..{len(episodes) - 1}")
+            env_s += asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at, stop))
+        return env_s
+
+
+def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits, *, seed_of: TurnSeed | None,
+         stop: Callable[[], bool] = lambda: False,
+         scheduler: EpisodeScheduler = Waves()) -> tuple[list[Episode], float]:
+    """`group_size` episodes per reset seed, seed-major [len(seeds) * G], played as `scheduler` runs them;
+    `seed_of` None: greedy turns. Returns the episodes and the wall time spent waiting on the environment.
+    `stop()` is asked before every turn (a cancel): once it says so, Stopped, with every session closed."""
     episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="") for s in seeds for g in range(group_size)]
-    env_s = 0.0
-    for at in range(0, len(episodes), limits.max_concurrent):
-        if stop():
-            raise Stopped(f"cancelled before episodes {at}..{len(episodes) - 1}")
-        env_s += asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at, stop))
-    return episodes, env_s
+    return episodes, scheduler.run(p, url, episodes, limits, seed_of=seed_of, stop=stop)
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ import torch
 from worker import rewards
 from worker.datasets import Example
 from worker.environments.runner import EpisodeStats, episode_rewards, play
-from worker.loops.rollouts import EVAL_SEEDS, prompt_for
-from worker.loops.setup import Setup
+from worker.loops.setup import AnySpec, Setup
+from worker.loops.sources import EVAL_SEEDS, prompt_for
 
 
 @torch.no_grad()
-def greedy_completions(s: Setup, prompts: list[str], *, filler: str) -> list[str]:
+def greedy_completions(s: Setup[AnySpec], prompts: list[str], *, filler: str) -> list[str]:
     """One greedy completion per prompt from the rollout copy, synced with the policy first. A
     sharded policy's processes must run the same forwards: each pads its share with `filler` to
     the longest share and drops those answers."""
@@ -28,7 +28,7 @@ def greedy_completions(s: Setup, prompts: list[str], *, filler: str) -> list[str
     return out[:n]
 
 
-def score_completions(s: Setup, completions: list[str], examples: list[Example], *, step: int,
+def score_completions(s: Setup[AnySpec], completions: list[str], examples: list[Example], *, step: int,
                       extra: dict[str, float] | None = None) -> dict[str, float]:
     """eval/reward_mean (the job's weighted rewards) and eval/accuracy (dataset.accuracy's check)
     of one completion per example, over every rank's share; `extra` sums (over examples) are
@@ -44,7 +44,7 @@ def score_completions(s: Setup, completions: list[str], examples: list[Example],
             **{k: t[k] / n for k in extra or {}}}
 
 
-def shard(s: Setup, examples: list[Example]) -> list[Example]:
+def shard(s: Setup[AnySpec], examples: list[Example]) -> list[Example]:
     """This rank's share of the examples."""
     return [examples[i] for i in s.ranks.share(len(examples))]
 
@@ -53,20 +53,20 @@ def shard(s: Setup, examples: list[Example]) -> list[Example]:
 EVAL_EPISODE_METRICS = ("env/turns_mean", "env/tool_calls_mean", "env/truncated_ratio", "env/error_ratio")
 
 
-def evaluate_episodes(s: Setup) -> dict[str, float]:
+def evaluate_episodes(s: Setup[AnySpec]) -> dict[str, float]:
     """environment.eval_episodes greedy episodes from reset seeds no training step draws: eval/reward_mean
     and eval/env/* (EVAL_EPISODE_METRICS)."""
     env = s.environment
     assert env is not None
     s.engine.sync(s.model)
     seeds = [EVAL_SEEDS + i for i in range(env.spec.eval_episodes)]
-    episodes, env_s = play(env.players, env.url, seeds, 1, env.limits, seed_of=None)
+    episodes, env_s = play(env.players, env.url, seeds, 1, env.limits, seed_of=None, scheduler=env.scheduler)
     stats = EpisodeStats.of(episodes, env_s).metrics()
     return {"eval/reward_mean": float(episode_rewards(episodes, env.spec.reward).mean()),
             **{f"eval/{k}": stats[k] for k in EVAL_EPISODE_METRICS}}
 
 
-def evaluate(s: Setup, step: int) -> dict[str, float]:
+def evaluate(s: Setup[AnySpec], step: int) -> dict[str, float]:
     """The first grpo.eval_prompts validation examples, answered greedily, after `step` (or, with an
     environment, its evaluation episodes)."""
     if s.environment is not None:

@@ -23,8 +23,8 @@ from service.core.settings import Settings
 from service.core.specs import GRPOJob
 from worker.environments.runner import Stopped
 from worker.loops import evaluation, skeleton, update, utilisation
-from worker.loops.rollouts import TrainRollouts
 from worker.loops.setup import build
+from worker.loops.sources import TrainRollouts
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import seed_everything

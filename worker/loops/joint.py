@@ -44,7 +44,8 @@ from worker.algos.retrieval import (
 from worker.batch import RolloutBatch
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
 from worker.loops import evaluation, skeleton, update
-from worker.loops.rollouts import Drawn, Rollouts, collect_rollouts, unit_draws
+from worker.loops.draws import Uniform, draw_share, pick
+from worker.loops.rollouts import Draw, Drawn, Rollouts, collect_rollouts
 from worker.loops.setup import Setup, build, policy_device
 from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import LoopResult, Reporter
@@ -71,6 +72,7 @@ class Index:
         """The n best documents for each query embedding. q: [P, h] -> [P, n]."""
         if self.emb is None:
             self.refresh()
+        assert self.emb is not None
         return torch.topk(self.retriever.scores(q.detach(), self.emb), min(n, len(self.ids)), dim=-1).indices
 
 
@@ -112,30 +114,31 @@ def retrieve(spec: JointJob, retriever: DualEncoder, ref: DualEncoder, index: In
     return out
 
 
-def rag_prompt(s: Setup, question: str, document: str) -> str:
+def rag_prompt(s: Setup[JointJob], question: str, document: str) -> str:
     return render_prompt(s.tokenizer, rag_question(question, document), s.task.instruction,
                          chat=s.spec.dataset.chat_template)
 
 
-def draw_queries(s: Setup, retriever: DualEncoder, ref: DualEncoder, index: Index, step: int):
+def draw_queries(s: Setup[JointJob], retriever: DualEncoder, ref: DualEncoder, index: Index, step: int) -> Draw[Retrieval]:
     """Units are training queries; each yields k groups, one per retrieved document. A query's
     draw of documents and its answers are seeded by (seed, step, round, query)."""
     spec, g, k = s.spec, s.spec.grpo, s.spec.retriever.k
     tag = f"queries-{g.seed}-{step}"
-    rng = random.Random(tag)
+    rng, prompts = random.Random(tag), Uniform(len(s.task.train))
 
     def draw(round: int, n: int) -> Drawn[Retrieval]:
-        queries, idx = unit_draws(rng, s.task.train, n, s.ranks)
+        share = draw_share(prompts, rng, n, s.ranks)
+        queries, idx = pick(s.task.train, share), share.index
         picks = retrieve(spec, retriever, ref, index, queries, [row_seed(tag, round, i) for i in idx],
                          greedy=spec.retriever.generator_only)
         examples = [p.query for p in picks for _ in range(k)]
-        prompts = [rag_prompt(s, p.query.question, index.texts[j]) for p in picks for j in p.documents]
+        texts = [rag_prompt(s, p.query.question, index.texts[j]) for p in picks for j in p.documents]
         seeds = [row_seed(tag, round, i, j) for i in idx for j in range(k)]
-        batch = RolloutBatch.cat([s.engine.generate(prompts[i:i + g.micro_batch_size], g.num_generations,
+        batch = RolloutBatch.cat([s.engine.generate(texts[i:i + g.micro_batch_size], g.num_generations,
                                                     seeds=seeds[i:i + g.micro_batch_size])
-                                  for i in range(0, max(len(prompts), 1), g.micro_batch_size)], s.tokenizer.pad_token_id)
-        return Drawn(batch=batch, examples=examples, prompts=prompts, units=picks, keys=[(round, i) for i in idx],
-                     groups_per_unit=k)
+                                  for i in range(0, max(len(texts), 1), g.micro_batch_size)], s.tokenizer.pad_token_id)
+        return Drawn(batch=batch, examples=examples, prompts=texts, units=picks, keys=[(round, i) for i in idx],
+                     groups_per_unit=k, picked=share.picked, drawn_by=prompts)
 
     return draw
 
@@ -184,7 +187,7 @@ def document_of(ro: Rollouts[Retrieval], index: Index, group: int) -> dict[str, 
 
 
 @torch.no_grad()
-def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[str, float]:
+def evaluate(s: Setup[JointJob], retriever: DualEncoder, index: Index, step: int) -> dict[str, float]:
     """Greedy: the top-1 document, then a greedy answer. Recall@1 where gold documents are known."""
     every = s.task.val[: s.spec.grpo.eval_prompts]
     val = evaluation.shard(s, every)
@@ -192,10 +195,10 @@ def evaluate(s: Setup, retriever: DualEncoder, index: Index, step: int) -> dict[
     completions = evaluation.greedy_completions(s, [rag_prompt(s, ex.question, index.texts[j])
                                                     for ex, j in zip(val, top1)],
                                                 filler=rag_prompt(s, every[0].question, index.texts[0]))
-    hits = [index.ids[j] == ex.meta.get("gold_doc_id") for ex, j in zip(val, top1) if "gold_doc_id" in ex.meta]
+    found = [index.ids[j] == ex.meta.get("gold_doc_id") for ex, j in zip(val, top1) if "gold_doc_id" in ex.meta]
     out = evaluation.score_completions(s, completions, val, step=step, extra={
         "eval/token_f1": sum(rewards.token_f1(c, ex.answers) for c, ex in zip(completions, val)),
-        "hits": sum(hits), "with_gold": len(hits)})
+        "hits": sum(found), "with_gold": len(found)})
     hits, with_gold = out.pop("hits"), out.pop("with_gold")  # both as means over examples: their ratio is recall
     if with_gold:
         out["eval/retriever_recall_at_1"] = hits / with_gold

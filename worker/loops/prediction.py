@@ -20,18 +20,19 @@ weights' doing alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from worker.algos.influence import GhostHooks
 from worker.loops import update
 from worker.loops.rollouts import Rollouts
-from worker.loops.setup import Setup
+from worker.loops.setup import RLJob, Setup
 from worker.model.forward import batch_logprobs
 from worker.training import eval_mode, trainable
 
 
-def objective(s: Setup, ro: Rollouts, old_logp: torch.Tensor | None,
+def objective(s: Setup[RLJob], ro: Rollouts[Any], old_logp: torch.Tensor | None,
               ref_logp: torch.Tensor | None) -> tuple[float, torch.Tensor]:
     """(L_val over every rank's rows, this rank's log-probs [N, T]) at the current weights; old_logp
     None: the ratios are taken against these log-probs, so L_val is its value at theta_t. Summed micro-batch
@@ -58,13 +59,13 @@ class Before:
     weights: list[torch.Tensor]  # every LoRA A and B at theta_t, in GhostHooks.val_grads order
 
 
-def before_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hooks: GhostHooks) -> Before:
+def before_update(s: Setup[RLJob], val_ro: Rollouts[Any], val_ref: torch.Tensor | None, hooks: GhostHooks) -> Before:
     value, logp = objective(s, val_ro, None, val_ref)
     weights = [w.detach().clone() for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
     return Before(logp=logp, value=value, weights=weights)
 
 
-def gradient(s: Setup, ro: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, step: int,
+def gradient(s: Setup[RLJob], ro: Rollouts[Any], old_logp: torch.Tensor, ref_logp: torch.Tensor | None, step: int,
              hooks: GhostHooks) -> tuple[float, list[torch.Tensor]]:
     """L_val (ratios against `old_logp`) and its gradient at the current weights, without dropout, over
     every LoRA A and B in GhostHooks.val_grads order: every rank's rows. Leaves .grad cleared."""
@@ -80,7 +81,7 @@ def gradient(s: Setup, ro: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Ten
     return s.ranks.sum({"loss": totals.loss})["loss"], out
 
 
-def after_update(s: Setup, val_ro: Rollouts, val_ref: torch.Tensor | None, hooks: GhostHooks, before: Before,
+def after_update(s: Setup[RLJob], val_ro: Rollouts[Any], val_ref: torch.Tensor | None, hooks: GhostHooks, before: Before,
                  *, selected_influence: float, lr: float, step: int) -> dict[str, float]:
     """The step's metrics: the predictions and the actual change (G_val is still in the hooks); L_val at
     theta_{t+1} comes with its gradient, from one forward."""

@@ -1,16 +1,23 @@
-"""Collecting a step's rollouts: sample groups, score them, drop groups with no signal, refill.
+"""A step's rollouts: draw units, sample and score their groups, assemble the batch the update trains on.
 
 Every kind samples in *units* that each yield groups of G completions: a prompt is one unit of one
-group (GRPO, TracIn); a joint query is one unit of k groups, one per retrieved document. A unit
-whose groups' rewards all tie carries no signal and, with `grpo.drop_zero_std_groups`, is dropped
-and replaced by a fresh one, up to `grpo.max_refill_rounds` extra rounds; a tied group inside a
-kept unit stays in the batch (the joint retriever needs its reward) but is left out of training.
+group (GRPO, TracIn); a joint query is one unit of k groups, one per retrieved document; an environment's
+reset seed is one unit of one group of G episodes. The three stages, each readable alone:
+
+1. draw: which units (the prompt draw, worker/loops/draws.py), and their sampling (a source,
+   worker/loops/sources.py, or the joint loop's retrieval): a `Draw` gives one round's `Drawn`;
+2. sample and score (`sample_rounds`): rounds of draws, scored (worker/loops/scoring.py) and told to the
+   prompt draw; a unit whose groups' rewards all tie carries no signal and, with
+   `grpo.drop_zero_std_groups`, is dropped and replaced by a fresh one, up to `grpo.max_refill_rounds`
+   extra rounds;
+3. assemble (`assemble`): the kept units' rows as one `Rollouts`, with group-normalised advantages and
+   the loss mask; a tied group inside a kept unit stays in the batch (the joint retriever needs its reward)
+   but is left out of training.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -20,16 +27,17 @@ import torch
 
 from service.core import tracing
 from service.core.records import SampleRow
-from worker import rewards
 from worker.algos.advantages import group_advantages, zero_std_groups
 from worker.batch import RolloutBatch
-from worker.datasets import Example, render_example
+from worker.datasets import Example
 from worker.environments import episodes as episode_rows
 from worker.environments.episodes import Episode
-from worker.environments.runner import EpisodeStats, episode_rewards, play
-from worker.loops.setup import Setup
-from worker.parallel.distributed import SINGLE, Ranks, row_seed
-from worker.reporting import Reporter
+from worker.environments.runner import EpisodeStats
+from worker.loops.draws import PromptDraw
+from worker.loops.scoring import GroupRewards, score_groups
+from worker.loops.setup import RLJob, Setup
+from worker.parallel.distributed import SINGLE, Ranks
+from worker.reporting import Records
 
 U = TypeVar("U")  # what a loop needs back about each unit: the Example, or a joint query's retrieval
 
@@ -48,19 +56,13 @@ class Drawn(Generic[U]):
     scored: GroupRewards | None = None  # rewards that came with the draw (an environment's); None: score them
     episodes: list[Episode] | None = None  # [n_groups * G] the episodes the rows were built from
     stats: EpisodeStats | None = None  # the draw's episodes, summed up
+    picked: list[int] | None = None  # [n_units] each unit's index in its pool, as the prompt draw drew it
+    drawn_by: PromptDraw | None = None  # the prompt draw that chose the units: told their rewards
 
 
 Draw = Callable[[int, int], Drawn[U]]  # (round, n_units on every rank) -> this rank's share, sampled
 Sampling = Callable[[], Drawn[U]]  # a draw whose completions the engine is still sampling: waits, gives it
 Submit = Callable[[int, int], Sampling[U]]  # a Draw that returns as soon as the sampling has started
-
-
-def unit_draws(rng: random.Random, pool: list, n: int, ranks: Ranks) -> tuple[list, list[int]]:
-    """n units drawn (with replacement) from `pool` by every rank alike; this rank's share and
-    their indices among the n."""
-    drawn = [pool[rng.randrange(len(pool))] for _ in range(n)]
-    mine = ranks.share(n)
-    return [drawn[i] for i in mine], list(mine)
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ class Rollouts(Generic[U]):
 class _Scored:
     """A Drawn after scoring."""
 
-    drawn: Drawn
+    drawn: Drawn[Any]
     rewards: torch.Tensor  # [N]
     excluded: torch.Tensor  # [N] bool: a reward function raised on it
     per_fn: dict[str, list[float]] = field(default_factory=dict)
@@ -191,106 +193,12 @@ class _Scored:
         return _Scored(kept, self.rewards[rows], self.excluded[rows], {n: [v[i] for i in r] for n, v in self.per_fn.items()})
 
 
-def prompt_for(s: Setup, ex: Example) -> str:
-    return render_example(s.tokenizer, ex, s.task.instruction, chat=s.spec.dataset.chat_template)
-
-
-@dataclass(frozen=True)
-class GroupRewards:
-    """A round's completions, scored."""
-
-    rewards: torch.Tensor  # [N]; an excluded completion holds its group's mean
-    excluded: torch.Tensor  # bool [N]: a counted reward could not score it
-    scored: rewards.Scored  # every entry's scores, and the time they took
-
-
-def score_groups(s: Setup, completions: list[str], examples: list[Example], G: int, step: int) -> GroupRewards:
-    """Rewards [N] and an exclusion mask [N] (True: a counted reward could not score it)."""
-    items = [rewards.Item(ex.question, c, tuple(ex.answers)) for ex, c in
-             zip((ex for ex in examples for _ in range(G)), completions, strict=True)]
-    scored = s.scorer.score(items, step=step)  # failures become the job's warning event (setup.warn_reward_failures)
-    return with_exclusions(scored, G)
-
-
-def with_exclusions(scored: rewards.Scored, G: int) -> GroupRewards:
-    """Rewards whose NaN entries (nothing could score them) are excluded and take their group's mean:
-    zero advantage, no effect on the baseline."""
-    r = torch.tensor(scored.total, dtype=torch.float32)
-    excluded = torch.isnan(r)
-    if excluded.any():
-        grouped = r.view(-1, G)
-        means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
-        r = torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
-    return GroupRewards(rewards=r, excluded=excluded, scored=scored)
-
-
-def episode_scores(s: Setup, episodes: list[Episode], G: int) -> GroupRewards:
-    """The environment's rewards of a draw's episodes [N]: with environment.on_error `drop_group`, every
-    episode of a group the environment failed in is excluded; with `zero`, a failed episode keeps what it
-    earned (0 if nothing)."""
-    env = s.spec.environment
-    r = episode_rewards(episodes, env.reward)
-    if env.on_error == "drop_group":
-        failed = torch.tensor([e.error is not None for e in episodes]).view(-1, G).any(1)  # [n_groups]
-        r = torch.where(failed.repeat_interleave(G), torch.full_like(r, float("nan")), r)
-    return with_exclusions(rewards.Scored(total=r.tolist(), per_fn={}, failures=[]), G)  # its time is time/env_s
-
-
-def submit_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Submit[Example]:
-    """Units are prompts drawn (with replacement, seeded by `seed_tag`) from `pool`; one group each,
-    sampled with seeds from (seed_tag, round, unit)."""
-    rng = random.Random(seed_tag)
-
-    def submit(round: int, n: int) -> Sampling[Example]:
-        examples, idx = unit_draws(rng, pool, n, s.ranks)
-        prompts = [prompt_for(s, ex) for ex in examples]
-        sampled = s.engine.submit(prompts, G, seeds=[row_seed(seed_tag, round, i) for i in idx])
-        return lambda: Drawn(batch=sampled(), examples=examples, prompts=prompts, units=examples,
-                             keys=[(round, i) for i in idx])
-
-    return submit
-
-
-# Reset seeds: training draws below EVAL_SEEDS, evaluation plays EVAL_SEEDS, EVAL_SEEDS + 1, ...
-EVAL_SEEDS = 2**31
-
-
-def submit_episodes(s: Setup, G: int, *, seed_tag: str, validation: bool = False) -> Submit[Example]:
-    """Units are reset seeds of the job's environment (drawn with `seed_tag`; `validation`: among its
-    evaluation seeds), a group of G episodes each, played now; each turn sampled with a seed from
-    (seed_tag, round, episode, turn)."""
-    rng, env = random.Random(seed_tag), s.environment
-    assert env is not None
-
-    def submit(round: int, n: int) -> Sampling[Example]:
-        seeds = [EVAL_SEEDS + rng.randrange(env.spec.eval_episodes) if validation else rng.randrange(EVAL_SEEDS)
-                 for _ in range(n)]
-        with tracing.span("rl.episodes", **{"grpo_jobs.round": round}):
-            episodes, env_s = play(env.players, env.url, seeds, G, env.limits,
-                                   seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn), stop=env.stop)
-        batch = episode_rows.rows(episodes, s.tokenizer.pad_token_id)
-        firsts = [Example(question=episodes[i * G].first_observation, answers=(), meta={"seed": seed})
-                  for i, seed in enumerate(seeds)]
-        drawn = Drawn(batch=batch, examples=firsts, prompts=[ex.question for ex in firsts], units=firsts,
-                      keys=[(round, i) for i in range(n)], scored=episode_scores(s, episodes, G),
-                      episodes=episodes, stats=EpisodeStats.of(episodes, env_s))
-        return lambda: drawn
-
-    return submit
-
-
-def draw_prompts(s: Setup, pool: list[Example], G: int, *, seed_tag: str) -> Draw[Example]:
-    """submit_prompts, waiting for each draw's completions."""
-    submit = submit_prompts(s, pool, G, seed_tag=seed_tag)
-    return lambda round, n: submit(round, n)()
-
-
-def draw_validation(s: Setup, G: int, *, seed_tag: str) -> Draw[Example]:
-    """Groups from the validation split: its prompts, or an environment's evaluation seeds."""
-    if s.environment is not None:
-        submit = submit_episodes(s, G, seed_tag=seed_tag, validation=True)
-        return lambda round, n: submit(round, n)()
-    return draw_prompts(s, s.task.val, G, seed_tag=seed_tag)
+def grade(s: Setup[RLJob], d: Drawn[U], G: int, step: int) -> GroupRewards:
+    """A draw's rewards: the environment's that came with it, or the job's reward functions'."""
+    if d.scored is not None:
+        return d.scored
+    with tracing.span("rl.reward", **{"grpo_jobs.completions": len(d.batch)}):
+        return score_groups(s, d.batch.completions, d.examples, G, step)
 
 
 def _sample_round(draw: Draw[U], round: int, need: int, G: int, *, first: Sampling[U] | None) -> Drawn[U]:
@@ -303,15 +211,83 @@ def _sample_round(draw: Draw[U], round: int, need: int, G: int, *, first: Sampli
     return d
 
 
-def grade(s: Setup, d: Drawn, G: int, step: int) -> GroupRewards:
-    """A draw's rewards: the environment's that came with it, or the job's reward functions'."""
-    if d.scored is not None:
-        return d.scored
-    with tracing.span("rl.reward", **{"grpo_jobs.completions": len(d.batch)}):
-        return score_groups(s, d.batch.completions, d.examples, G, step)
+@dataclass
+class Rounds:
+    """What the sampling rounds of a step kept, and what they cost."""
+
+    kept: list[_Scored]  # each round's kept units (this rank's), in order
+    frac_zero_std: float  # tied groups among the first round's (every rank's)
+    rounds: int  # generate calls, the first included
+    reward_s: float  # wall time spent scoring, every round
+    played: list[EpisodeStats] = field(default_factory=list)  # every round's episodes (a job with an environment)
 
 
-def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, units: int, group_size: int,
+def sample_rounds(s: Setup[RLJob], step: int, draw: Draw[U], *, units: int, G: int, drop: bool,
+                  first: Sampling[U] | None) -> Rounds | None:
+    """Rounds of `draw`, scored, until `units` units with signal are kept (every unit, without `drop`) or
+    grpo.max_refill_rounds refills are spent; None when no rank kept any."""
+    out = Rounds(kept=[], frac_zero_std=0.0, rounds=0, reward_s=0.0)
+    need = units  # the same on every rank: each round draws and keeps over all of them
+    while need > 0:
+        d = _sample_round(draw, out.rounds, need, G, first=first if out.rounds == 0 else None)
+        out.played.extend([d.stats] if d.stats is not None else [])
+        graded = grade(s, d, G, step)
+        out.reward_s += graded.scored.seconds
+        if d.drawn_by is not None and d.picked is not None:
+            d.drawn_by.observe(d.picked, graded.rewards.view(len(d.units), -1))
+        tied = zero_std_groups(graded.rewards, G)  # [n_groups]
+        keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
+        counts = s.ranks.sum({"tied": float(tied.sum()), "groups": len(tied), "kept": float(keep.sum())})
+        if out.rounds == 0:
+            out.frac_zero_std = counts["tied"] / max(counts["groups"], 1.0)
+        last = _Scored(d, graded.rewards, graded.excluded, graded.scored.per_fn)
+        if keep.any():
+            out.kept.append(last.keep_units(keep, G))
+        need -= int(counts["kept"])
+        out.rounds += 1
+        if need > 0 and out.rounds > s.spec.grpo.max_refill_rounds:
+            break
+    if need == units:  # nothing kept on any rank
+        return None
+    if not out.kept:  # this rank kept nothing; the others did: an empty part, shaped as the last round's
+        out.kept.append(last.keep_units(torch.zeros(len(last.drawn.units), dtype=torch.bool), G))
+    return out
+
+
+def assemble(s: Setup[RLJob], step: int, reporter: Records, r: Rounds, G: int, *, drop: bool) -> Rollouts[Any]:
+    """The kept units' rows as one step's rollouts: group-normalised advantages, the loss mask (an
+    environment's tokens, truncated completions where asked, and excluded rows masked) and the rows that
+    train (tied groups left out when dropping)."""
+    g, kept = s.spec.grpo, r.kept
+    batch = RolloutBatch.cat([k.drawn.batch for k in kept], s.tokenizer.pad_token_id)
+    rewards = torch.cat([k.rewards for k in kept])  # [N]
+    excluded = torch.cat([k.excluded for k in kept])  # [N]
+    adv = group_advantages(rewards, G, normalize=g.normalize_advantages, eps=g.advantage_eps)  # [N]
+    grouped_adv = adv.view(-1, G)  # [n_groups, G]
+    if not torch.allclose(grouped_adv.mean(dim=1), torch.zeros(len(grouped_adv)), atol=1e-4):
+        raise RuntimeError(f"step {step}: group advantages are not centred (rewards {rewards.view(-1, G)[:3].tolist()})")
+    loss_mask = batch.loss_mask().clone()  # an episode's environment tokens are context, never trained
+    if g.mask_truncated_completions:
+        loss_mask[batch.truncated] = 0
+    loss_mask[excluded] = 0
+    tied = zero_std_groups(rewards, G)  # [n_groups]
+    train_rows = torch.arange(len(batch)).view(-1, G)[~tied].reshape(-1).tolist() if drop else list(range(len(batch)))
+    reporter.event("groups", f"first groups of step {step}", level="debug", data={
+        "rewards": rewards.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
+    first = kept[0].drawn
+    keys = [(*key, j, g) for k in kept for key in k.drawn.keys for j in range(k.drawn.groups_per_unit) for g in range(G)]
+    stale = None if batch.version is None else (s.engine.version - batch.version).float().cpu()
+    return Rollouts(batch=batch, examples=[ex for k in kept for ex in k.drawn.examples],
+                    prompts=[p for k in kept for p in k.drawn.prompts], units=[u for k in kept for u in k.drawn.units],
+                    groups_per_unit=first.groups_per_unit, group_size=G, rewards=rewards, advantages=adv,
+                    loss_mask=loss_mask, per_fn={name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn},
+                    train_rows=train_rows, frac_zero_std=r.frac_zero_std, refill_rounds=r.rounds - 1,
+                    reward_s=r.reward_s, keys=keys, staleness=stale, ranks=s.ranks, excluded=excluded,
+                    episodes=None if first.episodes is None else [e for k in kept for e in k.drawn.episodes or []],
+                    episode_stats=EpisodeStats.total(r.played))
+
+
+def collect_rollouts(s: Setup[RLJob], step: int, reporter: Records, draw: Draw[U], *, units: int, group_size: int,
                      drop_zero_std: bool | None = None, first: Sampling[U] | None = None) -> Rollouts[U] | None:
     """`units` units' groups, scored, with group-normalised advantages; None when every unit tied.
 
@@ -319,109 +295,6 @@ def collect_rollouts(s: Setup, step: int, reporter: Reporter, draw: Draw[U], *, 
     up to grpo.max_refill_rounds more rounds, and tied groups of kept units are left out of training.
     `first`: round 0's draw of all `units`, submitted earlier (max_staleness 1).
     """
-    g, G = s.spec.grpo, group_size
-    drop = g.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
-    kept: list[_Scored] = []
-    frac_zero: float | None = None
-    need, rounds, reward_s = units, 0, 0.0
-    played: list[EpisodeStats] = []  # every round's episodes (a job with an environment)
-    while need > 0:  # `need` is the same on every rank: each round draws and keeps over all of them
-        d = _sample_round(draw, rounds, need, G, first=first if rounds == 0 else None)
-        played.extend([d.stats] if d.stats is not None else [])
-        r, excluded, scored = (graded := grade(s, d, G, step)).rewards, graded.excluded, graded.scored
-        reward_s += scored.seconds
-        tied = zero_std_groups(r, G)  # [n_groups]
-        keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
-        counts = s.ranks.sum({"tied": float(tied.sum()), "groups": len(tied), "kept": float(keep.sum())})
-        if frac_zero is None:
-            frac_zero = counts["tied"] / max(counts["groups"], 1.0)
-        if keep.any():
-            kept.append(_Scored(d, r, excluded, scored.per_fn).keep_units(keep, G))
-        need -= int(counts["kept"])
-        rounds += 1
-        if need > 0 and rounds > g.max_refill_rounds:
-            break
-    if need == units:  # nothing kept on any rank
-        return None
-    if not kept:  # this rank kept nothing; the others did
-        kept.append(_Scored(d, r, excluded, scored.per_fn).keep_units(torch.zeros(len(d.units), dtype=torch.bool), G))
-    batch = RolloutBatch.cat([k.drawn.batch for k in kept], s.tokenizer.pad_token_id)
-    r = torch.cat([k.rewards for k in kept])  # [N]
-    excluded = torch.cat([k.excluded for k in kept])  # [N]
-    adv = group_advantages(r, G, normalize=g.normalize_advantages, eps=g.advantage_eps)  # [N]
-    grouped_adv = adv.view(-1, G)  # [n_groups, G]
-    if not torch.allclose(grouped_adv.mean(dim=1), torch.zeros(len(grouped_adv)), atol=1e-4):
-        raise RuntimeError(f"step {step}: group advantages are not centred (rewards {r.view(-1, G)[:3].tolist()})")
-    loss_mask = batch.loss_mask().clone()  # an episode's environment tokens are context, never trained
-    if g.mask_truncated_completions:
-        loss_mask[batch.truncated] = 0
-    loss_mask[excluded] = 0
-    tied = zero_std_groups(r, G)  # [n_groups]
-    train_rows = torch.arange(len(batch)).view(-1, G)[~tied].reshape(-1).tolist() if drop else list(range(len(batch)))
-    reporter.event("groups", f"first groups of step {step}", level="debug", data={
-        "rewards": r.view(-1, G)[:3].tolist(), "advantages": grouped_adv[:3].tolist()})
-    first = kept[0].drawn
-    keys = [(*key, j, g) for k in kept for key in k.drawn.keys for j in range(k.drawn.groups_per_unit) for g in range(G)]
-    stale = None if batch.version is None else (s.engine.version - batch.version).float().cpu()
-    return Rollouts(batch=batch, examples=[ex for k in kept for ex in k.drawn.examples],
-                    prompts=[p for k in kept for p in k.drawn.prompts], units=[u for k in kept for u in k.drawn.units],
-                    groups_per_unit=first.groups_per_unit, group_size=G, rewards=r, advantages=adv, loss_mask=loss_mask,
-                    per_fn={name: [v for k in kept for v in k.per_fn[name]] for name in kept[0].per_fn},
-                    train_rows=train_rows, frac_zero_std=frac_zero or 0.0, refill_rounds=rounds - 1, reward_s=reward_s,
-                    keys=keys, staleness=stale, ranks=s.ranks, excluded=excluded,
-                    episodes=None if first.episodes is None else [e for k in kept for e in k.drawn.episodes],
-                    episode_stats=EpisodeStats.total(played))
-
-
-def submit_train_prompts(s: Setup, step: int) -> Submit[Example]:
-    """The draws of step `step`'s training prompts."""
-    g = s.spec.grpo
-    tag = f"prompts-train-{g.seed}-{step}"
-    if s.environment is not None:
-        return submit_episodes(s, g.num_generations, seed_tag=tag)
-    return submit_prompts(s, s.task.train, g.num_generations, seed_tag=tag)
-
-
-def collect_train_rollouts(s: Setup, step: int, reporter: Reporter, *, submit: Submit[Example] | None = None,
-                           first: Sampling[Example] | None = None) -> Rollouts[Example] | None:
-    """The step's grpo.prompts_per_step training prompts, grpo.num_generations completions each;
-    round 0 from `first` where it was submitted ahead (by `submit`, which draws the refills)."""
-    g = s.spec.grpo
-    submit = submit or submit_train_prompts(s, step)
-    return collect_rollouts(s, step, reporter, lambda round, n: submit(round, n)(), first=first,
-                            units=g.prompts_per_step, group_size=g.num_generations)
-
-
-@dataclass(frozen=True)
-class Ahead:
-    """A step's training draws, submitted a step early."""
-
-    step: int
-    submit: Submit[Example]  # its draws: round 0 is in flight, refills come from here
-    first: Sampling[Example]  # round 0
-
-
-@dataclass
-class TrainRollouts:
-    """A job's training rollouts, step after step (collect_train_rollouts).
-
-    With rollout.max_staleness 1, once step k's rollouts are collected (sampled, scored) step k+1's
-    first round is submitted to the engine, so it samples them with step k's weights while step k
-    trains: one update behind when step k+1 trains on them. Refill rounds are sampled when needed,
-    with the weights of their step. A resumed attempt's first step samples with its own weights.
-    """
-
-    s: Setup
-    ahead: Ahead | None = None
-
-    def collect(self, step: int, reporter: Reporter) -> Rollouts[Example] | None:
-        s, g, ahead = self.s, self.s.spec.grpo, self.ahead
-        self.ahead = None
-        if ahead is not None and ahead.step == step:
-            ro = collect_train_rollouts(s, step, reporter, submit=ahead.submit, first=ahead.first)
-        else:
-            ro = collect_train_rollouts(s, step, reporter)
-        if s.spec.rollout.max_staleness and step < g.steps:
-            submit = submit_train_prompts(s, step + 1)
-            self.ahead = Ahead(step + 1, submit, submit(0, g.prompts_per_step))
-        return ro
+    drop = s.spec.grpo.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
+    rounds = sample_rounds(s, step, draw, units=units, G=group_size, drop=drop, first=first)
+    return None if rounds is None else assemble(s, step, reporter, rounds, group_size, drop=drop)

@@ -9,6 +9,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Generic, TypeVar, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -33,18 +34,21 @@ from worker.model.checkpoints import (
 from worker.model.loading import enable_checkpointing, load_policy
 from worker.parallel.distributed import SINGLE, Ranks, shard
 from worker.parallel.launch import place, trainer_gpus, visible_gpus
-from worker.reporting import Reporter
+from worker.reporting import Records, Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
 from worker.training import make_optimizer, make_scheduler, trainable
 
 AnySpec = GRPOJob | TracInJob | JointJob | SFTJob
+RLJob = GRPOJob | TracInJob | JointJob  # the kinds that sample groups and score them: what the RL parts read
+S = TypeVar("S", bound=AnySpec, covariant=True)  # a Setup[GRPOJob] is a Setup[RLJob]: it is frozen
+J = TypeVar("J", bound=AnySpec)
 
 
 @dataclass(frozen=True)
-class Setup:
-    """Everything a loop builds once per job."""
+class Setup(Generic[S]):
+    """Everything a loop builds once per job; `Setup[RLJob]` where a part reads the GRPO section."""
 
-    spec: AnySpec
+    spec: S
     model: torch.nn.Module  # the trained policy (a peft model with LoRA)
     tokenizer: PreTrainedTokenizerBase
     engine: RolloutEngine  # samples; old_logp from the second epoch on
@@ -78,16 +82,30 @@ class Setup:
                           sharded=self.sharded)
 
 
+def rl(s: Setup[AnySpec]) -> Setup[RLJob]:
+    """`s` as a job that samples and scores groups (grpo, tracin, joint): what the RL parts take."""
+    if isinstance(s.spec, SFTJob):
+        raise TypeError("an SFT job has no GRPO section: it runs no rollouts")
+    return cast(Setup[RLJob], s)
+
+
+def of_kind(s: Setup[AnySpec], kind: type[J]) -> Setup[J]:
+    """`s` as the setup of a `kind` job: what that kind's own parts take."""
+    if not isinstance(s.spec, kind):
+        raise TypeError(f"a {s.spec.kind} job, not a {kind.__name__}")
+    return cast(Setup[J], s)
+
+
 def policy_device(spec: AnySpec, ranks: Ranks) -> str:
     """devices.policy as the worker places it, or with several processes each rank's own (its GPU, or the CPU)."""
     return ranks.device if ranks.world > 1 else place(spec.devices.policy, visible_gpus())
 
 
-def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskData | None = None,
+def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | None = None,
           extra: dict[str, torch.nn.Module] | None = None,
           extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
           extra_schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler] | None = None,
-          ranks: Ranks = SINGLE) -> Setup:
+          ranks: Ranks = SINGLE) -> Setup[J]:
     """Load the policy (and `model.init_from`'s weights), the rollout copy, the reference, the
     optimizer and schedule, and the task (unless the loop loaded its own)."""
     g = spec.train
@@ -148,7 +166,7 @@ def build(spec: AnySpec, settings: Settings, reporter: Reporter, *, task: TaskDa
 PLAN_PROMPTS = 256
 
 
-def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, tok, task: TaskData,
+def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, tok: PreTrainedTokenizerBase, task: TaskData,
                     device: torch.device, ranks: Ranks = SINGLE) -> memory.CheckpointPlan:
     """model.gradient_checkpointing, or when unset, the estimate of what one micro-batch keeps without it
     (micro_batch_size rows, at most micro_batch_tokens positions, of the longest of the first
@@ -171,7 +189,7 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     return dataclasses.replace(plan, checkpointing=anyone)
 
 
-def report_memory_plan(reporter: Reporter, plan: memory.CheckpointPlan, fold: memory.FoldPlan | None) -> None:
+def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: memory.FoldPlan | None) -> None:
     """The `memory_plan` event: checkpointing, and the sampler's fold where it could fold."""
     message, data = plan.event()
     if fold is not None:
@@ -201,7 +219,7 @@ def fold_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, device:
     return memory.plan_fold(adapted_bytes(layers), budget_gb=memory_budget_gb(settings, device, ranks))
 
 
-def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok, dev: str,
+def rollout_engine(spec: AnySpec, settings: Settings, reporter: Reporter, model: torch.nn.Module, tok: PreTrainedTokenizerBase, dev: str,
                    params: SamplingParams, *, ranks: Ranks, sharded: bool, fold: bool = False) -> RolloutEngine:
     """The job's `rollout.engine`: a frozen copy sampled with generate, or a vLLM server of its own."""
     if spec.rollout.engine == "hf":
@@ -257,7 +275,7 @@ def _never() -> bool:
 
 
 def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engine: RolloutEngine,
-                    model: torch.nn.Module, tok, *, stop: Callable[[], bool] = _never) -> EnvironmentHost | None:
+                    model: torch.nn.Module, tok: PreTrainedTokenizerBase, *, stop: Callable[[], bool] = _never) -> EnvironmentHost | None:
     """The spec's environment, its server started (bundled) or its URL checked; None for single-turn jobs."""
     env = getattr(spec, "environment", None)
     if env is None:
@@ -279,7 +297,7 @@ def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engin
     return host
 
 
-def warn_reward_failures(reporter: Reporter, failures: list[RewardFailure], step: int) -> None:
+def warn_reward_failures(reporter: Records, failures: list[RewardFailure], step: int) -> None:
     """What could not be scored (in training or evaluation), as one warning event."""
     reporter.event("warning", f"{len(failures)} reward evaluations failed at step {step}; those completions are "
                    "excluded (from the loss, or from eval/reward_mean)", level="warning",
@@ -294,7 +312,7 @@ class Resumed:
     opt_steps: int = 0  # optimizer steps already taken (epochs count separately)
 
 
-def resume(s: Setup, reporter: Reporter) -> Resumed:
+def resume(s: Setup[AnySpec], reporter: Reporter) -> Resumed:
     """Restore the job's latest checkpoint, if an earlier attempt left one."""
     ckpt = reporter.resume_from()
     if ckpt is None:

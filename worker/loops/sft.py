@@ -31,15 +31,15 @@ from service.core.specs import SFTJob
 from worker.batch import RolloutBatch
 from worker.datasets import Example
 from worker.loops import evaluation, skeleton, update, utilisation
-from worker.loops.rollouts import prompt_for
 from worker.loops.setup import Setup, build
+from worker.loops.sources import prompt_for
 from worker.model.forward import forward_inputs, sequence_logprobs
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Reporter
 from worker.training import NonFiniteUpdate, eval_mode, seed_everything
 
 
-def step_examples(s: Setup, step: int) -> list[Example]:
+def step_examples(s: Setup[SFTJob], step: int) -> list[Example]:
     """This process's share of step `step`'s batch: examples (step-1)*B .. step*B - 1 of the train
     split's passes, each pass in its own seeded order."""
     train, B = s.task.train, s.spec.sft.batch_size
@@ -54,7 +54,7 @@ def step_examples(s: Setup, step: int) -> list[Example]:
     return [out[i] for i in s.ranks.share(B)]
 
 
-def encode(s: Setup, examples: list[Example]) -> RolloutBatch:
+def encode(s: Setup[SFTJob], examples: list[Example]) -> RolloutBatch:
     """Prompt (left-padded) and answer + EOS (right-padded, cut at max_new_tokens) token ids of each
     example; `truncated` marks the answers that were cut."""
     tok, t = s.tokenizer, s.spec.sft
@@ -93,7 +93,7 @@ def train_step(run: skeleton.Run, batch: RolloutBatch) -> dict[str, float]:
         nll += float(loss.detach())
     grad_norm = update.optimizer_step(run)
     totals = s.ranks.sum({"loss": nll, "truncated": float(batch.truncated.sum()), "rows": float(len(batch))})
-    return {"loss/train": totals["loss"], "grad_norm": grad_norm, "lr": s.scheduler.get_last_lr()[0],
+    return {"loss/train": totals["loss"], "grad_norm": grad_norm, "lr": float(s.scheduler.get_last_lr()[0]),
             "sft/answer_tokens": tokens, "sft/truncated_ratio": totals["truncated"] / max(totals["rows"], 1.0)}
 
 
@@ -107,7 +107,7 @@ class AnswerStats:
 
 
 @torch.no_grad()
-def answer_stats(s: Setup, batch: RolloutBatch) -> AnswerStats:
+def answer_stats(s: Setup[SFTJob], batch: RolloutBatch) -> AnswerStats:
     """Teacher-forced over `batch`, without dropout: one forward per micro-batch, the logits of the
     answer positions only."""
     nll = hits = 0.0
@@ -120,11 +120,11 @@ def answer_stats(s: Setup, batch: RolloutBatch) -> AnswerStats:
             real = b.completion_mask.bool()
             nll += float(torch.nn.functional.cross_entropy(logits[real], b.completion_ids[real], reduction="sum"))
             hits += float((logits.argmax(-1) == b.completion_ids)[real].sum())
-    t = s.ranks.sum({"nll": nll, "hits": hits, "tokens": float(batch.completion_mask.sum())})
-    return AnswerStats(t["nll"], t["hits"], t["tokens"])
+    sums = s.ranks.sum({"nll": nll, "hits": hits, "tokens": float(batch.completion_mask.sum())})
+    return AnswerStats(sums["nll"], sums["hits"], sums["tokens"])
 
 
-def evaluate(s: Setup, step: int) -> dict[str, float]:
+def evaluate(s: Setup[SFTJob], step: int) -> dict[str, float]:
     """Greedy accuracy and rewards on the validation prompts, and loss/val, eval/token_accuracy."""
     out = evaluation.evaluate(s, step)
     t = s.spec.sft

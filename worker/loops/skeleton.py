@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from service.core import health, tracing
 from service.core.records import SampleRow
-from worker.loops.setup import Setup, resume
+from worker.loops.setup import AnySpec, Setup, resume
 from worker.machine import memory
 from worker.model.checkpoints import gather_states, save_checkpoint
-from worker.reporting import LoopResult, Reporter
+from worker.reporting import LoopResult, Records, Reporter
 from worker.sparsity_tracker import SparsityTracker
 from worker.training import seed_everything, step_seed
 
@@ -37,7 +37,7 @@ Evaluate = Callable[[int], dict[str, float]]  # the step after which it evaluate
 class Run:
     """A job's loop in progress: what was built, where results go, and how far it got."""
 
-    s: Setup
+    s: Setup[AnySpec]
     reporter: Reporter
     evaluate: Evaluate  # greedy evaluation on the validation split -> eval/* metrics
     start_step: int = 0  # the last step done by an earlier attempt (0: a fresh start)
@@ -56,7 +56,7 @@ class Run:
             self.tracker.on_optimizer_step(self.opt_steps)
 
 
-def start(s: Setup, reporter: Reporter, evaluate: Evaluate) -> Run:
+def start(s: Setup[AnySpec], reporter: Reporter, evaluate: Evaluate) -> Run:
     """Resume from the last checkpoint if there is one; else evaluate before the first step (step 0)."""
     resumed = resume(s, reporter)
     run = Run(s=s, reporter=reporter, evaluate=evaluate, start_step=resumed.step, opt_steps=resumed.opt_steps,
@@ -164,13 +164,14 @@ class HealthStop(RuntimeError):
     recorded and checkpointed."""
 
 
-def report_health(reporter: Reporter, flags: Sequence[health.HealthFlag]) -> None:
+def report_health(reporter: Records, flags: Sequence[health.HealthFlag]) -> None:
     for f in flags:
         reporter.event(health.EVENT, f.message, level=health.EVENT_LEVEL[f.level], data=f.event_data())
 
 
 def read_health(run: Run, step: int, metrics: dict[str, float], *, updated: bool) -> health.StepHealth:
     """The guards' reading of a finished step: its health/* metrics, and an event per change of level."""
+    assert run.health is not None, "start() makes the guards"
     reading = run.health.observe(step, metrics, updated=updated)
     report_health(run.reporter, reading.changes)
     return reading
@@ -196,7 +197,7 @@ def skip_step(run: Run, step: int, why: str, metrics: dict[str, float], *, timer
     if samples:
         run.reporter.samples(step, list(samples))
     run.reporter.progress(step)
-    tracing.end_step(**{"grpo_jobs.skipped": True})
+    tracing.end_step(None, **{"grpo_jobs.skipped": True})
     stop_if_unhealthy(run, step, reading)
 
 
@@ -223,7 +224,7 @@ def finish_step(run: Run, step: int, metrics: dict[str, float], *, timer: StepTi
     due = g.checkpoint_every and step % g.checkpoint_every == 0 and step != g.steps
     if due:
         save(run, step)
-    tracing.end_step(**{"grpo_jobs.tokens": tokens})
+    tracing.end_step(None, **{"grpo_jobs.tokens": tokens})
     stop_if_unhealthy(run, step, reading, saved=bool(due))
 
 

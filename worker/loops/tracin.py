@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -42,33 +43,27 @@ from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks, adam_direction
 from worker.environments.runner import Stopped
 from worker.loops import evaluation, prediction, skeleton, update
-from worker.loops.rollouts import (
-    Rollouts,
-    TrainRollouts,
-    collect_rollouts,
-    draw_validation,
-)
-from worker.loops.setup import Setup, build
+from worker.loops.rollouts import Rollouts, collect_rollouts
+from worker.loops.setup import Setup, build, of_kind
+from worker.loops.sources import TrainRollouts, draw_validation
 from worker.parallel.distributed import SINGLE, Ranks
-from worker.reporting import LoopResult, Reporter
+from worker.reporting import LoopResult, Records, Reporter
 from worker.training import grad_norm, seed_everything, step_seed, trainable
 
 
-def backward_per_sample(s: Setup, ro: Rollouts, ref_logp: torch.Tensor | None, step: int,
+def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.Tensor | None, step: int,
                         hooks: GhostHooks | None = None, *, with_entropy: bool = True,
                         after_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """Every sample's share of the batch loss, forward and backward in micro-batches: the hooks see
     each one and place its samples by their rows."""
-    def place(rows: list[int]) -> None:
-        hooks.place(torch.tensor(rows))
-
+    place = None if hooks is None else (lambda rows: hooks.place(torch.tensor(rows)))
     p = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
                              update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step, with_entropy=with_entropy,
-                             before=place if hooks is not None else None, after=after_micro_batch)
+                             before=place, after=after_micro_batch)
     return p.reduced(s.ranks).metrics()
 
 
-def adam_directions(s: Setup, hooks: GhostHooks, *, moments_fixed: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def adam_directions(s: Setup[TracInJob], hooks: GhostHooks, *, moments_fixed: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per LoRA layer, the A and B directions c * D_t * G_val that `tracin.score: adam` scores
     against (worker/algos/influence.py): D_t from AdamW's moments before this step and the batch
     gradient gbar it will see, which is every rank's .grad summed (so call this right after the
@@ -93,7 +88,7 @@ def adam_directions(s: Setup, hooks: GhostHooks, *, moments_fixed: bool) -> dict
     return out
 
 
-def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int, ro: Rollouts) -> torch.Tensor:
+def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int, ro: Rollouts[Any]) -> torch.Tensor:
     """bool [N]: the samples of the whole batch (every rank's) that a selection by influence keeps."""
     t = spec.tracin
     if t.selection == "positive":
@@ -106,7 +101,7 @@ def select(spec: TracInJob, scores: torch.Tensor, hooks: GhostHooks, step: int, 
     return sel.greedy(scores, gram, t.fraction, eta=spec.grpo.learning_rate)
 
 
-def select_baseline(s: Setup, ro: Rollouts, step: int) -> torch.Tensor:
+def select_baseline(s: Setup[TracInJob], ro: Rollouts[Any], step: int) -> torch.Tensor:
     """bool [N]: the samples of the whole batch that a baseline keeps, without influence."""
     t, n = s.spec.tracin, ro.total
     if t.selection == "all":
@@ -131,18 +126,18 @@ def apply_recovered_gradient(run: skeleton.Run, hooks: GhostHooks) -> dict[str, 
     """One epoch: the selected samples' gradient, recovered from the hooks, is the update."""
     for p in (p for group in run.s.optimizer.param_groups for p in group["params"]):
         p.grad = hooks.subset_gradient(p).to(p.dtype)
-    return {"grad_norm": update.optimizer_step(run), "lr": run.s.scheduler.get_last_lr()[0]}
+    return {"grad_norm": update.optimizer_step(run), "lr": float(run.s.scheduler.get_last_lr()[0])}
 
 
 @dataclass
 class Validation:
     """The validation batch (None: every group tied) and its frozen reference log-probs."""
 
-    ro: Rollouts | None = None
+    ro: Rollouts[Any] | None = None
     ref_logp: torch.Tensor | None = None
 
 
-def validation_batch(s: Setup, val: Validation, step: int, reporter: Reporter) -> dict[str, float]:
+def validation_batch(s: Setup[TracInJob], val: Validation, step: int, reporter: Records) -> dict[str, float]:
     """1. Draw the validation batch every `tracin.val_regenerate_every` steps (and on every step while
     there is none), replacing tied groups (zero advantages add nothing to G_val); its refill rounds
     when it was drawn this step."""
@@ -173,12 +168,13 @@ class Scored:
         return int(self.chosen_all.sum())
 
 
-def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Tensor | None, step: int,
+def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, ref_logp: torch.Tensor | None, step: int,
                      hooks: GhostHooks, *, stream_positive: bool) -> Scored:
     """2. the validation gradient G_val; 3. the training backward, scoring <grad L_i, G_val> with the
     hooks (with `stream_positive`, each micro-batch's positive samples are folded as it ends, so no
     per-sample factors outlive it), rescored in AdamW's geometry with `tracin.score` adam*; 4. the
     selection over the whole batch, on the float64 scores."""
+    assert val.ro is not None, "a step with no validation batch is skipped before it scores"
     t0 = time.perf_counter()
     s.model.train()
     s.optimizer.zero_grad(set_to_none=True)
@@ -202,12 +198,12 @@ def score_and_select(s: Setup, ro: Rollouts, val: Validation, ref_logp: torch.Te
                   train_stats=stats, time_s=t_val + time.perf_counter() - t1)
 
 
-def update_selected(run: skeleton.Run, ro: Rollouts, scored: Scored, hooks: GhostHooks, old_logp: torch.Tensor,
+def update_selected(run: skeleton.Run, ro: Rollouts[Any], scored: Scored, hooks: GhostHooks, old_logp: torch.Tensor | None,
                     ref_logp: torch.Tensor | None, step: int, *, streamed: bool) -> dict[str, float]:
     """5. The update on the selected samples only, each with the weight it has in the whole batch's
     loss (AdamW is invariant to a constant loss scale, so this is a definition, not a step size):
     with one epoch their gradient is recovered from the hooks, with more the epochs run on them."""
-    s = run.s
+    s = of_kind(run.s, TracInJob)
     if not scored.n_selected:
         s.optimizer.zero_grad(set_to_none=True)
         run.reporter.event("no_selection", f"step {step}: no sample had positive influence; no update",
@@ -222,10 +218,10 @@ def update_selected(run: skeleton.Run, ro: Rollouts, scored: Scored, hooks: Ghos
     return update.train_epochs(run, ro, old_logp, ref_logp, step, rows=rows, norm_rows=list(range(len(ro))))
 
 
-def baseline_step(run: skeleton.Run, ro: Rollouts, step: int) -> tuple[dict[str, float], torch.Tensor]:
+def baseline_step(run: skeleton.Run, ro: Rollouts[Any], step: int) -> tuple[dict[str, float], torch.Tensor]:
     """A baseline's update: plain GRPO epochs on the rows it keeps, each with its weight in the whole
     batch's loss. Returns the metrics and this rank's rows' selection."""
-    s = run.s
+    s = of_kind(run.s, TracInJob)
     chosen = select_baseline(s, ro, step)[ro.positions]
     rows = chosen.nonzero().flatten().tolist()
     old_logp, ref_logp = update.old_logprobs(s, ro), update.reference_logprobs(s, ro.batch)
@@ -233,9 +229,10 @@ def baseline_step(run: skeleton.Run, ro: Rollouts, step: int) -> tuple[dict[str,
     return update.train_epochs(run, ro, old_logp, ref_logp, step, rows=rows, norm_rows=list(range(len(ro)))), chosen
 
 
-def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) -> tuple[dict[str, float], Scored]:
+def influence_step(run: skeleton.Run, ro: Rollouts[Any], val: Validation, step: int) -> tuple[dict[str, float], Scored]:
     """2-6 on one step's rollouts: score, select, update, and check the prediction."""
-    s, t = run.s, run.s.spec.tracin
+    s = of_kind(run.s, TracInJob)
+    t = s.spec.tracin
     one_epoch = s.spec.grpo.epochs_per_rollout_batch == 1
     by_sgd = t.geometry == "sgd"  # the adam scores need every sample's factors until the batch's gradient is known
     stream_positive = one_epoch and t.selection == "positive" and by_sgd
@@ -246,11 +243,11 @@ def influence_step(run: skeleton.Run, ro: Rollouts, val: Validation, step: int) 
     run.reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
     t_check = time.perf_counter()
     check = t.check_prediction and scored.n_selected > 0
-    theta_t = prediction.before_update(s, val.ro, val.ref_logp, hooks) if check else None
-    lr, t_check = s.scheduler.get_last_lr()[0], time.perf_counter() - t_check
+    theta_t = prediction.before_update(s, val.ro, val.ref_logp, hooks) if check and val.ro is not None else None
+    lr, t_check = float(s.scheduler.get_last_lr()[0]), time.perf_counter() - t_check
     metrics = {**scored.train_stats,
                **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}
-    if theta_t is not None:
+    if theta_t is not None and val.ro is not None:
         t1 = time.perf_counter()
         metrics.update(prediction.after_update(s, val.ro, val.ref_logp, hooks, theta_t, lr=lr, step=step,
                                                selected_influence=float(scored.every[scored.chosen_all].sum())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from worker.algos.correction import Correction, MismatchStats, correct
 from worker.algos.losses import Normaliser, SampleLosses, TokenStats, sample_losses
 from worker.batch import RolloutBatch
 from worker.loops.rollouts import Rollouts
-from worker.loops.setup import Setup
+from worker.loops.setup import AnySpec, RLJob, Setup, rl
 from worker.loops.skeleton import Run
 from worker.model.forward import batch_logprobs, micro_batches, sequence_logprobs
 from worker.parallel.distributed import Ranks
@@ -22,14 +23,14 @@ from worker.training import NonFiniteUpdate, grad_norm, has_dropout
 HINT = "lower the learning rate, or check the rewards and the data"
 
 
-def micro(s: Setup, batch: RolloutBatch, rows: list[int], *, shuffle_seed: int | None = None) -> list[list[int]]:
+def micro(s: Setup[AnySpec], batch: RolloutBatch, rows: list[int], *, shuffle_seed: int | None = None) -> list[list[int]]:
     """The job's micro-batches of `rows` (micro_batch_size rows, micro_batch_tokens positions)."""
     g = s.spec.train
     return micro_batches(batch, rows, max_rows=g.micro_batch_size, max_tokens=g.micro_batch_tokens,
                          shuffle_seed=shuffle_seed)
 
 
-def batch_normaliser(s: Setup, mask: torch.Tensor) -> Normaliser:
+def batch_normaliser(s: Setup[RLJob], mask: torch.Tensor) -> Normaliser:
     """The normaliser of the whole batch whose rows on this rank have loss mask `mask` [N, T]:
     token and sequence counts summed over ranks, the longest completion of any rank."""
     local = Normaliser.of(mask, s.spec.grpo.loss_agg)
@@ -41,7 +42,7 @@ def batch_normaliser(s: Setup, mask: torch.Tensor) -> Normaliser:
 
 
 @tracing.traced("grpo_jobs.ref_logprobs")
-def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
+def reference_logprobs(s: Setup[RLJob], batch: RolloutBatch) -> torch.Tensor | None:
     """ref_logp [N, T] under the frozen reference (the base model with the adapter disabled, or a
     copy), or None when KL is neither in the loss nor asked for."""
     if not s.spec.grpo.with_reference:
@@ -50,12 +51,13 @@ def reference_logprobs(s: Setup, batch: RolloutBatch) -> torch.Tensor | None:
     rows = micro(s, batch, list(range(len(batch))))
     if s.ref_model is not None:
         return batch_logprobs(s.ref_model, batch, g.temperature, rows, s.device, share_prompts=s.share_prompts)
-    with s.model.disable_adapter():
+    base_only: Any = s.model.disable_adapter  # peft's: the base model alone
+    with base_only():
         return batch_logprobs(s.model, batch, g.temperature, rows, s.device, share_prompts=s.share_prompts)
 
 
 @tracing.traced("grpo_jobs.old_logprobs")
-def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
+def old_logprobs(s: Setup[RLJob], ro: Rollouts[Any]) -> torch.Tensor | None:
     """old_logp [N, T] from a pass of the rollout copy, or None: the first epoch's forward gives them.
 
     The rollout copy holds exactly the policy's weights (synced at the start of the step), so the first
@@ -70,7 +72,7 @@ def old_logprobs(s: Setup, ro: Rollouts) -> torch.Tensor | None:
     return s.engine.logprobs(ro.batch, g.micro_batch_size, g.micro_batch_tokens)
 
 
-def correction(s: Setup, batch: RolloutBatch, old: torch.Tensor, mask: torch.Tensor) -> Correction | None:
+def correction(s: Setup[AnySpec], batch: RolloutBatch, old: torch.Tensor, mask: torch.Tensor) -> Correction | None:
     """The engine mismatch of `batch`'s rows [n, T] (sampled by the engine; trained with old log-probs
     `old`) and its importance weights per rollout.correction; None when the engine's log-probs are
     the trainer's own (hf)."""
@@ -81,7 +83,7 @@ def correction(s: Setup, batch: RolloutBatch, old: torch.Tensor, mask: torch.Ten
                    level=r.correction_level, cap=r.correction_cap)
 
 
-def losses(s: Setup, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def losses(s: Setup[RLJob], logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
            norm: Normaliser, ref_logp: torch.Tensor | None, fix: Correction | None) -> SampleLosses:
     """Each sample's share of the job's loss (grpo.loss, its clip and KL, the correction's weights). [n] each."""
     g = s.spec.grpo
@@ -113,8 +115,9 @@ def optimizer_step(run: Run) -> float:
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     max_norm = s.spec.train.max_grad_norm
     if s.sharded:  # FSDP2 summed each backward's gradient into this rank's shards; the norm is over all of them
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")).full_tensor()
-        norm = float(norm)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        shards: Any = total  # a DTensor of the shards' norms
+        norm = float(shards.full_tensor())
         if not math.isfinite(norm):
             raise NonFiniteUpdate(f"the gradient norm is {norm}", step=run.step, hint=HINT)
         s.optimizer.step()
@@ -177,7 +180,7 @@ class PassTotals:
         return out
 
 
-def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normaliser, old_logp: torch.Tensor | None,
+def backward_pass(s: Setup[RLJob], ro: Rollouts[Any], micro: list[list[int]], norm: Normaliser, old_logp: torch.Tensor | None,
                   ref_logp: torch.Tensor | None, step: int, *, with_entropy: bool = True,
                   before: Callable[[list[int]], None] | None = None,
                   after: Callable[[], None] | None = None, record: torch.Tensor | None = None) -> PassTotals:
@@ -187,8 +190,7 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
     (kept in `record` [N, T] for the later epochs)."""
     g = s.spec.grpo
     out = PassTotals(kl=None if ref_logp is None else 0.0)
-    if ro.batch.sampler_logp is not None:
-        out.mismatch = MismatchStats()
+    mismatch = out.mismatch = MismatchStats() if ro.batch.sampler_logp is not None else None
     for idx in micro:
         mb = ro.batch.select(idx).to(s.device)
         mask = ro.loss_mask[idx].to(s.device)
@@ -202,8 +204,8 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
         fix = correction(s, mb, old, mask)
         parts = losses(s, logp, old, ro.advantages[idx].to(s.device), mask, norm,
                        None if ref_logp is None else ref_logp[idx].to(s.device), fix)
-        if fix is not None:
-            out.mismatch.add(fix, mask)
+        if fix is not None and mismatch is not None:
+            mismatch.add(fix, mask)
         loss = parts.loss.sum()
         if not torch.isfinite(loss):
             raise NonFiniteUpdate(f"the loss is {loss.item()}", step=step, hint=HINT)
@@ -213,21 +215,22 @@ def backward_pass(s: Setup, ro: Rollouts, micro: list[list[int]], norm: Normalis
         out.loss += float(loss.detach())
         out.policy += float(parts.policy.sum())
         if parts.kl is not None:
-            out.kl += float(parts.kl.sum())
+            out.kl = (out.kl or 0.0) + float(parts.kl.sum())
         out.tokens += parts.tokens
-        out.entropy_sum += float((e * mask).sum()) if with_entropy else 0.0
+        out.entropy_sum += float((e * mask).sum()) if e is not None else 0.0
     return out
 
 
 @tracing.traced("rl.train")
-def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
+def train_epochs(run: Run, ro: Rollouts[Any], old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, step: int,
                  *, rows: list[int] | None = None, norm_rows: list[int] | None = None) -> dict[str, float]:
     """epochs_per_rollout_batch passes over `rows` of the batch (default: its train_rows), each one
     optimizer step with gradient accumulation over micro-batches. Every micro-batch's loss is its
     samples' shares of the loss of `norm_rows` (default: `rows`), so the accumulated gradient is that
     loss's gradient; TracIn passes all rows as norm_rows, so selected samples keep their weight.
     Losses are the mean over epochs; ratio, clip and entropy statistics over every epoch's tokens."""
-    s, g = run.s, run.s.spec.grpo
+    s = rl(run.s)
+    g = s.spec.grpo
     rows = ro.train_rows if rows is None else rows
     norm = batch_normaliser(s, ro.loss_mask[norm_rows if norm_rows is not None else rows])
     s.model.train()
@@ -247,5 +250,5 @@ def train_epochs(run: Run, ro: Rollouts, old_logp: torch.Tensor | None, ref_logp
     n = g.epochs_per_rollout_batch
     out = epochs.reduced(s.ranks).metrics()
     out.update({k: out[k] / n for k in ("loss/total", "loss/policy", "kl") if k in out})
-    out.update({"grad_norm": sum(norms) / len(norms), "lr": s.scheduler.get_last_lr()[0]})
+    out.update({"grad_norm": sum(norms) / len(norms), "lr": float(s.scheduler.get_last_lr()[0])})
     return out

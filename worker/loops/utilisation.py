@@ -13,11 +13,13 @@ figure is a lower bound with refills).
 
 from __future__ import annotations
 
+from typing import Any
+
 from worker.algos import flops
 from worker.algos.lora import is_lora
 from worker.batch import RolloutBatch
 from worker.loops.rollouts import Rollouts
-from worker.loops.setup import Setup
+from worker.loops.setup import AnySpec, RLJob, Setup
 from worker.machine.hardware import decoder_shape, peak_flops
 from worker.model.prefix import prompt_groups
 
@@ -69,7 +71,7 @@ def step_metrics(*, peak: float, sampling: int | None, sampling_s: float, train:
     return out
 
 
-def sft_step(s: Setup, batch: RolloutBatch, *, train_s: float) -> dict[str, float]:
+def sft_step(s: Setup[AnySpec], batch: RolloutBatch, *, train_s: float) -> dict[str, float]:
     """mfu/* of a supervised step: one forward and backward over every row of the batch."""
     shape = decoder_shape(s.model)
     if shape is None:
@@ -80,7 +82,7 @@ def sft_step(s: Setup, batch: RolloutBatch, *, train_s: float) -> dict[str, floa
     return step_metrics(peak=peak, sampling=None, sampling_s=0.0, train=train, train_s=train_s)
 
 
-def grpo_step(s: Setup, ro: Rollouts, measured: dict[str, float], *, rollout_s: float, sync_s: float,
+def grpo_step(s: Setup[RLJob], ro: Rollouts[Any], measured: dict[str, float], *, rollout_s: float, sync_s: float,
               train_s: float) -> dict[str, float]:
     """mfu/* of a GRPO step from its batch and its clock (`measured`: the step's metrics so far)."""
     g = s.spec.grpo

@@ -10,6 +10,7 @@ influence passes, SFT and the samplers' `logprobs`.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -64,11 +65,12 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(decoder, lm_head) where the model's logits are exactly `lm_head(decoder(...).last_hidden_state)`
     with a plain, unsharded linear head; None otherwise (those models keep the full-logits path)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model
+    base: Any = getattr(model, "get_base_model", lambda: model)()  # peft: the wrapped model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
     if type(head) not in (torch.nn.Linear, Float32Head) or decoder is None or decoder is base:
         return None  # no head, or an adapter on the head itself
+    assert isinstance(head, torch.nn.Linear) and isinstance(decoder, torch.nn.Module)
     if isinstance(head.weight, DTensor) or any(getattr(base.config, k, None) for k in _LOGIT_TRANSFORMS):
         return None  # FSDP2 unshards the head only inside the root's forward
     return decoder, head
@@ -109,7 +111,7 @@ def sequence_logprobs(
     return torch.nn.functional.pad(logp, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
 
 
-def _logprobs_from_logits(model, b: RolloutBatch, kw: dict, temperature: float,
+def _logprobs_from_logits(model: torch.nn.Module, b: RolloutBatch, kw: dict[str, Any], temperature: float,
                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The full-logits path, for models `split_head` cannot split: logp, entropy [N, t]."""
     t = b.completion_ids.shape[1]

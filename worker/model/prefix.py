@@ -16,6 +16,7 @@ forward (TracIn's): the caller says when rows may share.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -66,17 +67,21 @@ def completion_hidden(decoder: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     P, t = prompt_ids.shape[1], completion_ids.shape[1]
     kw = teacher_forced(prompt_ids, prompt_mask, completion_ids, completion_mask)  # [N, P+t]
     groups = prompt_groups(prompt_ids, prompt_mask) if share and P > 0 and t > 0 else None
-    cache = DynamicCache(config=decoder.config) if groups is not None else None
-    if cache is None or checkpointing(decoder) or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return decoder(**kw).last_hidden_state[:, P - 1:P + t - 1]  # [N, t, H]
+    config: Any = decoder.config  # transformers' PreTrainedConfig, untyped on a Module
+    cache = DynamicCache(config=config) if groups is not None else None
+    if groups is None or cache is None or checkpointing(decoder) or \
+            any(type(layer) is not DynamicLayer for layer in cache.layers):
+        hidden: torch.Tensor = decoder(**kw).last_hidden_state
+        return hidden[:, P - 1:P + t - 1]  # [N, t, H]
     attn, positions = kw["attention_mask"], kw["position_ids"]
+    assert isinstance(attn, torch.Tensor) and isinstance(positions, torch.Tensor)
     f = groups.first
-    prompt = decoder(input_ids=prompt_ids[f], attention_mask=prompt_mask[f], position_ids=positions[f, :P],
+    prompt: torch.Tensor = decoder(input_ids=prompt_ids[f], attention_mask=prompt_mask[f], position_ids=positions[f, :P],
                      cache=cache, use_cache=True).last_hidden_state  # [U, P, H]
     first_token = prompt[groups.inverse, -1:]  # [N, 1, H]: the prompt's last position predicts token 0
     if t == 1:
         return first_token
     cache.batch_select_indices(groups.inverse)  # each row's copy of its prompt's keys and values [N, ...]
-    rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, P:-1],
+    rest: torch.Tensor = decoder(input_ids=completion_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, P:-1],
                    cache=cache, use_cache=True).last_hidden_state  # [N, t-1, H]: token j predicts token j+1
     return torch.cat([first_token, rest], dim=1)

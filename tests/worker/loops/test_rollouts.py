@@ -1,5 +1,7 @@
 """The shared rollout collector on hand-made groups: what is dropped, refilled and trained on."""
 
+import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -8,8 +10,9 @@ import torch
 from service.core.specs import GRPOSpec
 from worker.batch import RolloutBatch
 from worker.datasets import Example
+from worker.loops.draws import Uniform, draw_share, pick
 from worker.loops.rollouts import Drawn, collect_rollouts
-from worker.parallel.distributed import SINGLE
+from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import Reporter
 from worker.rewards import FunctionComponent, Scorer, lookup
 
@@ -94,3 +97,42 @@ def test_the_reward_mean_counts_scored_completions_only_and_is_absent_when_none_
     draw, _ = _drawer([[["x1", "x"], ["xa", "xx"], ["ax", "x"]]])
     m = collect_rollouts(_unscorable_setup(), 1, Reporter(), draw, units=1, group_size=G).metrics()
     assert "reward/mean" not in m and "reward/std" not in m  # nothing was measured
+
+
+class _Recording:
+    """A prompt draw that keeps what it is told: the seam a draw that learns from rewards plugs into."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[int], list[list[float]]]] = []
+
+    def draw(self, rng, n: int) -> list[int]:
+        return list(range(n))
+
+    def observe(self, picked: list[int], rewards: torch.Tensor) -> None:
+        self.seen.append((picked, rewards.tolist()))
+
+
+@pytest.mark.usefixtures("digit_reward")
+def test_the_prompt_draw_is_told_every_rounds_rewards_refills_included():
+    base, _ = _drawer([MIXED, TIED, MIXED])
+    recording = _Recording()
+
+    def draw(round: int, n: int) -> Drawn[str]:
+        d = base(round, n)
+        return replace(d, picked=[10 * round + i for i in range(n)], drawn_by=recording)
+
+    s = _setup(drop_zero_std_groups=True, max_refill_rounds=2, num_generations=G)
+    collect_rollouts(s, 1, Reporter(), draw, units=2, group_size=G)
+    # round 0 drew units 0 and 1 (the second tied), round 1 refilled one; rewards [n_units, K * G]
+    assert [picked for picked, _ in recording.seen] == [[0, 1], [10]]
+    assert recording.seen[0][1][1] == [0.0] * (K * G) and len(recording.seen[1][1][0]) == K * G
+
+
+def test_the_uniform_draw_is_the_seeded_draw_every_rank_shares():
+    pool = [f"prompt {i}" for i in range(7)]
+    rng = random.Random("tag")
+    assert pick(pool, draw_share(Uniform(7), random.Random("tag"), 3, SINGLE)) == [pool[rng.randrange(7)] for _ in range(3)]
+    whole = draw_share(Uniform(7), random.Random("tag"), 5, SINGLE)
+    shares = [draw_share(Uniform(7), random.Random("tag"), 5, Ranks(rank=r, world=2)) for r in range(2)]
+    assert shares[0].picked + shares[1].picked == whole.picked and shares[1].index == [3, 4]
+    assert Uniform(3, offset=100).draw(random.Random(0), 4) == [100 + i for i in Uniform(3).draw(random.Random(0), 4)]

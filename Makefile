@@ -36,7 +36,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook trl browser demo dev docs lint test test-numerics bench device-check clean
+.PHONY: install vllm cookbook trl browser demo dev docs lint check test test-numerics bench device-check clean
 
 install: $(VENV)/.installed
 
@@ -125,6 +125,15 @@ test: install browser vllm cookbook
 
 # The float-heavy tests under every CPU kernel set and thread count, 20 seeds each (scripts/test-numerics);
 # CI runs one pass under a kernel set other than the machine's own: RUNS=1 CAPS=foreign
+# The inner loop, for use while working (under 5 minutes on 2 cores): lint, then the house rules, the docs'
+# contract, the service's core and the worker's rooms (the maths, the loops in this process on tiny models,
+# the engines, environments and sessions), without the service's processes, PostgreSQL, Redis, vLLM or
+# faults. `make test` is the whole suite; CI runs that.
+CHECK_TESTS := tests/test_architecture.py tests/test_docs.py tests/service/core tests/worker
+check: lint
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 $(CHECK_TESTS) \
+		-m "not slow and not postgres and not redis and not faults and not vllm and not serial"
+
 test-numerics: install
 	scripts/test-numerics
 

@@ -234,7 +234,7 @@ def sample_rounds(s: Setup[RLJob], step: int, draw: Draw[U], *, units: int, G: i
         graded = grade(s, d, G, step)
         out.reward_s += graded.scored.seconds
         if d.drawn_by is not None and d.picked is not None:
-            d.drawn_by.observe(d.picked, graded.rewards.view(len(d.units), -1))
+            d.drawn_by.observe(d.picked, graded.rewards.view(len(d.units), d.groups_per_unit * G))
         tied = zero_std_groups(graded.rewards, G)  # [n_groups]
         keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
         counts = s.ranks.sum({"tied": float(tied.sum()), "groups": len(tied), "kept": float(keep.sum())})

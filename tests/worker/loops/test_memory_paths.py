@@ -9,8 +9,8 @@ import torch
 
 from service.core.specs import GRPOJob, TracInJob
 from worker.batch import RolloutBatch
-from worker.engines import hf_engine as sampling
 from worker.loops import grpo, tracin
+from worker.model import forward
 from worker.model.forward import micro_batches
 from worker.reporting import FileReporter
 
@@ -51,7 +51,7 @@ def test_chunked_head_learns_what_the_full_logits_learn(tmp_path, settings_facto
     d = _merge(BASE, {"model": {"lora": None}} if full_ft else {})
     spec = GRPOJob.model_validate(d)
     chunked = _metrics(spec, tmp_path, "chunked", settings_factory())
-    monkeypatch.setattr(sampling, "split_head", lambda model: None)  # every model takes the full-logits path
+    monkeypatch.setattr(forward, "split_head", lambda model: None)  # every model takes the full-logits path
     full = _metrics(spec, tmp_path, "full", settings_factory())
     _assert_same(full, chunked)
 

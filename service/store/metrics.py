@@ -161,7 +161,7 @@ def job_series(
             all_keys.append(name)
             continue
         sd = found.setdefault(name, SeriesData(key=name))
-        sd.points.append({"step": step, "value": float(avg), "min": vmin, "max": vmax})
+        sd.points.append({"step": int(step), "value": float(avg), "min": float(vmin), "max": float(vmax)})
         sd.total_points += count
         if width > 1:
             sd.downsampled, sd.bucket_steps = True, width

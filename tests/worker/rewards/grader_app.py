@@ -3,7 +3,8 @@ built-in numeric match; /slow never answers in time; /error answers 500; /short 
 too few; /auth checks the header the worker adds from its environment; /redirect answers 302 to the
 URL in its query; /big answers more bytes than the worker reads; /bomb answers about 50 KB of zstd
 that decode to 1 GiB, whatever was asked; /nonfinite scores NaN, Infinity and
-1e400. /calls counts what arrived, and whether a secret came with it, per path."""
+1e400. /calls counts what arrived, and whether a secret came with it, per path; /sent how many of /big's
+chunks were sent."""
 
 import time
 
@@ -19,6 +20,7 @@ from worker.rewards.functions import numeric_match
 
 app = FastAPI()
 CALLS: dict[str, int] = {}
+SENT = {"big_chunks": 0}  # chunks of /big?chunked=true handed to the server to send, in all
 
 
 @app.middleware("http")
@@ -81,8 +83,17 @@ async def big(request: Request, chunked: bool = False):
     n = len(_items(await request.json()))
     head, pad = b'{"scores": [' + b"1.0," * (n - 1) + b"1.0]", b" " * 1_000_000
     if chunked:
-        return StreamingResponse(iter([head, *[pad] * 50, b"}"]), media_type="application/json")
+        def chunks():
+            for part in [head, *[pad] * 50, b"}"]:
+                SENT["big_chunks"] += 1
+                yield part
+        return StreamingResponse(chunks(), media_type="application/json")
     return Response(head + pad * 50 + b"}", media_type="application/json")
+
+
+@app.get("/sent")
+async def sent():
+    return SENT
 
 
 @app.post("/bomb")

@@ -82,6 +82,12 @@ class Phase:
                 f"   p99 {self.pct(99):6.1f} ms   ({self.requests} requests)")
 
 
+def shown(phase: Phase) -> Phase:
+    """The phase, printed as soon as it ends."""
+    print(phase.line(), flush=True)
+    return phase
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,8 +100,12 @@ async def load(name: str, base: str, key: str, path: str, params: dict, *, clien
     deadline = time.perf_counter() + seconds
 
     async def client() -> None:
-        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
-            headers = {"If-None-Match": (await c.get(path, params=params)).headers["etag"]} if conditional else {}
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
+            headers = {}
+            if conditional:
+                first = await c.get(path, params=params)
+                assert first.status_code == 200, (first.status_code, first.text[:300])
+                headers = {"If-None-Match": first.headers["etag"]}
             while time.perf_counter() < deadline:
                 t = time.perf_counter()
                 r = await c.get(path, params=params, headers=headers)
@@ -104,7 +114,7 @@ async def load(name: str, base: str, key: str, path: str, params: dict, *, clien
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return Phase(name, len(latencies), time.perf_counter() - t0, latencies)
+    return shown(Phase(name, len(latencies), time.perf_counter() - t0, latencies))
 
 
 async def poll_incrementally(name: str, base: str, key: str, path: str, *, clients: int, seconds: float) -> Phase:
@@ -113,7 +123,7 @@ async def poll_incrementally(name: str, base: str, key: str, path: str, *, clien
     deadline = time.perf_counter() + seconds
 
     async def client() -> None:
-        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
             first = await c.get(path)
             etag, last = first.headers["etag"], max(p["step"] for s in first.json()["series"] for p in s["points"])
             while time.perf_counter() < deadline:
@@ -127,7 +137,7 @@ async def poll_incrementally(name: str, base: str, key: str, path: str, *, clien
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return Phase(name, len(latencies), time.perf_counter() - t0, latencies)
+    return shown(Phase(name, len(latencies), time.perf_counter() - t0, latencies))
 
 
 class LiveRun:
@@ -259,11 +269,9 @@ def measure(args, url: str) -> None:
           f"{'the same cores' if server_cores is None else sorted(server_cores)}")
     results = []
     for workers in sorted({1, args.api_workers}):
+        print(f"-- serve --workers {workers}", flush=True)
         with LiveRun(url, seeded.live_id):
             phases = serve_and_load(args, url, seeded, workers, server_cores)
-        print(f"-- serve --workers {workers}")
-        for p in phases.values():
-            print(p.line())
         results.append(" ".join(f"{name}_rps_w{workers}={p.rps:.0f} {name}_p95_ms_w{workers}={p.pct(95):.1f}"
                                 for name, p in phases.items()))
     with httpx.Client(headers={"Authorization": f"Bearer {seeded.key}"}) as c, \

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
@@ -11,7 +13,7 @@ from sqlalchemy.orm import Session
 from service.core.settings import Settings
 from service.store import jobs as jobs_q
 from service.store import keys as keys_q
-from service.store.db import session_scope
+from service.store.db import MAX_OVERFLOW, POOL_SIZE, session_scope
 from service.store.models import Job
 
 
@@ -22,7 +24,27 @@ async def get_settings_dep(request: Request) -> Settings:  # async: no thread ho
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 
 
-def get_db(settings: SettingsDep, request: Request) -> Iterator[Session]:
+# At most ADMITTED requests of one API process hold a store session at once; the others wait their turn in
+# the event loop, where waiting costs nothing. A request holds its connection from its first query until its
+# route returns, while its sync parts take turns on the thread pool (40 threads): unbounded, 40 threads could
+# all wait for connections held by requests that wait for a thread, a stall until the pool's 30 s timeout and
+# then 503s (100 pollers on one process did so in bench/api_load.py). Below the pool's 30, a third is left to
+# the streams, webhook deliveries and readiness checks that take connections of their own.
+ADMITTED = (POOL_SIZE + MAX_OVERFLOW) * 2 // 3
+_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+async def admitted() -> AsyncIterator[None]:
+    """A turn among the requests that hold a store session (taken after the body is read, so a slow
+    sender never holds one)."""
+    loop = asyncio.get_running_loop()
+    turns = _turns.get(loop) or _turns.setdefault(loop, asyncio.Semaphore(ADMITTED))
+    async with turns:
+        yield
+
+
+def get_db(settings: SettingsDep, request: Request, _turn: Annotated[None, Depends(admitted, scope="function")],
+           ) -> Iterator[Session]:
     with session_scope(settings.store_url, read_only=request.method in ("GET", "HEAD")) as session:
         yield session
 

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 # How long a connection attempt may take before the store counts as unreachable.
 CONNECT_TIMEOUT_S = 5
+POOL_SIZE, MAX_OVERFLOW = 10, 20  # a process's PostgreSQL connections: 10 kept, 20 more at peaks
 
 
 def normalize_url(url: str) -> str:
@@ -65,7 +66,7 @@ def _create_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+    return create_engine(url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=MAX_OVERFLOW,
                          connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
 
 

@@ -25,7 +25,8 @@ from service.core.spec_base import _Section
 
 Level = Literal["ok", "warn", "critical"]
 LEVELS: tuple[Level, ...] = ("ok", "warn", "critical")
-GuardName = Literal["informative_groups", "entropy", "truncation", "ratio", "grader_time", "update", "non_finite"]
+GuardName = Literal["informative_groups", "entropy", "truncation", "ratio", "grader_time", "environment", "update",
+                    "non_finite"]
 EVENT = "health"  # the event type every guard's change of level is recorded as
 EVENT_LEVEL = {"ok": "info", "warn": "warning", "critical": "error"}
 # A guard gets worse at once, and better only after this many steps in a row in a better band: a value
@@ -58,6 +59,8 @@ GUARDS: tuple[Guard, ...] = (
     Guard("ratio", "high", "largest importance ratio of a step's tokens (ratio/max): past the clip band the "
           "update is off-policy"),
     Guard("grader_time", "high", "share of the step's wall time spent scoring rewards (time/reward_s over time/step_s)"),
+    Guard("environment", "high", "share of the step's training episodes the environment failed (env/error_ratio): "
+          "a failed episode earns nothing and teaches nothing"),
     Guard("update", "high", "consecutive steps whose update was zero (a zero gradient, or a skipped step)"),
     Guard("non_finite", "high", "a NaN or infinite loss or gradient: the job stops before the optimizer applies it"),
 )
@@ -82,6 +85,9 @@ class HealthSpec(_Section):
     grader_time: Band = Field(default_factory=lambda: Band(warn=0.5, critical=0.8),
                               description="Share of a step's time spent scoring: amber at or above warn, red at or "
                               "above critical.")
+    environment: Band = Field(default_factory=lambda: Band(warn=0.1, critical=0.5),
+                              description="Share of a step's training episodes the environment failed (timed out, "
+                              "errored, closed the session): amber at or above warn, red at or above critical.")
     update: Band = Field(default_factory=lambda: Band(warn=1, critical=3),
                          description="Consecutive steps with a zero update: amber at or above warn, red at or above "
                          "critical.")
@@ -136,11 +142,12 @@ class StepHealth:
     stop: HealthFlag | None = None
 
 
-def _message(guard: Guard, level: Level, value: float, threshold: float | None, step: int) -> str:
+def _message(guard: Guard, level: Level, value: float, threshold: float | None, step: int, why: str | None) -> str:
     if level == "ok":
         return f"step {step}: {guard.name} is back within its band ({value:.4g})"
     side = "at or below" if guard.worse == "low" else "at or above"
-    return f"step {step}: {guard.name} is {value:.4g}, {side} its {level} threshold {threshold:g}: {guard.doc}"
+    because = f"; {why}" if why else ""
+    return f"step {step}: {guard.name} is {value:.4g}, {side} its {level} threshold {threshold:g}: {guard.doc}{because}"
 
 
 @dataclass
@@ -170,13 +177,17 @@ class HealthMonitor:
             out["ratio"] = r
         if (score := metrics.get("time/reward_s")) is not None and metrics.get("time/step_s"):
             out["grader_time"] = score / metrics["time/step_s"]
+        if (failed := metrics.get("env/error_ratio")) is not None:
+            out["environment"] = failed
         zero = not updated or metrics.get("grad_norm") == 0.0
         self.stalled = self.stalled + 1 if zero else 0
         out["update"] = float(self.stalled)
         return out
 
-    def observe(self, step: int, metrics: Mapping[str, float], *, updated: bool = True) -> StepHealth:
-        """Read a step's metrics (`updated` False: a skipped step, no update made)."""
+    def observe(self, step: int, metrics: Mapping[str, float], *, updated: bool = True,
+                why: Mapping[GuardName, str] | None = None) -> StepHealth:
+        """Read a step's metrics (`updated` False: a skipped step, no update made); `why`: in a guard's
+        own words where the step knows them (the environment's error, say), what made its value."""
         changes, stop = [], None
         values = self.values(metrics, updated=updated)
         for name, value in values.items():
@@ -194,7 +205,7 @@ class HealthMonitor:
             self.levels[name] = level
             threshold = None if level == "ok" else getattr(band, level)
             flag = HealthFlag(guard=name, level=level, step=step, value=value, threshold=threshold,
-                              message=_message(guard, level, value, threshold, step))
+                              message=_message(guard, level, value, threshold, step, (why or {}).get(name)))
             changes.append(flag)
             if level == "critical" and name in self.spec.stop_on and stop is None:
                 stop = flag
@@ -210,7 +221,8 @@ def non_finite_flag(what: str, step: int | None) -> HealthFlag:
 
 # Which guards a kind's steps feed (a session job's steps are its client's: none).
 ALL_GUARDS: tuple[GuardName, ...] = tuple(g.name for g in GUARDS)
-KIND_GUARDS: dict[str, tuple[GuardName, ...]] = {"grpo": ALL_GUARDS, "tracin": ALL_GUARDS, "joint": ALL_GUARDS,
+KIND_GUARDS: dict[str, tuple[GuardName, ...]] = {"grpo": ALL_GUARDS, "tracin": ALL_GUARDS,
+                                                 "joint": tuple(g for g in ALL_GUARDS if g != "environment"),
                                                  "sft": ("update", "non_finite"), "session": ()}
 
 

@@ -15,7 +15,8 @@ Both read answers leniently (a small model rarely writes the tags at first) and 
 so a model learns answering first and the format with it.
 
 Observations carry `tool_call` and `tool_error` (a calculator call, one that failed), which the
-worker counts per step.
+worker counts per step. Each environment counts its live sessions (SESSIONS: one instance per session,
+closed by the server when the session ends), which a bundled server reports at `/sessions`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ast
 import operator
 import random
 import re
+from dataclasses import dataclass
 from uuid import uuid4
 
 from openenv.core.env_server.interfaces import Environment
@@ -98,7 +100,33 @@ def final_answer(text: str) -> tuple[int | None, bool]:
     return (int(numbers[-1]), False) if numbers else (None, False)
 
 
-class CalculatorEnvironment(Environment):
+@dataclass
+class SessionCount:
+    """Sessions of this server's environment: open now, and the most open at once."""
+
+    open: int = 0
+    most: int = 0
+
+
+SESSIONS = SessionCount()
+
+
+class Counted(Environment):
+    """An environment that counts itself in SESSIONS from creation to close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        SESSIONS.open += 1
+        SESSIONS.most = max(SESSIONS.most, SESSIONS.open)
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            SESSIONS.open -= 1
+
+
+class CalculatorEnvironment(Counted):
     SUPPORTS_CONCURRENT_SESSIONS = True
     INSTRUCTIONS = ("You may use a calculator: write <calc>expression</calc>, for example <calc>12+7</calc>, and "
                     "you will be told the result. Give the answer as <answer>number</answer>.")
@@ -138,7 +166,7 @@ class CalculatorEnvironment(Environment):
         return self._state
 
 
-class GuessNumberEnvironment(Environment):
+class GuessNumberEnvironment(Counted):
     SUPPORTS_CONCURRENT_SESSIONS = True
     HIGH = 20
 

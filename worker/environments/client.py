@@ -17,6 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,11 @@ from websockets.exceptions import ConnectionClosed, PayloadTooBig, WebSocketExce
 
 class EnvironmentFailed(RuntimeError):
     """The environment could not answer: down, too slow, too large, garbled, or it said it failed."""
+
+
+class EnvironmentBusy(EnvironmentFailed):
+    """The server refused a new session: every one of its slots (`max_concurrent_envs`) is taken, or it
+    closed the session before answering its first reset. Another try may find a slot free."""
 
 
 class EnvironmentDown(EnvironmentFailed):
@@ -52,6 +60,7 @@ class Session:
     def __init__(self, base_url: str, *, timeout_s: float, max_bytes: int) -> None:
         self.url, self.timeout_s, self.max_bytes = ws_url(base_url), timeout_s, max_bytes
         self._ws: ClientConnection | None = None
+        self.answered = False  # the server has answered a message of this session
 
     async def __aenter__(self) -> Session:
         try:
@@ -90,11 +99,15 @@ class Session:
             if isinstance(exc.__cause__, PayloadTooBig):
                 raise EnvironmentFailed(f"its answer to {message['type']} is larger than {self.max_bytes} bytes") \
                     from None
-            raise EnvironmentFailed(f"the server closed the session ({exc.rcvd.code if exc.rcvd else 'no close frame'})") \
-                from None
+            closed = f"the server closed the session ({exc.rcvd.code if exc.rcvd else 'no close frame'})"
+            if not self.answered:  # refused before it answered anything: what a server at capacity does
+                raise EnvironmentBusy(f"{closed} before answering {message['type']}") from None
+            raise EnvironmentFailed(closed) from None
         except (OSError, WebSocketException) as exc:
             raise EnvironmentFailed(f"the session failed: {exc}") from None
-        return parse_answer(raw, message["type"])
+        result = parse_answer(raw, message["type"])
+        self.answered = True
+        return result
 
     async def reset(self, seed: int) -> StepResult:
         return await self._call({"type": "reset", "data": {"seed": seed}})
@@ -114,6 +127,8 @@ def parse_answer(raw: str | bytes, asked: str) -> StepResult:
     data = msg.get("data")
     if msg.get("type") == "error":
         detail = data.get("message") if isinstance(data, dict) else None
+        if isinstance(data, dict) and data.get("code") == "CAPACITY_REACHED":
+            raise EnvironmentBusy(f"the server is at capacity: {str(detail)[:300]}")
         raise EnvironmentFailed(f"it answered {asked} with an error: {str(detail)[:300]}")
     if msg.get("type") != "observation" or not isinstance(data, dict) or not isinstance(data.get("observation"), dict):
         raise EnvironmentFailed(f"its answer to {asked} is not an observation message")
@@ -122,3 +137,47 @@ def parse_answer(raw: str | bytes, asked: str) -> StepResult:
         raise EnvironmentFailed(f"its reward for {asked} is not a finite number: {str(reward)[:40]}")
     return StepResult(observation=data["observation"], reward=None if reward is None else float(reward),
                       done=bool(data.get("done", False)))
+
+
+@dataclass
+class Slots:
+    """The sessions a step holds open on one server: now, the most at once, and refusals waited out."""
+
+    open: int = 0
+    most: int = 0
+    refused: int = 0
+
+
+BACKOFF_S = (0.05, 2.0)  # the first wait after a refusal, and the longest
+
+
+@asynccontextmanager
+async def opened(url: str, seed: int, *, timeout_s: float, max_bytes: int,
+                 slots: Slots) -> AsyncIterator[tuple[Session, StepResult]]:
+    """A session reset to `seed`, closed on leaving. A refusal (EnvironmentBusy: every slot taken) is
+    waited out, backing off from 50 ms to 2 s: for as long as the step holds another session on the server
+    (its episodes end and free their slots), else for `timeout_s`; then EnvironmentBusy."""
+    wait, waited = BACKOFF_S[0], 0.0
+    while True:
+        session = Session(url, timeout_s=timeout_s, max_bytes=max_bytes)
+        await session.__aenter__()
+        try:
+            first = await session.reset(seed)
+            break
+        except EnvironmentBusy:
+            await session.__aexit__(None, None, None)
+            slots.refused += 1
+            if slots.open == 0 and waited >= timeout_s:
+                raise
+            await asyncio.sleep(wait * random.uniform(0.5, 1.0))  # jittered: refused episodes do not retry in step
+            waited, wait = waited + wait, min(wait * 2, BACKOFF_S[1])
+        except BaseException:
+            await session.__aexit__(None, None, None)
+            raise
+    slots.open += 1
+    slots.most = max(slots.most, slots.open)
+    try:
+        yield session, first
+    finally:
+        slots.open -= 1
+        await session.__aexit__(None, None, None)

@@ -4,14 +4,15 @@ admin's allow-list again), and what plays and bounds its episodes."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.core.grader_urls import check_url
 from service.core.settings import Settings
 from service.core.specs import EnvironmentSpec
 from worker.batch import RolloutEngine
-from worker.environments.runner import EpisodeScheduler, Limits, Players, Waves
+from worker.environments.continuous import Continuous
+from worker.environments.runner import EpisodeScheduler, Limits, Players, StepTally
 from worker.environments.servers import BundledServer
 from worker.environments.turns import turn_format
 
@@ -23,7 +24,8 @@ class EnvironmentHost:
     players: Players
     limits: Limits
     stop: Callable[[], bool]  # a cancel, asked before each wave and turn of episodes
-    scheduler: EpisodeScheduler = Waves()  # how a step's episodes advance
+    scheduler: EpisodeScheduler = Continuous()  # how a step's episodes advance
+    tally: StepTally = field(default_factory=StepTally)  # each step's training episodes, for its health reading
 
 
 def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: RolloutEngine, tokenizer,

@@ -16,9 +16,10 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -57,6 +58,15 @@ class Players:
 TurnSeed = Callable[[int, int], int]  # (episode index, turn) -> that turn's sampling seed
 
 
+@dataclass(frozen=True)
+class Played:
+    """What playing a step's episodes cost besides their tokens."""
+
+    env_s: float  # wall time the engine waited on the environment
+    sessions: int  # sessions open on the server at once, at most
+    refused: int = 0  # sessions the server refused (every slot taken) and the episode waited out
+
+
 class Stopped(Exception):
     """The job was cancelled while its episodes played: no further wave or turn was started, and every
     session was closed (the step is dropped; it made no update)."""
@@ -78,7 +88,7 @@ def cut_observation(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
     return tokenizer.decode(ids[:max_tokens], skip_special_tokens=True), True
 
 
-async def _guarded(coro, episode: Episode) -> StepResult | None:
+async def guarded(coro, episode: Episode) -> StepResult | None:
     """The environment's answer, or None with the episode ended by its error."""
     try:
         return await coro
@@ -100,20 +110,25 @@ async def _start(p: Players, url: str, episodes: list[Episode], limits: Limits,
             return None
 
     sessions = await asyncio.gather(*(open_session(e) for e in episodes))
-    resets = await asyncio.gather(*(_guarded(s.reset(e.seed), e) if s is not None else asyncio.sleep(0)
+    resets = await asyncio.gather(*(guarded(s.reset(e.seed), e) if s is not None else asyncio.sleep(0)
                                     for s, e in zip(sessions, episodes)))
     if all(r is None for r in resets):
         raise EnvironmentDown(f"no episode could start: {episodes[0].error}")
     for e, r in zip(episodes, resets):
         if r is not None:
-            text, cut = cut_observation(p.tokenizer, observation_text(r, limits.observation_field),
-                                        limits.max_observation_tokens)
-            e.first_observation, e.observations_cut, e.done = text, int(cut), r.done
-            e.prompt_ids = p.turns.first(text)
+            first_prompt(p, e, r, limits)
     return sessions
 
 
-def _sample_turn(p: Players, live: list[Episode], seeds: list[int] | None) -> list[tuple[str, bool]]:
+def first_prompt(p: Players, e: Episode, reset: StepResult, limits: Limits) -> None:
+    """The episode's first prompt, from its reset's observation."""
+    text, cut = cut_observation(p.tokenizer, observation_text(reset, limits.observation_field),
+                                limits.max_observation_tokens)
+    e.first_observation, e.observations_cut, e.done = text, int(cut), reset.done
+    e.prompt_ids = p.turns.first(text)
+
+
+def sample_turn(p: Players, live: list[Episode], seeds: list[int] | None) -> list[tuple[str, bool]]:
     """Each live episode's next turn, sampled from exactly its ids and appended; (its text, ended with EOS)."""
     batch = p.engine.generate([e.context for e in live], 1, seeds=seeds, greedy=seeds is None)
     out = []
@@ -127,7 +142,7 @@ def _sample_turn(p: Players, live: list[Episode], seeds: list[int] | None) -> li
     return out
 
 
-def _answered(p: Players, e: Episode, text: str, eos: bool, r: StepResult | None, limits: Limits, last: bool) -> None:
+def answered(p: Players, e: Episode, text: str, eos: bool, r: StepResult | None, limits: Limits, last: bool) -> None:
     """The environment's answer `r` to the episode's turn `text` recorded, and its observation appended as
     tokens when the episode goes on (done, failed, or out of turns or tokens: it ends here)."""
     if r is None:  # the environment failed it: the turn stays, unanswered
@@ -149,9 +164,9 @@ def _answered(p: Players, e: Episode, text: str, eos: bool, r: StepResult | None
 
 
 async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, seed_of: TurnSeed | None,
-                first: int, stop: Callable[[], bool]) -> float:
-    """Play `episodes` (indices first.. in the step) to the end; returns the wall time spent waiting on the
-    environment. Stopped, with the sessions closed, when `stop()` says so before a turn."""
+                first: int, stop: Callable[[], bool]) -> Played:
+    """Play `episodes` (indices first.. in the step) to the end. Stopped, with the sessions closed, when
+    `stop()` says so before a turn."""
     async with AsyncExitStack() as stack:
         t0 = time.monotonic()
         sessions = await _start(p, url, episodes, limits, stack)
@@ -163,23 +178,23 @@ async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, s
             if await asyncio.to_thread(stop):
                 raise Stopped(f"cancelled at turn {turn} of episodes {first}..{first + len(episodes) - 1}")
             seeds = None if seed_of is None else [seed_of(first + i, turn) for i, _ in live]
-            actions = await asyncio.to_thread(_sample_turn, p, [e for _, e in live], seeds)
+            actions = await asyncio.to_thread(sample_turn, p, [e for _, e in live], seeds)
             t0 = time.monotonic()
-            answers = await asyncio.gather(*(_guarded(sessions[i].step({limits.action_field: text}), e)
+            answers = await asyncio.gather(*(guarded(sessions[i].step({limits.action_field: text}), e)
                                              for (i, e), (text, _) in zip(live, actions)))
             env_s += time.monotonic() - t0
             for (_, e), (text, eos), r in zip(live, actions, answers):
-                _answered(p, e, text, eos, r, limits, last=turn == limits.max_turns - 1)
-    return env_s
+                answered(p, e, text, eos, r, limits, last=turn == limits.max_turns - 1)
+    return Played(env_s=env_s, sessions=sum(s is not None for s in sessions))
 
 
 class EpisodeScheduler(Protocol):
     """How a step's episodes advance: which of them play side by side, and when one starts."""
 
     def run(self, p: Players, url: str, episodes: list[Episode], limits: Limits, *, seed_of: TurnSeed | None,
-            stop: Callable[[], bool]) -> float:
-        """Every one of `episodes` played to its end; the wall time spent waiting on the environment.
-        Stopped, with every session closed, once `stop()` says so."""
+            stop: Callable[[], bool]) -> Played:
+        """Every one of `episodes` played to its end; what it cost. Stopped, with every session closed,
+        once `stop()` says so."""
         ...
 
 
@@ -189,21 +204,20 @@ class Waves:
     turn by turn (every live episode's turn in one engine call) and closes before the next wave opens."""
 
     def run(self, p: Players, url: str, episodes: list[Episode], limits: Limits, *, seed_of: TurnSeed | None,
-            stop: Callable[[], bool]) -> float:
-        env_s = 0.0
+            stop: Callable[[], bool]) -> Played:
+        waves = []
         for at in range(0, len(episodes), limits.max_concurrent):
             if stop():
                 raise Stopped(f"cancelled before episodes {at}..{len(episodes) - 1}")
-            env_s += asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at, stop))
-        return env_s
+            waves.append(asyncio.run(_wave(p, url, episodes[at:at + limits.max_concurrent], limits, seed_of, at, stop)))
+        return Played(env_s=sum(w.env_s for w in waves), sessions=max((w.sessions for w in waves), default=0))
 
 
 def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits, *, seed_of: TurnSeed | None,
-         stop: Callable[[], bool] = lambda: False,
-         scheduler: EpisodeScheduler = Waves()) -> tuple[list[Episode], float]:
+         scheduler: EpisodeScheduler, stop: Callable[[], bool] = lambda: False) -> tuple[list[Episode], Played]:
     """`group_size` episodes per reset seed, seed-major [len(seeds) * G], played as `scheduler` runs them;
-    `seed_of` None: greedy turns. Returns the episodes and the wall time spent waiting on the environment.
-    `stop()` is asked before every turn (a cancel): once it says so, Stopped, with every session closed."""
+    `seed_of` None: greedy turns. Returns the episodes and what playing them cost. `stop()` is asked before
+    every turn (a cancel): once it says so, Stopped, with every session closed."""
     episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="") for s in seeds for g in range(group_size)]
     return episodes, scheduler.run(p, url, episodes, limits, seed_of=seed_of, stop=stop)
 
@@ -221,29 +235,65 @@ class EpisodeStats:
     errors: float
     observations_cut: float
     env_s: float
+    refused: float = 0.0  # sessions the server refused at capacity and the episode waited out
+    sessions: int = 0  # sessions open at once, at most (the most of a step's rounds)
+    failures: Mapping[str, int] = field(default_factory=dict)  # the environment's errors, in its words: episodes each
 
     @staticmethod
-    def of(episodes: list[Episode], env_s: float) -> EpisodeStats:
+    def of(episodes: list[Episode], played: Played) -> EpisodeStats:
         return EpisodeStats(episodes=len(episodes), turns=sum(len(e.turns) for e in episodes),
                             tool_calls=sum(t.tool_call for e in episodes for t in e.turns),
                             tool_errors=sum(t.tool_error for e in episodes for t in e.turns),
                             tokens=sum(len(e.ids) for e in episodes), truncated=sum(e.truncated for e in episodes),
                             errors=sum(e.error is not None for e in episodes),
-                            observations_cut=sum(e.observations_cut for e in episodes), env_s=env_s)
+                            observations_cut=sum(e.observations_cut for e in episodes), env_s=played.env_s,
+                            refused=played.refused, sessions=played.sessions,
+                            failures=Counter(e.error for e in episodes if e.error is not None))
 
     @staticmethod
     def total(parts: list[EpisodeStats]) -> EpisodeStats | None:
         """The sum of `parts` (a step's rounds); None for none."""
         if not parts:
             return None
-        return EpisodeStats(*(sum(values) for values in zip(*(dataclasses.astuple(p) for p in parts))))
+        summed = [f.name for f in dataclasses.fields(EpisodeStats) if f.name not in ("sessions", "failures")]
+        return EpisodeStats(**{n: sum(getattr(p, n) for p in parts) for n in summed},
+                            sessions=max(p.sessions for p in parts),
+                            failures=sum((Counter(p.failures) for p in parts), Counter()))
+
+    def why(self) -> str | None:
+        """The environment's failures in its own words, most frequent first; None when none failed."""
+        if not self.failures:
+            return None
+        ranked = sorted(self.failures.items(), key=lambda kv: -kv[1])
+        said = "; ".join(f"{text[:300]} ({n}x)" for text, n in ranked[:2])
+        more = f"; and {len(ranked) - 2} other errors" if len(ranked) > 2 else ""
+        return f"{int(self.errors)} of {self.episodes} episodes failed: {said}{more}"
 
     def metrics(self) -> dict[str, float]:
         n = max(self.episodes, 1)
         return {"env/turns_mean": self.turns / n, "env/tool_calls_mean": self.tool_calls / n,
                 "env/tool_errors_mean": self.tool_errors / n, "env/episode_tokens_mean": self.tokens / n,
                 "env/truncated_ratio": self.truncated / n, "env/error_ratio": self.errors / n,
-                "env/observations_cut": self.observations_cut, "time/env_s": self.env_s}
+                "env/observations_cut": self.observations_cut, "env/sessions_open_max": float(self.sessions),
+                "env/sessions_refused": self.refused, "time/env_s": self.env_s}
+
+
+@dataclass
+class StepTally:
+    """The training episodes each step played, every round of it, for the step's end to read whether
+    they failed (a step whose groups all tied has no rollouts to carry them)."""
+
+    played: dict[int, list[EpisodeStats]] = field(default_factory=dict)
+
+    def add(self, step: int, stats: EpisodeStats) -> None:
+        self.played.setdefault(step, []).append(stats)
+
+    def take(self, step: int) -> EpisodeStats | None:
+        """Step `step`'s episodes, summed; forgotten with every step before it."""
+        out = EpisodeStats.total(self.played.pop(step, []))
+        for earlier in [k for k in self.played if k < step]:
+            del self.played[earlier]
+        return out
 
 
 def episode_rewards(episodes: list[Episode], how: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Serve a bundled environment as an OpenEnv server (openenv-core's own app: `/ws`, `/reset`, `/step`,
-`/health`, `/schema`):
+`/health`, `/schema`), and `/sessions` (its sessions open now and the most at once):
 
-    python -m worker.environments.serve calculator --port 8011 [--host 127.0.0.1] [--parent PID]
+    python -m worker.environments.serve calculator --port 8011 [--host 127.0.0.1] [--max-sessions N] [--parent PID]
 
 A worker starts one per job on loopback with `--parent`: the server ends when that process does,
 however it ends. Anyone may run one by hand to try an environment, or for TRL's environment_factory.
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-sessions", type=int, default=256, help="WebSocket sessions open at once")
+    p.add_argument("--ping-interval", type=float, default=20.0,
+                   help="seconds between the server's WebSocket pings (a client that does not answer one within "
+                   "as long is closed)")
     p.add_argument("--parent", type=int, default=None, help="end when this process id is gone")
     args = p.parse_args(argv)
     if args.parent is not None:
@@ -49,11 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
     from openenv.core.env_server.http_server import create_app
 
-    from worker.environments.bundled import ENVIRONMENTS, TextAction, TextObservation
+    from worker.environments.bundled import ENVIRONMENTS, SESSIONS, TextAction, TextObservation
 
     app = create_app(ENVIRONMENTS[args.name], TextAction, TextObservation, env_name=args.name,
                      max_concurrent_envs=args.max_sessions)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=1 << 20)
+    app.add_api_route("/sessions", lambda: {"open": SESSIONS.open, "most": SESSIONS.most}, methods=["GET"])
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=1 << 20,
+                ws_ping_interval=args.ping_interval, ws_ping_timeout=args.ping_interval)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ _OPEN: list[BundledServer] = []  # servers this process started; stop_servers() 
 class BundledServer:
     """`python -m worker.environments.serve NAME` on 127.0.0.1, ending when this process does."""
 
-    def __init__(self, name: str, log_path: Path) -> None:
+    def __init__(self, name: str, log_path: Path, *, max_sessions: int = 256, ping_interval_s: float = 20.0) -> None:
         self.name, self.log_path = name, log_path
+        self.options = ["--max-sessions", str(max_sessions), "--ping-interval", str(ping_interval_s)]
         self.port = 0
         self.proc: subprocess.Popen | None = None
 
@@ -36,7 +37,7 @@ class BundledServer:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "worker.environments.serve", self.name, "--port", str(self.port),
-                 "--parent", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
+                 "--parent", str(os.getpid()), *self.options], stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         _OPEN.append(self)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -53,6 +54,17 @@ class BundledServer:
                 time.sleep(0.2)
         self.stop()
         raise EnvironmentFailed(f"the {self.name} environment server was not ready within {START_TIMEOUT_S:.0f} s")
+
+    def log_tail(self, lines: int = 10) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(line.strip()[:300] for line in text[-lines:] if line.strip())
+
+    def sessions(self) -> dict[str, int]:
+        """Its sessions, as the server counts them: `open` now, and the `most` open at once."""
+        return httpx.get(f"{self.url}/sessions", timeout=5.0).json()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -74,10 +86,3 @@ def stop_servers() -> None:
     """Stop every environment server this process started (the job's loop has ended, or failed)."""
     for server in list(_OPEN):
         server.stop()
-
-    def log_tail(self, lines: int = 10) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return " | ".join(line.strip()[:300] for line in text[-lines:] if line.strip())

@@ -60,8 +60,8 @@ def evaluate_episodes(s: Setup[AnySpec]) -> dict[str, float]:
     assert env is not None
     s.engine.sync(s.model)
     seeds = [EVAL_SEEDS + i for i in range(env.spec.eval_episodes)]
-    episodes, env_s = play(env.players, env.url, seeds, 1, env.limits, seed_of=None, scheduler=env.scheduler)
-    stats = EpisodeStats.of(episodes, env_s).metrics()
+    episodes, played = play(env.players, env.url, seeds, 1, env.limits, seed_of=None, scheduler=env.scheduler)
+    stats = EpisodeStats.of(episodes, played).metrics()
     return {"eval/reward_mean": float(episode_rewards(episodes, env.spec.reward).mean()),
             **{f"eval/{k}": stats[k] for k in EVAL_EPISODE_METRICS}}
 

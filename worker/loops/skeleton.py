@@ -170,9 +170,15 @@ def report_health(reporter: Records, flags: Sequence[health.HealthFlag]) -> None
 
 
 def read_health(run: Run, step: int, metrics: dict[str, float], *, updated: bool) -> health.StepHealth:
-    """The guards' reading of a finished step: its health/* metrics, and an event per change of level."""
+    """The guards' reading of a finished step: its health/* metrics, and an event per change of level.
+    A step of an environment's episodes whose groups all tied gets its env/* figures added to `metrics`."""
     assert run.health is not None, "start() makes the guards"
-    reading = run.health.observe(step, metrics, updated=updated)
+    why: dict[health.GuardName, str] = {}
+    if run.s.environment is not None and (played := run.s.environment.tally.take(step)) is not None:
+        metrics.update({k: v for k, v in played.metrics().items() if k not in metrics})  # a step whose groups tied
+        if (failed := played.why()) is not None:
+            why["environment"] = failed
+    reading = run.health.observe(step, metrics, updated=updated, why=why)
     report_health(run.reporter, reading.changes)
     return reading
 

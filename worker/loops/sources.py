@@ -48,10 +48,11 @@ def submit_prompts(s: Setup[RLJob], pool: list[Example], G: int, *, seed_tag: st
     return submit
 
 
-def submit_episodes(s: Setup[RLJob], G: int, *, seed_tag: str, validation: bool = False) -> Submit[Example]:
+def submit_episodes(s: Setup[RLJob], G: int, *, seed_tag: str, validation: bool = False,
+                    step: int | None = None) -> Submit[Example]:
     """Units are reset seeds of the job's environment (drawn with `seed_tag`; `validation`: among its
     evaluation seeds), a group of G episodes each, played now; each turn sampled with a seed from
-    (seed_tag, round, episode, turn)."""
+    (seed_tag, round, episode, turn). `step`: training step `step`'s, tallied for its health reading."""
     rng, env = random.Random(seed_tag), s.environment
     assert env is not None
     draw = Uniform(env.spec.eval_episodes, offset=EVAL_SEEDS) if validation else Uniform(EVAL_SEEDS)
@@ -60,14 +61,17 @@ def submit_episodes(s: Setup[RLJob], G: int, *, seed_tag: str, validation: bool 
         share = draw_share(draw, rng, n, SINGLE)  # every rank plays every episode of the step
         seeds = share.picked
         with tracing.span("rl.episodes", **{"grpo_jobs.round": round}):
-            episodes, env_s = play(env.players, env.url, seeds, G, env.limits, scheduler=env.scheduler,
+            episodes, played = play(env.players, env.url, seeds, G, env.limits, scheduler=env.scheduler,
                                    seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn), stop=env.stop)
+        stats = EpisodeStats.of(episodes, played)
+        if step is not None:
+            env.tally.add(step, stats)
         batch = episode_rows.rows(episodes, s.tokenizer.pad_token_id)
         firsts = [Example(question=episodes[i * G].first_observation, answers=(), meta={"seed": seed})
                   for i, seed in enumerate(seeds)]
         drawn = Drawn(batch=batch, examples=firsts, prompts=[ex.question for ex in firsts], units=firsts,
                       keys=[(round, i) for i in range(n)], scored=episode_scores(env.spec, episodes, G),
-                      episodes=episodes, stats=EpisodeStats.of(episodes, env_s), picked=seeds, drawn_by=draw)
+                      episodes=episodes, stats=stats, picked=seeds, drawn_by=draw)
         return lambda: drawn
 
     return submit
@@ -92,7 +96,7 @@ def submit_train_prompts(s: Setup[RLJob], step: int) -> Submit[Example]:
     g = s.spec.grpo
     tag = f"prompts-train-{g.seed}-{step}"
     if s.environment is not None:
-        return submit_episodes(s, g.num_generations, seed_tag=tag)
+        return submit_episodes(s, g.num_generations, seed_tag=tag, step=step)
     return submit_prompts(s, s.task.train, g.num_generations, seed_tag=tag)
 
 

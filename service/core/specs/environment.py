@@ -35,8 +35,9 @@ class EnvironmentSpec(_Section):
                                     "ends the episode, truncated.")
     max_observation_tokens: int = Field(256, ge=1, le=8192, description="An observation longer than this many "
                                         "tokens is cut to it (and counted in `env/observations_cut`).")
-    max_concurrent: int = Field(16, ge=1, le=1024, description="Sessions open at once on the server: a step's "
-                                "episodes run in waves of this many.")
+    max_concurrent: int = Field(16, ge=1, le=1024, description="Sessions open at once on the server, at most: "
+                                "an episode that ends frees its session for the next. A server with fewer slots "
+                                "(its `max_concurrent_envs`) plays the rest as its sessions free.")
     timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Seconds a reset or step may take; past it the "
                              "episode ends with an error.")
     reward: Literal["sum", "last"] = Field("sum", description="An episode's reward: the sum of its turns' rewards, "

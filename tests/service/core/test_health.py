@@ -55,6 +55,21 @@ def test_each_band_past_critical_is_red(metrics, guard):
     assert [(f.guard, f.level) for f in reading.changes] == [(guard, "critical")]
 
 
+def test_failed_episodes_turn_the_environment_guard_amber_then_red_in_the_servers_words():
+    m = HealthMonitor(HealthSpec())
+    assert m.observe(1, {**_step(), "env/error_ratio": 0.0}).changes == []
+    amber = m.observe(2, {**_step(), "env/error_ratio": 0.125}, why={"environment": "1 of 8 episodes failed: x (1x)"})
+    assert [(f.guard, f.level, f.threshold) for f in amber.changes] == [("environment", "warn", 0.1)]
+    why = "7 of 8 episodes failed: the server closed the session (1000) (7x)"
+    red = m.observe(3, {**_step(), "env/error_ratio": 0.875}, why={"environment": why})
+    assert [(f.guard, f.level) for f in red.changes] == [("environment", "critical")]
+    assert red.changes[0].message.endswith(why) and "env/error_ratio" in red.changes[0].message
+    assert red.metrics["health/environment"] == 0.875
+    # a job with no environment never reads it, and a joint job's summary does not list it
+    assert "health/environment" not in HealthMonitor(HealthSpec()).observe(1, _step()).metrics
+    assert "environment" not in summarise("joint", []).guards and "environment" in summarise("grpo", []).guards
+
+
 def test_a_red_guard_named_in_stop_on_stops_and_others_do_not():
     spec = HealthSpec(stop_on=["truncation"])
     m = HealthMonitor(spec)

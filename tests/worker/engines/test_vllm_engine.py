@@ -14,6 +14,7 @@ from service.core.specs import LoraSpec, ModelSpec
 from worker.batch import RolloutBatch, SamplingParams
 from worker.engines.hf_engine import eos_token_ids
 from worker.engines.vllm_engine import ServerConfig, VLLMEngine, VLLMServer, write_model_folder
+from worker.environments.continuous import Continuous
 from worker.environments.episodes import rows
 from worker.environments.runner import Limits, Players, play
 from worker.environments.servers import BundledServer
@@ -173,7 +174,8 @@ def _episodes_are_rows_of_what_the_engine_sampled(engine, policy, tok, tmp_path)
                           eos_ids=frozenset(eos_token_ids(tok, policy)))
         limits = Limits(max_turns=3, max_episode_tokens=200, max_observation_tokens=64, max_concurrent=4,
                         timeout_s=30.0, max_bytes=1 << 20)
-        episodes, _ = play(players, server.start(), [4, 5], 2, limits, seed_of=lambda i, turn: 10 * i + turn)
+        episodes, _ = play(players, server.start(), [4, 5], 2, limits, seed_of=lambda i, turn: 10 * i + turn,
+                           scheduler=Continuous())
     finally:
         server.stop()
     batch = rows(episodes, tok.pad_token_id)

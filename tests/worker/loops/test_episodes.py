@@ -59,6 +59,9 @@ def test_episodes_the_server_fails_are_counted_and_the_job_goes_on(tmp_path, set
     assert 0 < metrics[1]["env/error_ratio"] < 1
     failed = [x for x in _lines(tmp_path / "samples.jsonl") if x["extra"]["episode"]["error"]]
     assert failed and all("no answer to step within 1 s" in x["extra"]["episode"]["error"] for x in failed)
+    flags = [e for e in _lines(tmp_path / "events.jsonl") if e["type"] == "health" and e["data"]["guard"] == "environment"]
+    assert [f["data"]["step"] for f in flags] == [1] and flags[0]["data"]["level"] in ("warn", "critical")
+    assert "episodes failed: no answer to step within 1 s" in flags[0]["message"]  # in the server's words
     if on_error == "zero":  # kept, with what they earned: nothing
         assert all(x["reward"] == 0.0 for x in failed)
     else:  # their groups left out: no advantage for any of their episodes
@@ -85,17 +88,19 @@ class CancelledAt(FileReporter):
 
 
 def test_a_cancel_mid_step_stops_the_episodes_and_the_job_without_an_update(tmp_path, settings_factory):
-    """Waves of one episode, four a step: the cancel heard before wave 0's second turn (the 4th question:
-    step 1's start, wave 0, its turn 0, its turn 1) ends the job at once, step 1 dropped, nothing trained."""
+    """One session at a time, four episodes a step: the cancel heard before episode 0's second turn (the 4th
+    question: step 1's start, episode 0's, its turn 0, its turn 1) ends the job at once, step 1 dropped,
+    nothing trained, and no session left open on the server."""
     server = BundledServer("calculator", tmp_path / "calculator.log")
     url = server.start()
     try:
         reporter = CancelledAt(tmp_path / "out", at=4)
         result = grpo.run(_spec(url, steps=3, max_concurrent=1), reporter,
                           settings=settings_factory(GRPO_ENVIRONMENT_URLS=url))
+        assert server.sessions()["open"] == 0
     finally:
         server.stop()
     assert (result.status, result.step, reporter.asked) == ("cancelled", 0, 4)
     stopping = [e for e in _lines(tmp_path / "out" / "events.jsonl") if e["type"] == "stopping"]
-    assert len(stopping) == 1 and "step 1 stopped (cancelled at turn 1 of episodes 0..0)" in stopping[0]["message"]
+    assert len(stopping) == 1 and "step 1 stopped (cancelled at turn 1 of episode 0)" in stopping[0]["message"]
     assert [m["step"] for m in _lines(tmp_path / "out" / "metrics.jsonl")] == [0]  # step 0's evaluation only

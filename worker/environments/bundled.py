@@ -1,12 +1,15 @@
 """The environments the worker serves itself (`environment.name`), as OpenEnv environments.
 
-Both read the model's text and answer in text, so any model can play them; each task comes from the
+Each reads the model's text and answers in text, so any model can play it; each task comes from the
 reset seed alone, so a group's episodes play the same task and a run is reproducible.
 
 - `calculator`: a one-step arithmetic word problem. The model may call the calculator, `<calc>17+8</calc>`,
   and is told the result (`= 25`); a turn without a call is its answer (`<answer>25</answer>`, else the last
   number it writes) and ends the episode. Reward 1 for the right answer (0.5 for a wrong one whose turn
-  wrote the right number on the way), plus 0.1 for the tag.
+  wrote the right number on the way), plus 0.1 for the tag. It is also an MCP tool environment: its
+  `calculator` tool (`{"expression": "17+8"}`) answers the same sums to a job with `tools: mcp`.
+- `multiplication`: multiply a 3-4 digit number by a 2-3 digit one, which a small model cannot do in its
+  head; the same `calculator` tool (MCP, or `<calc>` in text), answered and rewarded as `calculator`.
 - `guess-number`: find a number from 1 to 20 (`<guess>N</guess>`, else the first number of the reply), told
   `higher` or `lower` after each guess. A guess the feedback so far still allows earns 0.1 (a repeated
   guess, or one that ignores `higher`, earns nothing), the right one 1.1 and ends the episode.
@@ -28,7 +31,9 @@ import re
 from dataclasses import dataclass
 from uuid import uuid4
 
+from fastmcp import FastMCP
 from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
@@ -111,11 +116,18 @@ class SessionCount:
 SESSIONS = SessionCount()
 
 
+def multiplication(seed: int) -> tuple[str, int]:
+    """A multiplication a small model cannot do in its head, and its product, from the seed alone."""
+    rng = random.Random(seed)
+    a, b = rng.randint(100, 9999), rng.randint(12, 999)
+    return f"What is {a} * {b}?", a * b
+
+
 class Counted(Environment):
     """An environment that counts itself in SESSIONS from creation to close."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         SESSIONS.open += 1
         SESSIONS.most = max(SESSIONS.most, SESSIONS.open)
         self._closed = False
@@ -124,24 +136,44 @@ class Counted(Environment):
         if not self._closed:
             self._closed = True
             SESSIONS.open -= 1
+        super().close()
 
 
-class CalculatorEnvironment(Counted):
+def calculator_tools() -> FastMCP:
+    """The MCP server of the arithmetic environments: one tool, `calculator`."""
+    mcp = FastMCP("calculator")
+
+    @mcp.tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression: numbers, + - * / // and parentheses. Returns the result."""
+        value = calculate(expression)  # a ValueError is the tool's error, read back by the model
+        return str(int(value) if float(value).is_integer() else round(value, 6))
+
+    return mcp
+
+
+class CalculatorEnvironment(Counted, MCPEnvironment):
     SUPPORTS_CONCURRENT_SESSIONS = True
     INSTRUCTIONS = ("You may use a calculator: write <calc>expression</calc>, for example <calc>12+7</calc>, and "
                     "you will be told the result. Give the answer as <answer>number</answer>.")
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(calculator_tools())
         self._state = State(episode_id=str(uuid4()), step_count=0)
         self._answer = 0
 
+    def task(self, seed: int) -> tuple[str, int]:
+        problem, answer = word_problem(seed)
+        return f"{problem}\n{self.INSTRUCTIONS}", answer
+
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
-        problem, self._answer = word_problem(seed if seed is not None else random.randrange(2**31))
-        return TextObservation(message=f"{problem}\n{self.INSTRUCTIONS}", reward=None, done=False)
+        problem, self._answer = self.task(seed if seed is not None else random.randrange(2**31))
+        return TextObservation(message=problem, reward=None, done=False)
 
-    def step(self, action: TextAction, timeout_s: float | None = None, **kwargs) -> TextObservation:  # type: ignore[override]
+    def _step_impl(self, action: Action, timeout_s: float | None = None, **kwargs) -> TextObservation:
+        """A text turn: a `<calc>` call, or the answer (MCP tool calls go to the `calculator` tool)."""
+        assert isinstance(action, TextAction)
         self._state.step_count += 1
         text = action.message
         if (m := _CALC.search(text)) is not None:
@@ -164,6 +196,14 @@ class CalculatorEnvironment(Counted):
     @property
     def state(self) -> State:
         return self._state
+
+
+class MultiplicationEnvironment(CalculatorEnvironment):
+    INSTRUCTIONS = "Use the calculator if you need it. Give the answer as <answer>number</answer>."
+
+    def task(self, seed: int) -> tuple[str, int]:
+        problem, answer = multiplication(seed)
+        return f"{problem}\n{self.INSTRUCTIONS}", answer
 
 
 class GuessNumberEnvironment(Counted):
@@ -204,4 +244,6 @@ class GuessNumberEnvironment(Counted):
         return self._state
 
 
-ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": CalculatorEnvironment, "guess-number": GuessNumberEnvironment}
+ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": CalculatorEnvironment,
+                                              "multiplication": MultiplicationEnvironment,
+                                              "guess-number": GuessNumberEnvironment}

@@ -9,7 +9,9 @@ size (`max_size`, the admin's GRPO_ENVIRONMENT_MAX_MESSAGE_BYTES), every answer 
 Messages (JSON text frames on `<url>/ws`): `{"type": "reset", "data": {"seed": ...}}` and
 `{"type": "step", "data": <action>}` are answered `{"type": "observation", "data": {"observation": {...},
 "reward": r, "done": d}}`, or `{"type": "error", "data": {"message", "code"}}`; `{"type": "close"}` ends
-the session.
+the session. MCP tools (OpenEnv RFC 003) travel in the same session as JSON-RPC 2.0:
+`{"type": "mcp", "data": {"jsonrpc": "2.0", "id": n, "method": "tools/list" | "tools/call", "params": ...}}`,
+answered `{"type": "mcp", "data": {"id": n, "result": ...}}` or `{..., "error": {"code", "message"}}`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ class EnvironmentDown(EnvironmentFailed):
 
 
 @dataclass(frozen=True)
+class ToolResult:
+    """A tool call's answer: its text for the model, and whether the tool failed (a JSON-RPC error, or a
+    result marked as an error); the text then says why."""
+
+    text: str
+    error: bool
+
+
+@dataclass(frozen=True)
 class StepResult:
     observation: dict[str, Any]
     reward: float | None
@@ -61,6 +72,7 @@ class Session:
         self.url, self.timeout_s, self.max_bytes = ws_url(base_url), timeout_s, max_bytes
         self._ws: ClientConnection | None = None
         self.answered = False  # the server has answered a message of this session
+        self._rpc_id = 0
 
     async def __aenter__(self) -> Session:
         try:
@@ -86,6 +98,10 @@ class Session:
             pass
 
     async def _call(self, message: dict[str, Any]) -> StepResult:
+        return parse_answer(await self._exchange(message), message["type"])
+
+    async def _exchange(self, message: dict[str, Any]) -> str | bytes:
+        """`message` sent, and the server's answer as it came."""
         if self._ws is None:
             raise EnvironmentFailed("the session is closed")
         try:
@@ -105,15 +121,56 @@ class Session:
             raise EnvironmentFailed(closed) from None
         except (OSError, WebSocketException) as exc:
             raise EnvironmentFailed(f"the session failed: {exc}") from None
-        result = parse_answer(raw, message["type"])
         self.answered = True
-        return result
+        return raw
 
     async def reset(self, seed: int) -> StepResult:
         return await self._call({"type": "reset", "data": {"seed": seed}})
 
     async def step(self, action: dict[str, Any]) -> StepResult:
         return await self._call({"type": "step", "data": action})
+
+    async def _rpc(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """A JSON-RPC call to the session's MCP server: its `data` (with `result` or `error`)."""
+        self._rpc_id += 1
+        raw = await self._exchange({"type": "mcp", "data": {"jsonrpc": "2.0", "id": self._rpc_id, "method": method,
+                                                            "params": params}})
+        try:
+            msg = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise EnvironmentFailed(f"its answer to {method} is not JSON") from None
+        data = msg.get("data") if isinstance(msg, dict) else None
+        if isinstance(msg, dict) and msg.get("type") == "error":
+            detail = data.get("message") if isinstance(data, dict) else None
+            raise EnvironmentFailed(f"it answered {method} with an error: {str(detail)[:300]}")
+        if not isinstance(msg, dict) or msg.get("type") != "mcp" or not isinstance(data, dict) \
+                or ("result" not in data and "error" not in data):
+            raise EnvironmentFailed(f"its answer to {method} is not an MCP message")
+        return data
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        """The server's MCP tools (`tools/list`): name, description, input schema each."""
+        data = await self._rpc("tools/list", {})
+        tools = data.get("result", {}).get("tools") if isinstance(data.get("result"), dict) else None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                  for t in tools):
+            error = data.get("error")
+            raise EnvironmentFailed(f"it has no MCP tool list: {str(error.get('message') if isinstance(error, dict) else error)[:300]}")
+        return tools
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """One MCP tool call (`tools/call`). A tool's failure is the model's to read, not the episode's."""
+        data = await self._rpc("tools/call", {"name": name, "arguments": arguments})
+        if isinstance(error := data.get("error"), dict) or error is not None:
+            said = error.get("message") if isinstance(error, dict) else error
+            return ToolResult(text=f"error: {str(said)[:2000]}", error=True)
+        result = data.get("result")
+        if not isinstance(result, dict):
+            return ToolResult(text=str(result), error=False)
+        parts = [c.get("text", "") if c.get("type") == "text" else f"[{c.get('type')} content]"
+                 for c in result.get("content") or [] if isinstance(c, dict)]
+        failed = bool(result.get("isError", result.get("is_error", False)))
+        return ToolResult(text="\n".join(parts), error=failed)
 
 
 def parse_answer(raw: str | bytes, asked: str) -> StepResult:

@@ -28,7 +28,6 @@ from worker.environments.runner import (
     TurnSeed,
     answered,
     first_prompt,
-    guarded,
     sample_turn,
 )
 
@@ -113,7 +112,7 @@ async def _played(i: int, e: Episode, p: Players, url: str, limits: Limits, engi
                 if await asyncio.to_thread(stop):
                     raise Stopped(f"cancelled at turn {turn} of episode {i}")
                 text, eos = await engine.turn(i, e, turn)
-                r = await guarded(session.step({limits.action_field: text}), e)
+                r = await p.act(session, e, text, limits)
                 answered(p, e, text, eos, r, limits, last=turn == limits.max_turns - 1)
     except EnvironmentFailed as exc:  # it could not open, or its reset failed
         e.error = str(exc)

@@ -34,8 +34,9 @@ class Turn:
     action: str
     observation: str | None  # None: the episode ended at this turn without one (or the environment failed)
     reward: float | None
-    tool_call: bool = False  # the environment counted the action as a tool call
-    tool_error: bool = False  # ... that failed
+    tool_calls: int = 0  # tool calls the turn made (or the environment counted)
+    tool_errors: int = 0  # ... that failed
+    malformed_calls: int = 0  # `<tool_call>` blocks that could not be read
 
 
 @dataclass
@@ -144,8 +145,9 @@ def record(e: Episode) -> dict:
             "first_observation": e.first_observation,
             "tokens": {"prompt": len(e.prompt_ids), "sampled": sum(len(s.ids) for s in e.segments if s.sampled),
                        "environment": sum(len(s.ids) for s in e.segments if not s.sampled)},
-            "turns": [{"action": t.action, "observation": t.observation, "reward": t.reward, "tool_call": t.tool_call,
-                       "tool_error": t.tool_error, **trained} for t, trained in zip(e.turns, _turn_tokens(e))]}
+            "turns": [{"action": t.action, "observation": t.observation, "reward": t.reward,
+                       "tool_call": t.tool_calls > 0, "tool_error": t.tool_errors > 0, "tool_calls": t.tool_calls,
+                       "malformed_calls": t.malformed_calls, **trained} for t, trained in zip(e.turns, _turn_tokens(e))]}
 
 
 def _turn_tokens(e: Episode) -> list[dict[str, int]]:

@@ -3,6 +3,7 @@ admin's allow-list again), and what plays and bounds its episodes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,10 +12,13 @@ from service.core.grader_urls import check_url
 from service.core.settings import Settings
 from service.core.specs import EnvironmentSpec
 from worker.batch import RolloutEngine
+from worker.environments.acting import ToolUse, declared
+from worker.environments.client import EnvironmentFailed, Slots, opened
 from worker.environments.continuous import Continuous
 from worker.environments.runner import EpisodeScheduler, Limits, Players, StepTally
 from worker.environments.servers import BundledServer
-from worker.environments.turns import turn_format
+from worker.environments.tools import Tool, renders_tools
+from worker.environments.turns import TemplateRefused, turn_format
 
 
 @dataclass(frozen=True)
@@ -28,21 +32,46 @@ class EnvironmentHost:
     tally: StepTally = field(default_factory=StepTally)  # each step's training episodes, for its health reading
 
 
+def tool_use(spec: EnvironmentSpec, url: str, settings: Settings) -> ToolUse:
+    """The tools the job's model is shown: none, the spec's declared ones, or the server's MCP tools (listed
+    now, in a session of their own)."""
+    if spec.tools is None:
+        return ToolUse()
+    if spec.tools != "mcp":
+        return ToolUse(tools=tuple(Tool(t.name, t.description, t.parameters) for t in spec.tools))
+
+    async def listed() -> list[dict]:
+        async with opened(url, 0, timeout_s=spec.timeout_s, max_bytes=settings.environment_max_message_bytes,
+                          slots=Slots()) as (session, _):
+            return await session.list_tools()
+
+    tools = tuple(Tool.of_mcp(t) for t in asyncio.run(listed()))
+    if not tools:
+        raise EnvironmentFailed("environment.tools is mcp, but the server lists no MCP tools")
+    return ToolUse(tools=tools, mcp=True)
+
+
 def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: RolloutEngine, tokenizer,
                      eos_ids: set[int], chat: bool, max_new_tokens: int, log_dir: Path,
                      stop: Callable[[], bool] = lambda: False) -> EnvironmentHost:
-    """The job's environment, ready: the chat template checked to extend turn by turn (TemplateRefused
-    otherwise), the URL on the allow-list (UrlRefused otherwise), a bundled server started and healthy."""
-    turns = turn_format(tokenizer, chat=chat)
+    """The job's environment, ready: the URL on the allow-list (UrlRefused otherwise), a bundled server
+    started and healthy, its tools listed, and the chat template checked to show them and to extend turn by
+    turn (TemplateRefused otherwise)."""
     if spec.name is not None:  # ended with the job's loop (servers.stop_servers, from the job host)
         url = BundledServer(spec.name, log_dir / f"environment-{spec.name}.log").start()
     else:
         assert spec.url is not None
         url = str(check_url(spec.url, settings.environment_urls, "GRPO_ENVIRONMENT_URLS", what="environment servers"))
+    use = tool_use(spec, url, settings)
+    if use.tools and not (chat and renders_tools(tokenizer)):
+        raise TemplateRefused("environment.tools: the model's chat template does not show tools to the model; set "
+                              "model.chat_template: chatml-tools (a ChatML model), or use a model whose template has "
+                              "a tools branch")
+    turns = turn_format(tokenizer, chat=chat, tools=declared(use.tools))
     limits = Limits(max_turns=spec.max_turns, max_episode_tokens=spec.max_episode_tokens,
                     max_observation_tokens=spec.max_observation_tokens, max_concurrent=spec.max_concurrent,
                     timeout_s=spec.timeout_s, max_bytes=settings.environment_max_message_bytes,
                     action_field=spec.action_field, observation_field=spec.observation_field)
     players = Players(engine=engine, tokenizer=tokenizer, turns=turns, eos_ids=frozenset(eos_ids),
-                      max_new_tokens=max_new_tokens)
+                      max_new_tokens=max_new_tokens, tools=use)
     return EnvironmentHost(spec=spec, url=url, players=players, limits=limits, stop=stop)

@@ -17,14 +17,15 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from worker.batch import RolloutEngine
+from worker.environments.acting import Outcome, ToolUse, act, cut_observation, observation_text
 from worker.environments.client import EnvironmentDown, EnvironmentFailed, Session, StepResult
 from worker.environments.episodes import Episode, Segment, Turn
 from worker.environments.turns import TurnFormat
@@ -53,8 +54,19 @@ class Players:
     turns: TurnFormat
     eos_ids: frozenset[int]
     max_new_tokens: int  # per turn: an episode with fewer tokens left than this is not given another turn
+    tools: ToolUse = ToolUse()  # how a turn reaches the environment (its text, or tool calls)
+
+    async def act(self, session: Session, e: Episode, text: str, limits: Limits) -> Outcome | None:
+        """The environment's answer to episode `e`'s turn `text`; None with the episode ended by the
+        environment's error."""
+        def prompt() -> str:  # a response parser's context: the end of the turn's prompt, decoded only if asked
+            before = e.context[:len(e.context) - len(e.segments[-1].ids)]
+            return self.tokenizer.decode(before[-256:])
+
+        return await guarded(act(self.tokenizer, session, text, self.tools, limits, prompt), e)
 
 
+T = TypeVar("T")
 TurnSeed = Callable[[int, int], int]  # (episode index, turn) -> that turn's sampling seed
 
 
@@ -72,23 +84,7 @@ class Stopped(Exception):
     session was closed (the step is dropped; it made no update)."""
 
 
-def observation_text(result: StepResult, field: str) -> str:
-    """The observation's text for the model: its `field` (any JSON value shown as text)."""
-    value = result.observation.get(field, "")
-    return value if isinstance(value, str) else str(value)
-
-
-def cut_observation(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
-    """`text` cut to its first `max_tokens` tokens (a hostile server's 1 MB line, say); whether it was cut."""
-    if len(text) <= max_tokens:  # no tokenizer makes more tokens than characters here
-        return text, False
-    ids = tokenizer.encode(text[: max_tokens * 32], add_special_tokens=False)
-    if len(ids) <= max_tokens:
-        return text, False
-    return tokenizer.decode(ids[:max_tokens], skip_special_tokens=True), True
-
-
-async def guarded(coro, episode: Episode) -> StepResult | None:
+async def guarded(coro: Awaitable[T], episode: Episode) -> T | None:
     """The environment's answer, or None with the episode ended by its error."""
     try:
         return await coro
@@ -123,7 +119,7 @@ async def _start(p: Players, url: str, episodes: list[Episode], limits: Limits,
 def first_prompt(p: Players, e: Episode, reset: StepResult, limits: Limits) -> None:
     """The episode's first prompt, from its reset's observation."""
     text, cut = cut_observation(p.tokenizer, observation_text(reset, limits.observation_field),
-                                limits.max_observation_tokens)
+                                limits.max_observation_tokens)  # the task, as the first user message
     e.first_observation, e.observations_cut, e.done = text, int(cut), reset.done
     e.prompt_ids = p.turns.first(text)
 
@@ -142,20 +138,19 @@ def sample_turn(p: Players, live: list[Episode], seeds: list[int] | None) -> lis
     return out
 
 
-def answered(p: Players, e: Episode, text: str, eos: bool, r: StepResult | None, limits: Limits, last: bool) -> None:
-    """The environment's answer `r` to the episode's turn `text` recorded, and its observation appended as
+def answered(p: Players, e: Episode, text: str, eos: bool, r: Outcome | None, limits: Limits, last: bool) -> None:
+    """The environment's answer `r` to the episode's turn `text` recorded, and its replies appended as
     tokens when the episode goes on (done, failed, or out of turns or tokens: it ends here)."""
     if r is None:  # the environment failed it: the turn stays, unanswered
         e.turns.append(Turn(action=text, observation=None, reward=None))
         return
-    obs, cut = cut_observation(p.tokenizer, observation_text(r, limits.observation_field), limits.max_observation_tokens)
-    e.observations_cut += int(cut)
-    e.turns.append(Turn(action=text, observation=obs, reward=r.reward, tool_call=bool(r.observation.get("tool_call")),
-                        tool_error=bool(r.observation.get("tool_error"))))
+    e.observations_cut += r.cut
+    e.turns.append(Turn(action=text, observation=r.text, reward=r.reward, tool_calls=r.tool_calls,
+                        tool_errors=r.tool_errors, malformed_calls=r.malformed))
     if r.done:
         e.done = True
         return
-    between = p.turns.between(obs, ended_with_eos=eos)
+    between = p.turns.between(r.replies, ended_with_eos=eos)
     room = limits.max_episode_tokens - len(e.ids) - len(between)
     if last or room < min(p.max_new_tokens, limits.max_episode_tokens // 4):
         e.truncated = True  # no room for another turn: what it earned so far is its reward
@@ -180,7 +175,7 @@ async def _wave(p: Players, url: str, episodes: list[Episode], limits: Limits, s
             seeds = None if seed_of is None else [seed_of(first + i, turn) for i, _ in live]
             actions = await asyncio.to_thread(sample_turn, p, [e for _, e in live], seeds)
             t0 = time.monotonic()
-            answers = await asyncio.gather(*(guarded(sessions[i].step({limits.action_field: text}), e)
+            answers = await asyncio.gather(*(p.act(sessions[i], e, text, limits)
                                              for (i, e), (text, _) in zip(live, actions)))
             env_s += time.monotonic() - t0
             for (_, e), (text, eos), r in zip(live, actions, answers):
@@ -230,6 +225,7 @@ class EpisodeStats:
     turns: float
     tool_calls: float
     tool_errors: float
+    malformed_calls: float
     tokens: float  # after the first prompt, the model's and the environment's
     truncated: float
     errors: float
@@ -242,8 +238,9 @@ class EpisodeStats:
     @staticmethod
     def of(episodes: list[Episode], played: Played) -> EpisodeStats:
         return EpisodeStats(episodes=len(episodes), turns=sum(len(e.turns) for e in episodes),
-                            tool_calls=sum(t.tool_call for e in episodes for t in e.turns),
-                            tool_errors=sum(t.tool_error for e in episodes for t in e.turns),
+                            tool_calls=sum(t.tool_calls for e in episodes for t in e.turns),
+                            tool_errors=sum(t.tool_errors for e in episodes for t in e.turns),
+                            malformed_calls=sum(t.malformed_calls for e in episodes for t in e.turns),
                             tokens=sum(len(e.ids) for e in episodes), truncated=sum(e.truncated for e in episodes),
                             errors=sum(e.error is not None for e in episodes),
                             observations_cut=sum(e.observations_cut for e in episodes), env_s=played.env_s,
@@ -272,7 +269,8 @@ class EpisodeStats:
     def metrics(self) -> dict[str, float]:
         n = max(self.episodes, 1)
         return {"env/turns_mean": self.turns / n, "env/tool_calls_mean": self.tool_calls / n,
-                "env/tool_errors_mean": self.tool_errors / n, "env/episode_tokens_mean": self.tokens / n,
+                "env/tool_errors_mean": self.tool_errors / n, "env/tool_parse_errors": self.malformed_calls,
+                "env/episode_tokens_mean": self.tokens / n,
                 "env/truncated_ratio": self.truncated / n, "env/error_ratio": self.errors / n,
                 "env/observations_cut": self.observations_cut, "env/sessions_open_max": float(self.sessions),
                 "env/sessions_refused": self.refused, "time/env_s": self.env_s}

@@ -35,7 +35,7 @@ def _die_with(parent: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=("calculator", "guess-number"))
+    p.add_argument("name", choices=("calculator", "multiplication", "guess-number"))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-sessions", type=int, default=256, help="WebSocket sessions open at once")

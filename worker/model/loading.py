@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 from service.core.sources import require_model_path
 from service.core.specs import HUB_NAMES, MODEL_PRESETS, LoraSpec, ModelSpec
 from worker.algos.logprobs import Float32Head
+from worker.model import chat_templates
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
 # transformers' own deprecated internals (peft calls them) on every model load.
@@ -158,12 +159,15 @@ def model_source(name: str, *, models_root: Path, model_roots: list[Path] = ()) 
 
 
 def load_tokenizer(spec: ModelSpec, *, models_root: Path, model_roots: list[Path] = ()):
+    """The model's tokenizer, with the chat template `model.chat_template` names."""
     if spec.name in TINY_PRESETS:
-        return char_tokenizer()
-    tok = AutoTokenizer.from_pretrained(model_source(spec.name, models_root=models_root, model_roots=model_roots))
-    tok.padding_side = "left"  # generation appends on the right
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+        tok = char_tokenizer()
+    else:
+        tok = AutoTokenizer.from_pretrained(model_source(spec.name, models_root=models_root, model_roots=model_roots))
+        tok.padding_side = "left"  # generation appends on the right
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+    chat_templates.apply(tok, spec.chat_template)
     return tok
 
 

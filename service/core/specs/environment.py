@@ -8,7 +8,8 @@ seed; an episode's reward is the environment's. `grpo.max_new_tokens` and `grpo.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,16 +17,37 @@ from service.core.grader_urls import UrlRefused, parse_url
 from service.core.spec_base import _Section
 
 # Environments the worker serves itself on loopback (worker/environments/bundled).
-BUNDLED_ENVIRONMENTS = ("calculator", "guess-number")
+BUNDLED_ENVIRONMENTS = ("calculator", "multiplication", "guess-number")
+
+
+class ToolSpec(_Section):
+    """A tool the model may call, declared for a server that reads calls from the model's text."""
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+                      description="The name the model calls it by.")
+    description: str = Field("", max_length=2000, description="What it does, as the model reads it.")
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                       description="Its arguments' JSON schema (an object schema, at most 16 KB).")
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("type", "object") != "object":
+            raise ValueError("parameters must be a JSON schema of type 'object'")
+        if len(json.dumps(v)) > 16_384:
+            raise ValueError("parameters is larger than 16 KB of JSON")
+        return v
 
 
 class EnvironmentSpec(_Section):
     kind: Literal["openenv"] = Field("openenv", description="The protocol: an OpenEnv server (WebSocket `/ws`: "
                                      "reset, step, state, close).")
-    name: Literal["calculator", "guess-number"] | None = Field(
+    name: Literal["calculator", "multiplication", "guess-number"] | None = Field(
         None, description="A bundled environment the worker runs on loopback: `calculator` (word problems with a "
-        "calculator tool, rewarded on the final answer) or `guess-number` (find a number from higher/lower "
-        "feedback, rewarded per turn). Exactly one of `name` and `url`.")
+        "calculator tool, rewarded on the final answer), `multiplication` (products too long to work out in one's "
+        "head, with the same tool), or `guess-number` (find a number from higher/lower feedback, rewarded per "
+        "turn). The calculator tool is an MCP tool (`tools: mcp`) and, for a model without tools, "
+        "`<calc>expression</calc>` in text. Exactly one of `name` and `url`.")
     url: str | None = Field(None, max_length=2048, description="The base URL (http or https) of an OpenEnv server "
                             "on the admin's allow-list (GRPO_ENVIRONMENT_URLS); the worker opens `<url>/ws`.")
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode; an episode still running after "
@@ -49,6 +71,13 @@ class EnvironmentSpec(_Section):
                               description="The action's field that carries the model's text.")
     observation_field: str = Field("message", min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                    description="The observation's field whose text the model reads next.")
+    tools: Literal["mcp"] | Annotated[list[ToolSpec], Field(min_length=1, max_length=32)] | None = Field(
+        None, description="Tools the model is shown (in its chat template's `tools` format) and may call as "
+        "`<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>`. `mcp`: the server's MCP tools, listed "
+        "when the job starts; each call is made as an MCP `tools/call` in the episode's session and its result "
+        "read back as a `tool` message; a turn without a call is the model's answer (a text action). A list: "
+        "tools declared here for a server that reads the calls from the model's text; its answer to a turn with "
+        "calls is read back as a `tool` message. Unset: no tools, the model's text is the action.")
     eval_episodes: int = Field(16, ge=1, le=10_000, description="Greedy episodes per evaluation, from reset seeds "
                                "no training step draws.")
 

@@ -130,6 +130,11 @@ def _vllm_rule(job: _JobBase) -> None:
                          "server takes its own device: remove devices.rollout")
 
 
+# Presets whose tokenizer's chat template has no tools branch (the tiny ones have no template: a job with
+# tools renders them with model.chat_template; one without gets a readable error when the job starts).
+TEMPLATE_WITHOUT_TOOLS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
+
+
 def _environment_rule(job: _JobBase) -> None:
     """An environment's episodes replace the dataset's prompts and its reward the reward functions."""
     env = getattr(job, "environment", None)
@@ -147,6 +152,9 @@ def _environment_rule(job: _JobBase) -> None:
     if job.resources.world > 1:
         raise ValueError("environment: a job with an environment runs as one process; set "
                          "resources.processes and resources.nodes to 1")
+    if env.tools is not None and job.model.name in TEMPLATE_WITHOUT_TOOLS and job.model.chat_template == "tokenizer":
+        raise ValueError(f"environment.tools: {job.model.name}'s own chat template cannot show tools to the model; "
+                         "set model.chat_template: chatml-tools")
 
 
 def _staleness_rule(job: _JobBase) -> None:

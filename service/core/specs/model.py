@@ -62,6 +62,11 @@ class ModelSpec(_Section):
         "log-probs and losses are computed in at least float32). With bfloat16/float16, a LoRA adapter stays "
         "float32 and full fine-tuning steps float32 master weights, rounded into the model after each step.",
     )
+    chat_template: Literal["tokenizer", "chatml-tools"] = Field(
+        "tokenizer", description="The chat template prompts and episodes are rendered with: the tokenizer's own, "
+        "or `chatml-tools`, ChatML (as SmolLM2 writes it) with tools and tool messages in the Hermes/Qwen2.5 "
+        "format, for a ChatML model whose own template cannot show tools (SmolLM2's). An environment with "
+        "`tools` needs a template that renders them.")
     fp32_head: bool = Field(
         False, description="Run the LM head's matmul in float32 over the bfloat16/float16 weights, in sampling and "
         "training alike (TRL's cast_lm_head_to_fp32; tied heads included): on SmolLM2 in bfloat16 it cuts the "

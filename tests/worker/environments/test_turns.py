@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.environments.turns import ChatTurns, PlainTurns, TemplateRefused, turn_format
+from worker.environments.turns import ChatTurns, PlainTurns, Reply, TemplateRefused, turn_format
 from worker.model.loading import char_tokenizer
 
 # ChatML as SmolLM2 and Qwen write it, with this tokenizer's EOS closing a turn
@@ -27,7 +27,7 @@ def test_appended_turns_are_the_rendered_conversation():
     turns = ChatTurns.of(tok)
     assert turns.close == "</s>\n" and turns.eos_text == "</s>"
     sampled = tok.encode("<calc>2+3</calc>", add_special_tokens=False) + [tok.eos_token_id]  # ended with EOS
-    ids = turns.first("Add 2 and 3.") + sampled + turns.between("= 5", ended_with_eos=True)
+    ids = turns.first("Add 2 and 3.") + sampled + turns.between([Reply("= 5")], ended_with_eos=True)
     whole = tok.apply_chat_template([{"role": "user", "content": "Add 2 and 3."},
                                      {"role": "assistant", "content": "<calc>2+3</calc>"},
                                      {"role": "user", "content": "= 5"}], tokenize=False, add_generation_prompt=True)
@@ -37,9 +37,9 @@ def test_appended_turns_are_the_rendered_conversation():
 def test_a_turn_cut_before_its_eos_is_closed_by_environment_tokens():
     tok = _tok(CHATML)
     turns = ChatTurns.of(tok)
-    closed = turns.between("= 5", ended_with_eos=False)
+    closed = turns.between([Reply("= 5")], ended_with_eos=False)
     assert closed[0] == tok.eos_token_id  # the template's close, which the model did not sample
-    assert closed[1:] == turns.between("= 5", ended_with_eos=True)
+    assert closed[1:] == turns.between([Reply("= 5")], ended_with_eos=True)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
@@ -53,4 +53,4 @@ def test_no_template_means_plain_lines():
     assert isinstance(turn_format(_tok(CHATML), chat=False), PlainTurns)
     plain = PlainTurns(tok)
     assert tok.decode(plain.first("Guess.")) == "Guess.\n"
-    assert tok.decode(plain.between("higher", ended_with_eos=True)) == "\nhigher\n"
+    assert tok.decode(plain.between([Reply("higher")], ended_with_eos=True)) == "\nhigher\n"

@@ -36,7 +36,7 @@ CHROMIUM ?= /usr/bin/chromium
 # cores a third process fills their waits (fresh clone: 20.2-20.6 min with 3, 23.5 min with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: install vllm cookbook trl browser demo dev docs lint check test test-numerics bench device-check clean
+.PHONY: install vllm cookbook openenv trl browser demo dev docs lint check test test-numerics bench device-check clean
 
 install: $(VENV)/.installed
 
@@ -86,6 +86,18 @@ $(TRL_VENV)/.installed: $(VENV)/.installed
 	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic
 	touch $@
 
+# OpenEnv's current release (the package `openenv`; the service's own servers use `openenv-core` 0.3, its
+# old name, whose fastmcp pin differs): tests/worker/environments/test_openenv_releases.py runs the servers
+# each release's create_app makes, `openenv init`'s echo server among them, against the worker's client.
+OPENENV_VENV := .venv-openenv
+OPENENV      ?= openenv==0.10.0
+openenv: $(OPENENV_VENV)/.installed
+
+$(OPENENV_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(UV) pip install -q --python $(OPENENV_VENV)/bin/python $(OPENENV)
+	touch $@
+
 # Debian's chromium, for the dashboard's browser tests (Playwright drives it; no browser download).
 browser:
 	@if [ -x "$(CHROMIUM)" ]; then :; \
@@ -103,7 +115,8 @@ dev: install
 # PYTHONDONTWRITEBYTECODE emptied: where a machine sets it (this kind does), pytest rewrote and compiled every
 # test module again in each of the suite's processes, 7 CPU-s a process, instead of reading what the first wrote
 TEST_ENV = GRPO_CHROMIUM=$(CHROMIUM) GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
-           GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python PYTHONDONTWRITEBYTECODE=
+           GRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python \
+           GRPO_OPENENV_PYTHON=$(CURDIR)/$(OPENENV_VENV)/bin/python PYTHONDONTWRITEBYTECODE=
 
 # ruff over the code, the tests, the benchmarks and the migrations; mypy over the pure core and the maths
 # (service/core, worker/algos), with pydantic's plugin: [tool.ruff] and [tool.mypy] in pyproject.toml
@@ -115,7 +128,7 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
-test: install browser vllm cookbook
+test: install browser vllm cookbook openenv
 	# the project's own modules too: each of the suite's ~230 processes would compile them again
 	$(PY) -m compileall -q service worker
 	# --durations: the slowest tests and the total, in every run, so a slow addition shows up at once;

@@ -137,6 +137,12 @@ def cookbook_python() -> Path:
 
 
 @pytest.fixture(scope="session")
+def openenv_python() -> Path:
+    """OpenEnv's current release's Python (`make openenv` builds .venv-openenv)."""
+    return _environment_python("GRPO_OPENENV_PYTHON", "openenv 0.10", "openenv")
+
+
+@pytest.fixture(scope="session")
 def models_root() -> Path:
     """One model cache for every run in this checkout (GRPO_TEST_MODELS_ROOT, else `.test-models`): the bundled
     SmolLM2 converts from its GGUF once (about 22 CPU-s, most of it transformers' GGUF reader), under a file

@@ -1,6 +1,6 @@
 """Agent jobs (multi-turn episodes in a bundled environment) on the production layout: `grpo-jobs serve`
-and a separate `grpo-jobs worker` on PostgreSQL and Redis, two jobs on one worker, and an environment
-server killed mid-job. The embedded default runs one in tests/dashboard (`grpo-jobs dev`); episodes
+and a separate `grpo-jobs worker` on PostgreSQL and Redis, two jobs on one worker (one shown the
+environment's MCP tools), and an environment server killed mid-job. The embedded default runs one in tests/dashboard (`grpo-jobs dev`); episodes
 sampled by a vLLM server are checked token by token in tests/worker/engines/test_vllm_engine.py."""
 
 import os
@@ -19,6 +19,9 @@ AGENT_JOB = {"kind": "grpo", "name": "agent-hf", "model": {"name": "tiny-random-
              "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 8,
                       "checkpoint_every": 1}}
 GAME_JOB = {**AGENT_JOB, "name": "agent-game", "environment": {**AGENT_JOB["environment"], "name": "guess-number"}}
+# the model shown the bundled multiplication's MCP calculator tool, in the ChatML tools template
+TOOL_JOB = {**AGENT_JOB, "name": "agent-tools", "model": {**AGENT_JOB["model"], "chat_template": "chatml-tools"},
+            "environment": {**AGENT_JOB["environment"], "name": "multiplication", "tools": "mcp"}}
 
 def _servers_under(pid: int) -> list[int]:
     """Bundled environment servers among the descendants of `pid`."""
@@ -63,10 +66,12 @@ def _check_agent_job(c, job, procs):
 def test_two_agent_jobs_on_one_worker(service, procs):  # noqa: F811
     c = service()
     worker = dict(procs.procs)["worker"].pid
-    first, second = c.post("/v1/jobs", json=AGENT_JOB), c.post("/v1/jobs", json=GAME_JOB)
+    first, second = c.post("/v1/jobs", json=TOOL_JOB), c.post("/v1/jobs", json=GAME_JOB)
     assert first.status_code == second.status_code == 201, (first.text, second.text)
     _check_agent_job(c, wait_job(c, first.json()["id"], procs), procs)
     _check_agent_job(c, wait_job(c, second.json()["id"], procs), procs)
+    (shown,) = [e for e in c.get(f"/v1/jobs/{first.json()['id']}/events").json() if e["type"] == "environment"]
+    assert shown["data"]["tools"] == ["calculator"], shown
     assert _servers_under(worker) == []  # each job's environment server ended with it
 
 

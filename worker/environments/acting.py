@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from worker.environments.client import Session, StepResult
+from worker.environments.limits import Limits
 from worker.environments.tools import Tool, parse_with_tokenizer
 from worker.environments.turns import Reply
-
-if TYPE_CHECKING:
-    from worker.environments.runner import Limits
 
 
 def observation_text(result: StepResult, field: str) -> str:

@@ -28,21 +28,8 @@ from worker.batch import RolloutEngine
 from worker.environments.acting import Outcome, ToolUse, act, cut_observation, observation_text
 from worker.environments.client import EnvironmentDown, EnvironmentFailed, Session, StepResult
 from worker.environments.episodes import Episode, Segment, Turn
+from worker.environments.limits import Limits
 from worker.environments.turns import TurnFormat
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What bounds an episode and the worker's exposure to the environment (the job's spec and the admin's cap)."""
-
-    max_turns: int
-    max_episode_tokens: int
-    max_observation_tokens: int
-    max_concurrent: int
-    timeout_s: float
-    max_bytes: int
-    action_field: str = "message"
-    observation_field: str = "message"
 
 
 @dataclass(frozen=True)

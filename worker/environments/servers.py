@@ -20,8 +20,10 @@ _OPEN: list[BundledServer] = []  # servers this process started; stop_servers() 
 class BundledServer:
     """`python -m worker.environments.serve NAME` on 127.0.0.1, ending when this process does."""
 
-    def __init__(self, name: str, log_path: Path, *, max_sessions: int = 256, ping_interval_s: float = 20.0) -> None:
-        self.name, self.log_path = name, log_path
+    def __init__(self, name: str, log_path: Path, *, max_sessions: int = 256, ping_interval_s: float = 20.0,
+                 python: Path | None = None) -> None:
+        """`python`: the interpreter of an environment with another OpenEnv release (this one's by default)."""
+        self.name, self.log_path, self.python = name, log_path, python
         self.options = ["--max-sessions", str(max_sessions), "--ping-interval", str(ping_interval_s)]
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -36,9 +38,9 @@ class BundledServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker.environments.serve", self.name, "--port", str(self.port),
-                 "--parent", str(os.getpid()), *self.options], stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                [str(self.python or sys.executable), "-m", "worker.environments.serve", self.name, "--port",
+                 str(self.port), "--parent", str(os.getpid()), *self.options], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self._path()})
         _OPEN.append(self)
         deadline = time.monotonic() + START_TIMEOUT_S
         with httpx.Client(timeout=2.0) as http:
@@ -54,6 +56,13 @@ class BundledServer:
                 time.sleep(0.2)
         self.stop()
         raise EnvironmentFailed(f"the {self.name} environment server was not ready within {START_TIMEOUT_S:.0f} s")
+
+    def _path(self) -> dict[str, str]:
+        """Another environment's interpreter finds the worker's modules through PYTHONPATH."""
+        if self.python is None:
+            return {}
+        root = str(Path(__file__).resolve().parents[2])
+        return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
     def log_tail(self, lines: int = 10) -> str:
         try:

@@ -289,11 +289,13 @@ def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engin
                             chat=spec.dataset.chat_template, max_new_tokens=spec.train.max_new_tokens,
                             log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}",
                             stop=stop)
+    tools = [t.name for t in host.players.tools.tools]
+    shown = f", the model shown its tools: {', '.join(tools)}" if tools else ""
     if env.name is not None:  # its address is the worker's: only the admin's keys see it (server_url)
-        reporter.event("environment", f"episodes in the bundled {env.name} environment",
-                       data={"server_url": host.url, "bundled": env.name})
+        reporter.event("environment", f"episodes in the bundled {env.name} environment{shown}",
+                       data={"server_url": host.url, "bundled": env.name, "tools": tools})
     else:
-        reporter.event("environment", f"episodes in {host.url}", data={"url": host.url})
+        reporter.event("environment", f"episodes in {host.url}{shown}", data={"url": host.url, "tools": tools})
     return host
 
 

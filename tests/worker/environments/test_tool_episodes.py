@@ -1,7 +1,8 @@
 """Tool calls in real episodes: a scripted model (the turns a model that has learned the tool would
-write) plays the bundled multiplication environment over MCP. Its `<tool_call>`s reach the server as
-`tools/call`s, the results come back as tool messages the loss never trains, a malformed call is
-answered and counted, and the right answer earns the reward."""
+write) plays the bundled multiplication environment over MCP, served by openenv-core 0.3's create_app
+and by openenv 0.10's. Its `<tool_call>`s reach the server as `tools/call`s, the results come back as
+tool messages the loss never trains, a malformed call is answered and counted, and the right answer
+earns the reward."""
 
 import re
 
@@ -53,9 +54,12 @@ class Scripted:
                             truncated=torch.zeros(len(done), dtype=torch.bool), completions=texts)
 
 
-@pytest.fixture(scope="module")
-def multiplication(tmp_path_factory):
-    server = BundledServer("multiplication", tmp_path_factory.mktemp("env") / "multiplication.log")
+@pytest.fixture(scope="module", params=["openenv-core 0.3", "openenv 0.10"])
+def multiplication(request, tmp_path_factory):
+    """The bundled environment's server, under the service's openenv-core or under openenv 0.10's own
+    environment (`make openenv`), whose create_app makes it."""
+    python = None if request.param == "openenv-core 0.3" else request.getfixturevalue("openenv_python")
+    server = BundledServer("multiplication", tmp_path_factory.mktemp("env") / "multiplication.log", python=python)
     yield server.start()
     server.stop()
 

@@ -162,12 +162,33 @@ class CalculatorEnvironment(Counted, MCPEnvironment):
         self._state = State(episode_id=str(uuid4()), step_count=0)
         self._answer = 0
 
+    # OpenEnv's Task API (served by openenv 0.10's create_app): tasks by split and index, each split's
+    # from seeds of its own
+    SPLITS = {"train": (100_000, 0), "test": (1_000, 10**9)}  # split: (tasks, the seed of its first)
+
     def task(self, seed: int) -> tuple[str, int]:
         problem, answer = word_problem(seed)
         return f"{problem}\n{self.INSTRUCTIONS}", answer
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> TextObservation:
+    def list_splits(self) -> list[str]:
+        return list(self.SPLITS)
+
+    def num_tasks(self, split: str) -> int:
+        if split not in self.SPLITS:
+            raise NotImplementedError(f"no split {split!r}")
+        return self.SPLITS[split][0]
+
+    def get_task(self, split: str, index: int) -> dict:
+        if not 0 <= index < self.num_tasks(split):
+            raise IndexError(index)
+        return {"id": f"{split}-{index}", "index": index, "prompt": self.task(self.SPLITS[split][1] + index)[0]}
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, split: str | None = None,
+              index: int | None = None, **kwargs) -> TextObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
+        if split is not None and index is not None:  # a task of a split: its seed, whatever `seed` says
+            self.get_task(split, index)
+            seed = self.SPLITS[split][1] + index
         problem, self._answer = self.task(seed if seed is not None else random.randrange(2**31))
         return TextObservation(message=problem, reward=None, done=False)
 

@@ -124,8 +124,10 @@ class Session:
         self.answered = True
         return raw
 
-    async def reset(self, seed: int) -> StepResult:
-        return await self._call({"type": "reset", "data": {"seed": seed}})
+    async def reset(self, seed: int, split: str | None = None) -> StepResult:
+        """A new episode from `seed`; with `split`, the Task API's task `seed` of that split (reset(split, index))."""
+        task = {} if split is None else {"split": split, "index": seed}
+        return await self._call({"type": "reset", "data": {"seed": seed, **task}})
 
     async def step(self, action: dict[str, Any]) -> StepResult:
         return await self._call({"type": "step", "data": action})
@@ -209,9 +211,9 @@ BACKOFF_S = (0.05, 2.0)  # the first wait after a refusal, and the longest
 
 
 @asynccontextmanager
-async def opened(url: str, seed: int, *, timeout_s: float, max_bytes: int,
-                 slots: Slots) -> AsyncIterator[tuple[Session, StepResult]]:
-    """A session reset to `seed`, closed on leaving. A refusal (EnvironmentBusy: every slot taken) is
+async def opened(url: str, seed: int, *, timeout_s: float, max_bytes: int, slots: Slots,
+                 split: str | None = None) -> AsyncIterator[tuple[Session, StepResult]]:
+    """A session reset to `seed` (of `split`'s tasks, with the Task API), closed on leaving. A refusal (EnvironmentBusy: every slot taken) is
     waited out, backing off from 50 ms to 2 s: for as long as the step holds another session on the server
     (its episodes end and free their slots), else for `timeout_s`; then EnvironmentBusy."""
     wait, waited = BACKOFF_S[0], 0.0
@@ -219,7 +221,7 @@ async def opened(url: str, seed: int, *, timeout_s: float, max_bytes: int,
         session = Session(url, timeout_s=timeout_s, max_bytes=max_bytes)
         await session.__aenter__()
         try:
-            first = await session.reset(seed)
+            first = await session.reset(seed, split)
             break
         except EnvironmentBusy:
             await session.__aexit__(None, None, None)

@@ -104,7 +104,7 @@ async def _played(i: int, e: Episode, p: Players, url: str, limits: Limits, engi
         raise Stopped(f"cancelled before episode {i}")
     try:
         async with opened(url, e.seed, timeout_s=limits.timeout_s, max_bytes=limits.max_bytes,
-                          slots=slots) as (session, first):
+                          slots=slots, split=e.split) as (session, first):
             first_prompt(p, e, first, limits)
             for turn in range(limits.max_turns):
                 if not e.live:

@@ -53,6 +53,7 @@ class Episode:
     truncated: bool = False  # max_turns or max_episode_tokens ended it first
     error: str | None = None  # the environment failed it: why
     observations_cut: int = 0
+    split: str | None = None  # the Task API's split whose task `seed` indexes (None: `seed` is a reset seed)
 
     @property
     def ids(self) -> list[int]:

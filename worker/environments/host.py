@@ -17,8 +17,22 @@ from worker.environments.client import EnvironmentFailed, Slots, opened
 from worker.environments.continuous import Continuous
 from worker.environments.runner import EpisodeScheduler, Limits, Players, StepTally
 from worker.environments.servers import BundledServer
+from worker.environments.tasks import TaskSet, count_tasks
 from worker.environments.tools import Tool, renders_tools
 from worker.environments.turns import TemplateRefused, turn_format
+
+# Reset seeds: training draws below EVAL_SEEDS, evaluation plays EVAL_SEEDS, EVAL_SEEDS + 1, ...
+EVAL_SEEDS = 2**31
+
+
+@dataclass(frozen=True)
+class Units:
+    """What a job's episodes are drawn among: `count` indices from `first`, tasks of `split` (the Task API's)
+    or, without a split, reset seeds."""
+
+    count: int
+    first: int = 0
+    split: str | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,20 @@ class EnvironmentHost:
     stop: Callable[[], bool]  # a cancel, asked before each wave and turn of episodes
     scheduler: EpisodeScheduler = Continuous()  # how a step's episodes advance
     tally: StepTally = field(default_factory=StepTally)  # each step's training episodes, for its health reading
+    tasks: TaskSet | None = None  # the Task API's splits, where the spec draws tasks instead of reset seeds
+
+    def training_units(self) -> Units:
+        """What training draws among: tasks of the train split, or reset seeds below EVAL_SEEDS."""
+        if self.tasks is not None:
+            return Units(self.tasks.train_tasks, split=self.tasks.train)
+        return Units(EVAL_SEEDS)
+
+    def evaluation_units(self) -> Units:
+        """What evaluation plays: the eval split's first eval_episodes tasks, or eval_episodes reset seeds
+        from EVAL_SEEDS."""
+        if self.tasks is not None:
+            return Units(min(self.spec.eval_episodes, self.tasks.eval_tasks), split=self.tasks.eval)
+        return Units(self.spec.eval_episodes, first=EVAL_SEEDS)
 
 
 def tool_use(spec: EnvironmentSpec, url: str, settings: Settings) -> ToolUse:
@@ -74,4 +102,5 @@ def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: Rollo
                     action_field=spec.action_field, observation_field=spec.observation_field)
     players = Players(engine=engine, tokenizer=tokenizer, turns=turns, eos_ids=frozenset(eos_ids),
                       max_new_tokens=max_new_tokens, tools=use)
-    return EnvironmentHost(spec=spec, url=url, players=players, limits=limits, stop=stop)
+    tasks = None if spec.tasks is None else count_tasks(url, spec.tasks, timeout_s=spec.timeout_s)
+    return EnvironmentHost(spec=spec, url=url, players=players, limits=limits, stop=stop, tasks=tasks)

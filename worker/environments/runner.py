@@ -93,7 +93,7 @@ async def _start(p: Players, url: str, episodes: list[Episode], limits: Limits,
             return None
 
     sessions = await asyncio.gather(*(open_session(e) for e in episodes))
-    resets = await asyncio.gather(*(guarded(s.reset(e.seed), e) if s is not None else asyncio.sleep(0)
+    resets = await asyncio.gather(*(guarded(s.reset(e.seed, e.split), e) if s is not None else asyncio.sleep(0)
                                     for s, e in zip(sessions, episodes)))
     if all(r is None for r in resets):
         raise EnvironmentDown(f"no episode could start: {episodes[0].error}")
@@ -196,11 +196,13 @@ class Waves:
 
 
 def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits, *, seed_of: TurnSeed | None,
-         scheduler: EpisodeScheduler, stop: Callable[[], bool] = lambda: False) -> tuple[list[Episode], Played]:
-    """`group_size` episodes per reset seed, seed-major [len(seeds) * G], played as `scheduler` runs them;
-    `seed_of` None: greedy turns. Returns the episodes and what playing them cost. `stop()` is asked before
+         scheduler: EpisodeScheduler, stop: Callable[[], bool] = lambda: False,
+         split: str | None = None) -> tuple[list[Episode], Played]:
+    """`group_size` episodes per reset seed, seed-major [len(seeds) * G], played as `scheduler` runs them
+    (`split`: the seeds are task indices of that split, the Task API's); `seed_of` None: greedy turns. Returns the episodes and what playing them cost. `stop()` is asked before
     every turn (a cancel): once it says so, Stopped, with every session closed."""
-    episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="") for s in seeds for g in range(group_size)]
+    episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="", split=split)
+                for s in seeds for g in range(group_size)]
     return episodes, scheduler.run(p, url, episodes, limits, seed_of=seed_of, stop=stop)
 
 

@@ -39,7 +39,7 @@ class Uniform:
     """Every unit alike, with replacement: the draw every kind uses today."""
 
     size: int  # the pool's size
-    offset: int = 0  # the first index (an environment's evaluation seeds start at EVAL_SEEDS)
+    offset: int = 0  # the first index (an environment's evaluation seeds start at host.EVAL_SEEDS)
 
     def draw(self, rng: random.Random, n: int) -> list[int]:
         return [self.offset + rng.randrange(self.size) for _ in range(n)]

@@ -11,7 +11,7 @@ from worker import rewards
 from worker.datasets import Example
 from worker.environments.runner import EpisodeStats, episode_rewards, play
 from worker.loops.setup import AnySpec, Setup
-from worker.loops.sources import EVAL_SEEDS, prompt_for
+from worker.loops.sources import prompt_for
 
 
 @torch.no_grad()
@@ -59,8 +59,9 @@ def evaluate_episodes(s: Setup[AnySpec]) -> dict[str, float]:
     env = s.environment
     assert env is not None
     s.engine.sync(s.model)
-    seeds = [EVAL_SEEDS + i for i in range(env.spec.eval_episodes)]
-    episodes, played = play(env.players, env.url, seeds, 1, env.limits, seed_of=None, scheduler=env.scheduler)
+    units = env.evaluation_units()
+    episodes, played = play(env.players, env.url, list(range(units.first, units.first + units.count)), 1, env.limits,
+                            seed_of=None, scheduler=env.scheduler, split=units.split)
     stats = EpisodeStats.of(episodes, played).metrics()
     return {"eval/reward_mean": float(episode_rewards(episodes, env.spec.reward).mean()),
             **{f"eval/{k}": stats[k] for k in EVAL_EPISODE_METRICS}}

@@ -23,9 +23,6 @@ from worker.loops.setup import AnySpec, RLJob, Setup
 from worker.parallel.distributed import SINGLE, row_seed
 from worker.reporting import Records
 
-# Reset seeds: training draws below EVAL_SEEDS, evaluation plays EVAL_SEEDS, EVAL_SEEDS + 1, ...
-EVAL_SEEDS = 2**31
-
 
 def prompt_for(s: Setup[AnySpec], ex: Example) -> str:
     return render_example(s.tokenizer, ex, s.task.instruction, chat=s.spec.dataset.chat_template)
@@ -50,19 +47,21 @@ def submit_prompts(s: Setup[RLJob], pool: list[Example], G: int, *, seed_tag: st
 
 def submit_episodes(s: Setup[RLJob], G: int, *, seed_tag: str, validation: bool = False,
                     step: int | None = None) -> Submit[Example]:
-    """Units are reset seeds of the job's environment (drawn with `seed_tag`; `validation`: among its
-    evaluation seeds), a group of G episodes each, played now; each turn sampled with a seed from
+    """Units are reset seeds (or Task API tasks) of the job's environment (drawn with `seed_tag`;
+    `validation`: among its evaluation ones), a group of G episodes each, played now; each turn sampled with a seed from
     (seed_tag, round, episode, turn). `step`: training step `step`'s, tallied for its health reading."""
     rng, env = random.Random(seed_tag), s.environment
     assert env is not None
-    draw = Uniform(env.spec.eval_episodes, offset=EVAL_SEEDS) if validation else Uniform(EVAL_SEEDS)
+    units = env.evaluation_units() if validation else env.training_units()
+    draw = Uniform(units.count, offset=units.first)
 
     def submit(round: int, n: int) -> Sampling[Example]:
         share = draw_share(draw, rng, n, SINGLE)  # every rank plays every episode of the step
         seeds = share.picked
         with tracing.span("rl.episodes", **{"grpo_jobs.round": round}):
             episodes, played = play(env.players, env.url, seeds, G, env.limits, scheduler=env.scheduler,
-                                   seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn), stop=env.stop)
+                                    seed_of=lambda i, turn: row_seed(seed_tag, round, i, turn), stop=env.stop,
+                                    split=units.split)
         stats = EpisodeStats.of(episodes, played)
         if step is not None:
             env.tally.add(step, stats)

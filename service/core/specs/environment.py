@@ -39,6 +39,15 @@ class ToolSpec(_Section):
         return v
 
 
+class TaskSplits(_Section):
+    """The Task API's splits a job draws from (a server made with openenv 0.10 or later that has one)."""
+
+    train: str = Field("train", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                       description="The split whose tasks the training steps draw.")
+    eval: str = Field("test", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="The split whose first `eval_episodes` tasks evaluation plays.")
+
+
 class EnvironmentSpec(_Section):
     kind: Literal["openenv"] = Field("openenv", description="The protocol: an OpenEnv server (WebSocket `/ws`: "
                                      "reset, step, state, close).")
@@ -78,6 +87,10 @@ class EnvironmentSpec(_Section):
         "read back as a `tool` message; a turn without a call is the model's answer (a text action). A list: "
         "tools declared here for a server that reads the calls from the model's text; its answer to a turn with "
         "calls is read back as a `tool` message. Unset: no tools, the model's text is the action.")
+    tasks: TaskSplits | None = Field(
+        None, description="Draw episodes among the server's tasks by split and index (OpenEnv's Task API: "
+        "`reset(split, index)`) instead of reset seeds: training from `train`, evaluation from the first "
+        "`eval_episodes` of `eval`. The server must have the API, and tasks in both splits.")
     eval_episodes: int = Field(16, ge=1, le=10_000, description="Greedy episodes per evaluation, from reset seeds "
                                "no training step draws.")
 

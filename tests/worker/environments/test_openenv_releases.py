@@ -101,3 +101,31 @@ def test_a_worker_killed_mid_episode_leaves_no_session_open(tmp_path):
         assert server.sessions()["open"] == 0  # the server saw each connection drop, and closed its session
     finally:
         server.stop()
+
+
+def test_a_job_draws_the_task_apis_tasks_by_split_where_the_server_has_them(openenv_python, tmp_path,
+                                                                           settings_factory):
+    """openenv 0.10's create_app serves the bundled multiplication's tasks (train: 100,000; test: 1,000);
+    openenv-core 0.3's has no Task API, and a job asking for tasks there fails at its start, saying so."""
+    from worker.environments.bundled import MultiplicationEnvironment, multiplication
+
+    spec = _job("", tasks={"train": "train", "eval": "test"}, max_concurrent=8)
+    for python, log in ((openenv_python, "new.log"), (None, "old.log")):
+        server = BundledServer("multiplication", tmp_path / log, python=python)
+        url = server.start()
+        try:
+            spec["environment"]["url"] = url
+            out = tmp_path / log.replace(".log", "")
+            settings = settings_factory(GRPO_ENVIRONMENT_URLS=url)
+            if python is None:
+                with pytest.raises(Exception, match="the server has no Task API"):
+                    grpo.run(GRPOJob.model_validate(spec), FileReporter(out), settings=settings)
+                continue
+            assert grpo.run(GRPOJob.model_validate(spec), FileReporter(out), settings=settings).status == "succeeded"
+        finally:
+            server.stop()
+    samples = _lines(tmp_path / "new" / "samples.jsonl")
+    train = MultiplicationEnvironment.SPLITS["train"][1]
+    for s in samples:  # each episode is its train task's: the question of the seed the split gives its index
+        index = s["extra"]["episode"]["seed"]
+        assert 0 <= index < 100_000 and s["prompt"].startswith(multiplication(train + index)[0])

@@ -33,6 +33,18 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def slowed(env: type, most_s: float) -> type:
+    """`env` whose every step first sleeps a random 0 to `most_s` seconds (in its session's own thread)."""
+    import random
+
+    class Slowed(env):  # type: ignore[valid-type, misc]
+        def step(self, action, timeout_s=None, **kwargs):
+            time.sleep(random.uniform(0.0, most_s))
+            return super().step(action, timeout_s=timeout_s, **kwargs)
+
+    return Slowed
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=("calculator", "multiplication", "guess-number"))
@@ -42,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ping-interval", type=float, default=20.0,
                    help="seconds between the server's WebSocket pings (a client that does not answer one within "
                    "as long is closed)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="each step first waits a random 0 to this many seconds (a slow environment, for benchmarks)")
     p.add_argument("--parent", type=int, default=None, help="end when this process id is gone")
     args = p.parse_args(argv)
     if args.parent is not None:
@@ -54,8 +68,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from worker.environments.bundled import ENVIRONMENTS, SESSIONS, TextAction, TextObservation
 
-    app = create_app(ENVIRONMENTS[args.name], TextAction, TextObservation, env_name=args.name,
-                     max_concurrent_envs=args.max_sessions)
+    env = ENVIRONMENTS[args.name]
+    if args.step_delay > 0:
+        env = slowed(env, args.step_delay)
+    app = create_app(env, TextAction, TextObservation, env_name=args.name, max_concurrent_envs=args.max_sessions)
     app.add_api_route("/sessions", lambda: {"open": SESSIONS.open, "most": SESSIONS.most}, methods=["GET"])
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=1 << 20,
                 ws_ping_interval=args.ping_interval, ws_ping_timeout=args.ping_interval)

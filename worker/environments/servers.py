@@ -21,10 +21,12 @@ class BundledServer:
     """`python -m worker.environments.serve NAME` on 127.0.0.1, ending when this process does."""
 
     def __init__(self, name: str, log_path: Path, *, max_sessions: int = 256, ping_interval_s: float = 20.0,
-                 python: Path | None = None) -> None:
-        """`python`: the interpreter of an environment with another OpenEnv release (this one's by default)."""
+                 python: Path | None = None, step_delay_s: float = 0.0) -> None:
+        """`python`: the interpreter of an environment with another OpenEnv release (this one's by default);
+        `step_delay_s`: each step first waits a random 0 to this many seconds."""
         self.name, self.log_path, self.python = name, log_path, python
-        self.options = ["--max-sessions", str(max_sessions), "--ping-interval", str(ping_interval_s)]
+        self.options = ["--max-sessions", str(max_sessions), "--ping-interval", str(ping_interval_s),
+                        "--step-delay", str(step_delay_s)]
         self.port = 0
         self.proc: subprocess.Popen | None = None
 

@@ -9,6 +9,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Generic, TypeVar, cast
 
 import torch
@@ -23,6 +24,7 @@ from worker.datasets import TaskData, load_task, render_example
 from worker.engines.folded import adapted_bytes, foldable
 from worker.engines.hf_engine import HFEngine, eos_token_ids
 from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
+from worker.environments.demos import demonstrations
 from worker.environments.host import EnvironmentHost, open_environment
 from worker.machine import allocator, memory
 from worker.machine.fingerprint import fingerprint, model_sha256
@@ -118,6 +120,12 @@ def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | N
     model_hash = model_sha256(spec.model.name, settings, model) if ranks.main else ""
     init_weights(model, spec.model.init_from, reporter)
     entries = spec.reward_specs()
+    if task is None and spec.dataset.name == "env-demos":  # played now, in a bundled server of their own
+        assert isinstance(spec, SFTJob)
+        task = demonstrations(spec, settings, tok, environment_logs(settings, reporter))
+        reporter.event("demonstrations", f"{len(task.train)} training and {len(task.val)} validation demonstrations "
+                       f"of the {spec.environment.name if spec.environment else ''} environment, played by its solver",
+                       data={"train": len(task.train), "val": len(task.val)})
     if task is None:
         task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
                          fetch=reporter.data_file)
@@ -274,6 +282,11 @@ def _never() -> bool:
     return False
 
 
+def environment_logs(settings: Settings, reporter: Reporter) -> Path:
+    """Where a job's environment servers write their logs."""
+    return settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}"
+
+
 def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engine: RolloutEngine,
                     model: torch.nn.Module, tok: PreTrainedTokenizerBase, *, stop: Callable[[], bool] = _never) -> EnvironmentHost | None:
     """The spec's environment, its server started (bundled) or its URL checked; None for single-turn jobs."""
@@ -287,7 +300,7 @@ def job_environment(spec: AnySpec, settings: Settings, reporter: Reporter, engin
                          "the first prompt included): lower them")
     host = open_environment(env, settings, engine=engine, tokenizer=tok, eos_ids=eos_token_ids(tok, model),
                             chat=spec.dataset.chat_template, max_new_tokens=spec.train.max_new_tokens,
-                            log_dir=settings.data_dir / "environments" / f"{reporter.job_id or 'local'}-{os.getpid()}",
+                            log_dir=environment_logs(settings, reporter),
                             stop=stop)
     tools = [t.name for t in host.players.tools.tools]
     shown = f", the model shown its tools: {', '.join(tools)}" if tools else ""

@@ -30,6 +30,7 @@ from service.core.settings import Settings
 from service.core.specs import SFTJob
 from worker.batch import RolloutBatch
 from worker.datasets import Example
+from worker.environments import episodes as episode_rows
 from worker.loops import evaluation, skeleton, update, utilisation
 from worker.loops.setup import Setup, build
 from worker.loops.sources import prompt_for
@@ -56,8 +57,11 @@ def step_examples(s: Setup[SFTJob], step: int) -> list[Example]:
 
 def encode(s: Setup[SFTJob], examples: list[Example]) -> RolloutBatch:
     """Prompt (left-padded) and answer + EOS (right-padded, cut at max_new_tokens) token ids of each
-    example; `truncated` marks the answers that were cut."""
+    example; `truncated` marks the answers that were cut. A demonstration (`env-demos`) is its episode's
+    rows as played: its loss mask holds the model's turns, not the environment's."""
     tok, t = s.tokenizer, s.spec.sft
+    if examples and all("episode" in ex.meta for ex in examples):
+        return episode_rows.rows([ex.meta["episode"] for ex in examples], tok.pad_token_id)
     prompts = [tok(prompt_for(s, ex), add_special_tokens=False)["input_ids"] for ex in examples]
     answers = [tok(ex.answers[0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for ex in examples]
     truncated = torch.tensor([len(a) > t.max_new_tokens for a in answers])
@@ -79,14 +83,14 @@ def encode(s: Setup[SFTJob], examples: list[Example]) -> RolloutBatch:
 def train_step(run: skeleton.Run, batch: RolloutBatch) -> dict[str, float]:
     """3-4: the token-mean cross-entropy of the whole batch, accumulated over micro-batches; one step."""
     s = run.s
-    tokens = s.ranks.sum({"tokens": float(batch.completion_mask.sum())})["tokens"]  # every process's answer tokens
+    tokens = s.ranks.sum({"tokens": float(batch.loss_mask().sum())})["tokens"]  # every process's answer tokens
     s.model.train()
     s.optimizer.zero_grad(set_to_none=True)
     nll = 0.0
     for idx in update.micro(s, batch, list(range(len(batch)))):
         mb = batch.select(idx).to(s.device)
         logp, _ = sequence_logprobs(s.model, mb, 1.0)  # [n, T], 0 at padding
-        loss = -(logp * mb.completion_mask).sum() / max(tokens, 1.0)
+        loss = -(logp * mb.loss_mask()).sum() / max(tokens, 1.0)
         if not torch.isfinite(loss):
             raise NonFiniteUpdate(f"the loss is {loss.item()}", step=run.step, hint="lower sft.learning_rate")
         loss.backward()
@@ -117,10 +121,10 @@ def answer_stats(s: Setup[SFTJob], batch: RolloutBatch) -> AnswerStats:
             t = b.completion_ids.shape[1]
             # [n, t, V]: the position before answer token j predicts it
             logits = s.model(**forward_inputs(b), logits_to_keep=t + 1).logits[:, -(t + 1):-1].float()
-            real = b.completion_mask.bool()
+            real = b.loss_mask().bool()
             nll += float(torch.nn.functional.cross_entropy(logits[real], b.completion_ids[real], reduction="sum"))
             hits += float((logits.argmax(-1) == b.completion_ids)[real].sum())
-    sums = s.ranks.sum({"nll": nll, "hits": hits, "tokens": float(batch.completion_mask.sum())})
+    sums = s.ranks.sum({"nll": nll, "hits": hits, "tokens": float(batch.loss_mask().sum())})
     return AnswerStats(sums["nll"], sums["hits"], sums["tokens"])
 
 

@@ -11,11 +11,12 @@ from pydantic import Field, field_validator, model_validator
 from service.core.reward_specs import BUILTIN_REWARDS
 from service.core.spec_base import _Section, reject_unused
 
-DatasetName = Literal["arith", "file", "jsonl", "persona-facts"]
+DatasetName = Literal["arith", "file", "jsonl", "persona-facts", "env-demos"]
 DATASETS: tuple[DatasetName, ...] = get_args(DatasetName)
 REWARDS = tuple(BUILTIN_REWARDS)
 DEFAULT_REWARDS = {"arith": ["numeric_match"], "file": ["exact_match"], "jsonl": ["exact_match"],
-                   "persona-facts": ["token_f1"]}
+                   "persona-facts": ["token_f1"],
+                   "env-demos": ["exact_match"]}  # never scored: the job's environment evaluates it
 FILE_ID = r"^file-[0-9a-f]{24}$"
 
 
@@ -24,7 +25,9 @@ class DatasetSpec(_Section):
         "arith",
         description="arith: generated grade-school word problems; persona-facts: generated corpus + "
         "questions (joint jobs); file: files you uploaded (POST /v1/files), named by id in `train_file`, "
-        "`val_file` and `corpus_file`; jsonl: rows {prompt, answer} (or {query, answers, gold_doc_id}) from `path`.",
+        "`val_file` and `corpus_file`; jsonl: rows {prompt, answer} (or {query, answers, gold_doc_id}) from `path`; "
+        "env-demos (sft jobs with an `environment`): `num_train` + `num_val` correct episodes of the job's bundled "
+        "tool environment, played by a scripted solver that calls its tools, as the model would see them.",
     )
     train_file: str | None = Field(
         None, pattern=FILE_ID, description="file only: the id of one of your files of purpose `train`.")

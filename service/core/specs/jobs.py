@@ -135,14 +135,45 @@ def _vllm_rule(job: _JobBase) -> None:
 TEMPLATE_WITHOUT_TOOLS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen")
 
 
+DEMO_ENVIRONMENTS = ("calculator", "multiplication")  # bundled environments a scripted solver plays
+
+
+def _demos_rule(job: _JobBase, env: EnvironmentSpec) -> None:
+    """An SFT job's environment is where its demonstrations come from."""
+    if job.dataset.name != "env-demos":
+        raise ValueError("environment on kind 'sft' is where `dataset: env-demos` plays its demonstrations: set "
+                         "dataset.name to env-demos, or remove environment")
+    if job.rewards is not None:
+        raise ValueError("rewards would have no effect on demonstrations: the environment's greedy episodes "
+                         "evaluate the job; remove rewards")
+    if env.name not in DEMO_ENVIRONMENTS or env.tools != "mcp":
+        raise ValueError(f"dataset env-demos: a scripted solver plays the bundled {' or '.join(DEMO_ENVIRONMENTS)} "
+                         "environment with its MCP tools: set environment.name to one of them and environment.tools "
+                         "to mcp")
+    if job.resources.world > 1:
+        raise ValueError("environment: a job with an environment runs as one process; set resources.processes and "
+                         "resources.nodes to 1")
+
+
 def _environment_rule(job: _JobBase) -> None:
     """An environment's episodes replace the dataset's prompts and its reward the reward functions."""
     env = getattr(job, "environment", None)
     if env is None:
+        if job.dataset.name == "env-demos":
+            raise ValueError("dataset.name 'env-demos' plays the job's environment: add environment (kind 'sft')")
+        return
+    if env.tools is not None and job.model.name in TEMPLATE_WITHOUT_TOOLS and job.model.chat_template == "tokenizer":
+        raise ValueError(f"environment.tools: {job.model.name}'s own chat template cannot show tools to the model; "
+                         "set model.chat_template: chatml-tools")
+    if job.kind == "sft":
+        _demos_rule(job, env)
         return
     if job.kind not in ("grpo", "tracin"):
-        raise ValueError(f"environment is supported for kinds 'grpo' and 'tracin', not {job.kind!r}: its "
+        raise ValueError(f"environment is supported for kinds 'grpo', 'tracin' and 'sft', not {job.kind!r}: its "
                          "episodes are sampled per reset seed, which a joint query's documents are not")
+    if job.dataset.name == "env-demos":
+        raise ValueError("dataset.name 'env-demos' trains kind 'sft' on demonstrations; a GRPO job with an "
+                         "environment plays its own episodes: remove dataset")
     if job.rewards is not None:
         raise ValueError("rewards would have no effect with an environment: an episode's reward is the "
                          "environment's; remove rewards")
@@ -152,9 +183,6 @@ def _environment_rule(job: _JobBase) -> None:
     if job.resources.world > 1:
         raise ValueError("environment: a job with an environment runs as one process; set "
                          "resources.processes and resources.nodes to 1")
-    if env.tools is not None and job.model.name in TEMPLATE_WITHOUT_TOOLS and job.model.chat_template == "tokenizer":
-        raise ValueError(f"environment.tools: {job.model.name}'s own chat template cannot show tools to the model; "
-                         "set model.chat_template: chatml-tools")
 
 
 def _staleness_rule(job: _JobBase) -> None:
@@ -235,6 +263,10 @@ class SFTJob(_JobBase):
 
     kind: Literal["sft"] = "sft"
     sft: SFTSpec = Field(default_factory=SFTSpec)
+    environment: EnvironmentSpec | None = Field(
+        None, description="With `dataset: env-demos`: the bundled tool environment (calculator or multiplication, "
+        "`tools: mcp`) whose demonstrations the job trains on and whose greedy episodes evaluate it; the cold "
+        "start before a GRPO job in the same environment.")
 
     @property
     def train(self) -> SFTSpec:

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.core.specs import SFTJob
+from worker.environments.servers import stop_servers
 from worker.loops import sft
 from worker.loops.setup import build
 from worker.reporting import FileReporter
@@ -124,3 +125,26 @@ def test_sft_on_chat_rows(tmp_path, settings_factory):
     batch = sft.encode(s, [ex])
     prompt = s.tokenizer.decode(batch.prompt_ids[0][batch.prompt_mask[0].bool()])
     assert prompt == f"User: {ex.question}\nAssistant:" and batch.completions == [ex.answers[0]]
+
+
+def test_sft_on_demonstrations_trains_the_models_turns_and_evaluates_in_the_environment(tmp_path, settings_factory):
+    """`dataset: env-demos`: the loss is the model's turns' (tool calls and answers), never the tool's answers
+    between them; evaluation plays greedy episodes in the same environment."""
+    spec = SFTJob.model_validate({
+        "kind": "sft", "model": {"name": "tiny-random-llama", "chat_template": "chatml-tools", "lora": {"r": 8}},
+        "dataset": {"name": "env-demos", "num_train": 16, "num_val": 4},
+        "environment": {"name": "multiplication", "tools": "mcp", "max_turns": 2, "max_episode_tokens": 400,
+                        "max_observation_tokens": 48, "eval_episodes": 2},
+        "sft": {"steps": 4, "batch_size": 8, "learning_rate": 3e-3, "eval_every": 4, "max_new_tokens": 64,
+                "val_batches": 1}})
+    settings = settings_factory()
+    assert sft.run(spec, FileReporter(tmp_path), settings=settings).status == "succeeded"
+    metrics = {m["step"]: m["metrics"] for m in _metrics(tmp_path)}
+    assert metrics[4]["loss/val"] < metrics[0]["loss/val"] and metrics[4]["loss/train"] < metrics[1]["loss/train"]
+    assert {"eval/reward_mean", "eval/env/tool_calls_mean"} <= set(metrics[4])  # episodes, not prompts
+    s = build(spec, settings, FileReporter(tmp_path / "again"))
+    stop_servers()  # the environment build started for evaluation
+    batch = sft.encode(s, s.task.train[:4])
+    trained = [s.tokenizer.decode(batch.completion_ids[i][batch.loss_mask()[i].bool()]) for i in range(4)]
+    assert all("<tool_call>" in t and "<tool_response>" not in t for t in trained)
+    assert int(batch.loss_mask().sum()) < int(batch.completion_mask.sum())  # the tool's answers: context only

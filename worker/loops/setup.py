@@ -120,15 +120,8 @@ def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | N
     model_hash = model_sha256(spec.model.name, settings, model) if ranks.main else ""
     init_weights(model, spec.model.init_from, reporter)
     entries = spec.reward_specs()
-    if task is None and spec.dataset.name == "env-demos":  # played now, in a bundled server of their own
-        assert isinstance(spec, SFTJob)
-        task = demonstrations(spec, settings, tok, environment_logs(settings, reporter))
-        reporter.event("demonstrations", f"{len(task.train)} training and {len(task.val)} validation demonstrations "
-                       f"of the {spec.environment.name if spec.environment else ''} environment, played by its solver",
-                       data={"train": len(task.train), "val": len(task.val)})
     if task is None:
-        task = load_task(spec.dataset, settings=settings, reward_names=[e.name for e in entries],
-                         fetch=reporter.data_file)
+        task = job_task(spec, settings, reporter, tok)
     if ranks.main:  # what ran, for reproducing it (every rank runs the same)
         fp = fingerprint(spec, settings, model_hash=model_hash, task=task, device=dev, model=model)
         reporter.event(FINGERPRINT, f"spec {fp.spec_sha256[:12]}, data {fp.data_sha256[:12]}, model "
@@ -280,6 +273,19 @@ def without_option(args: tuple[str, ...], option: str) -> tuple[str, ...]:
 
 def _never() -> bool:
     return False
+
+
+def job_task(spec: AnySpec, settings: Settings, reporter: Reporter, tok: PreTrainedTokenizerBase) -> TaskData:
+    """The spec's dataset; demonstrations (`env-demos`) are played now, in a bundled server of their own."""
+    if spec.dataset.name != "env-demos":
+        return load_task(spec.dataset, settings=settings, reward_names=[e.name for e in spec.reward_specs()],
+                         fetch=reporter.data_file)
+    assert isinstance(spec, SFTJob) and spec.environment is not None
+    task = demonstrations(spec, settings, tok, environment_logs(settings, reporter))
+    reporter.event("demonstrations", f"{len(task.train)} training and {len(task.val)} validation demonstrations of "
+                   f"the {spec.environment.name} environment, played by its solver",
+                   data={"train": len(task.train), "val": len(task.val)})
+    return task
 
 
 def environment_logs(settings: Settings, reporter: Reporter) -> Path:

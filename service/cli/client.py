@@ -18,13 +18,22 @@ from service.core.fingerprint import Fingerprint, largest_difference
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--wait", is_flag=True, help="Watch the job until it ends.")
 @click.option("--idempotency-key", default=None)
+@click.option("--init-from", "init_from", type=click.IntRange(min=1), default=None,
+              help="Start the model from this earlier job's latest checkpoint (sets model.init_from.job): "
+              "a cold start's SFT job before a GRPO job, say.")
 @url_opt
 @key_opt
-def submit(spec_file: Path, wait: bool, idempotency_key: str | None, url: str | None, key: str | None) -> None:
+def submit(spec_file: Path, wait: bool, idempotency_key: str | None, init_from: int | None, url: str | None,
+           key: str | None) -> None:
     """Submit a job spec (YAML or JSON)."""
+    spec = load_spec_file(spec_file)
+    if init_from is not None:
+        if not isinstance(spec.get("model", {}), dict):
+            raise click.ClickException(f"{spec_file}: model is not a mapping; --init-from sets model.init_from")
+        spec["model"] = {**spec.get("model", {}), "init_from": {"job": init_from}}
     with client(url, key) as c:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job = check(c.post("/v1/jobs", json=load_spec_file(spec_file), headers=headers), spec_file=spec_file)
+        job = check(c.post("/v1/jobs", json=spec, headers=headers), spec_file=spec_file)
         click.echo(f"job {job['id']} {job['status']}")
         if wait:
             watch_job(c, job["id"])

@@ -1,6 +1,7 @@
 """Agent jobs (multi-turn episodes in a bundled environment) on the production layout: `grpo-jobs serve`
-and a separate `grpo-jobs worker` on PostgreSQL and Redis, two jobs on one worker (one shown the
-environment's MCP tools), and an environment server killed mid-job. The embedded default runs one in tests/dashboard (`grpo-jobs dev`); episodes
+and a separate `grpo-jobs worker` on PostgreSQL and Redis: on one worker, a cold start (SFT on an
+environment's demonstrations, then GRPO from it, shown the environment's MCP tools) beside a game, and
+an environment server killed mid-job. The embedded default runs one in tests/dashboard (`grpo-jobs dev`); episodes
 sampled by a vLLM server are checked token by token in tests/worker/engines/test_vllm_engine.py."""
 
 import os
@@ -21,7 +22,12 @@ AGENT_JOB = {"kind": "grpo", "name": "agent-hf", "model": {"name": "tiny-random-
 GAME_JOB = {**AGENT_JOB, "name": "agent-game", "environment": {**AGENT_JOB["environment"], "name": "guess-number"}}
 # the model shown the bundled multiplication's MCP calculator tool, in the ChatML tools template
 TOOL_JOB = {**AGENT_JOB, "name": "agent-tools", "model": {**AGENT_JOB["model"], "chat_template": "chatml-tools"},
-            "environment": {**AGENT_JOB["environment"], "name": "multiplication", "tools": "mcp"}}
+            "environment": {**AGENT_JOB["environment"], "name": "multiplication", "tools": "mcp",
+                            "max_episode_tokens": 320}}
+# its cold start: SFT on the environment's demonstrations (examples/agent-tools-sft.yaml at a small size)
+SFT_JOB = {"kind": "sft", "name": "agent-sft", "model": TOOL_JOB["model"],
+           "dataset": {"name": "env-demos", "num_train": 8, "num_val": 4}, "environment": TOOL_JOB["environment"],
+           "sft": {"steps": 2, "batch_size": 4, "max_new_tokens": 8, "learning_rate": 3e-3, "checkpoint_every": 1}}
 
 def _servers_under(pid: int) -> list[int]:
     """Bundled environment servers among the descendants of `pid`."""
@@ -66,12 +72,21 @@ def _check_agent_job(c, job, procs):
 def test_two_agent_jobs_on_one_worker(service, procs):  # noqa: F811
     c = service()
     worker = dict(procs.procs)["worker"].pid
-    first, second = c.post("/v1/jobs", json=TOOL_JOB), c.post("/v1/jobs", json=GAME_JOB)
-    assert first.status_code == second.status_code == 201, (first.text, second.text)
+    cold, second = c.post("/v1/jobs", json=SFT_JOB), c.post("/v1/jobs", json=GAME_JOB)
+    assert cold.status_code == second.status_code == 201, (cold.text, second.text)
+    sft = wait_job(c, cold.json()["id"], procs)  # the recipe's first command: SFT on demonstrations
+    assert sft["status"] == "succeeded", (sft, procs.logs())
+    events = c.get(f"/v1/jobs/{sft['id']}/events").json()
+    assert [e["data"] for e in events if e["type"] == "demonstrations"] == [{"train": 8, "val": 4}]
+    tools = {**TOOL_JOB, "model": {**TOOL_JOB["model"], "init_from": {"job": sft["id"]}}}  # then GRPO from it
+    first = c.post("/v1/jobs", json=tools)
+    assert first.status_code == 201, first.text
     _check_agent_job(c, wait_job(c, first.json()["id"], procs), procs)
     _check_agent_job(c, wait_job(c, second.json()["id"], procs), procs)
-    (shown,) = [e for e in c.get(f"/v1/jobs/{first.json()['id']}/events").json() if e["type"] == "environment"]
+    events = c.get(f"/v1/jobs/{first.json()['id']}/events").json()
+    (shown,) = [e for e in events if e["type"] == "environment"]
     assert shown["data"]["tools"] == ["calculator"], shown
+    assert [e["message"] for e in events if e["type"] == "initialised"] == [f"weights from job {sft['id']}, step 2"]
     assert _servers_under(worker) == []  # each job's environment server ended with it
 
 

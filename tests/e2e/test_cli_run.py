@@ -3,7 +3,7 @@ that each minimal example shows what its kind does (rewards that differ, updates
 a retriever that trains, sparsity reports, a supervised loss that falls). Each runs its first 2
 steps (joint: 3; what it learns over more is the loop tests' part), evaluated on 2 prompts; the shipped-size
 ones take the minimal ones' size (2 prompts a step, groups of 4, 12 tokens) and are checked to run to the end;
-the agent examples play one step of 2 turns."""
+the agent examples play one step of 2 turns (the cold start's SFT: 2 steps on 16 demonstrations)."""
 
 import json
 import subprocess
@@ -41,8 +41,11 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
         train.update(prompts_per_step=min(2, train["prompts_per_step"]),
                      num_generations=min(4, train["num_generations"]), max_new_tokens=min(12, train["max_new_tokens"]))
     if agent:  # one step of 2 turns, evaluated on one episode: that it runs and records its episodes
-        train["steps"] = 1
+        train["steps"] = 2 if kind == "sft" else 1  # an sft job on demonstrations: that its loss falls
         spec["environment"].update(eval_episodes=1, max_turns=min(2, spec["environment"]["max_turns"]))
+        if spec.get("dataset", {}).get("name") == "env-demos":
+            spec["dataset"].update(num_train=16, num_val=4)
+            train.update(batch_size=4, val_batches=1, max_new_tokens=24)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"

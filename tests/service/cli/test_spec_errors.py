@@ -81,3 +81,23 @@ def test_run_finds_the_vllm_environment_make_vllm_built(tmp_path, monkeypatch):
         assert str(get_settings().vllm_python) == "/opt/vllm/bin/python"
     finally:
         get_settings.cache_clear()
+
+
+def test_submit_init_from_sets_the_models_starting_job(tmp_path, sqlite_api, monkeypatch):
+    """`grpo-jobs submit SPEC --init-from N`: the spec's model.init_from.job is N, checked by the API as if
+    written in the file (an unknown job is refused naming the field, and nothing is stored)."""
+    from contextlib import nullcontext
+
+    from click.testing import CliRunner
+
+    from service.cli import client as cli_client
+    from service.cli.group import main
+
+    monkeypatch.setattr(cli_client, "client", lambda url, key: nullcontext(sqlite_api))
+    path = tmp_path / "job.yaml"
+    path.write_text("kind: grpo\nmodel: {name: tiny-random-llama}\n")
+    r = CliRunner().invoke(main, ["submit", str(path), "--init-from", "424242"])
+    assert r.exit_code != 0 and "model.init_from" in r.output, r.output
+    assert sqlite_api.get("/v1/jobs").json()["items"] == []
+    r = CliRunner().invoke(main, ["submit", str(path)])
+    assert r.exit_code == 0 and r.output.startswith("job "), r.output

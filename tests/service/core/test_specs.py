@@ -98,6 +98,13 @@ def _err(spec: dict) -> str:
     ({"kind": "grpo", "environment": {"name": "calculator", "tools": [{"name": "t", "parameters": {"type": "string"}}]}},
      "parameters must be a JSON schema of type 'object'"),
     ({"kind": "grpo", "model": {"chat_template": "llama3"}}, "model.chat_template"),
+    ({"kind": "sft", "dataset": {"name": "env-demos"}}, "dataset.name 'env-demos' plays the job's environment"),
+    ({"kind": "sft", "model": {"chat_template": "chatml-tools"}, "environment": {"name": "multiplication", "tools": "mcp"}},
+     "set dataset.name to env-demos"),
+    ({"kind": "sft", "model": {"chat_template": "chatml-tools"}, "dataset": {"name": "env-demos"},
+      "environment": {"name": "guess-number", "tools": "mcp"}}, "set environment.name to one of them"),
+    ({"kind": "grpo", "dataset": {"name": "env-demos"}, "environment": {"name": "calculator"}},
+     "a GRPO job with an environment plays its own episodes"),
     ({"kind": "ppo"}, "kind"),
     ({"kind": "joint", "retriever": {"k": 8, "candidates": 4}}, "retriever.k must not exceed"),
 ])
@@ -109,7 +116,7 @@ def test_names_known_to_the_worker():
     from worker.model.loading import TINY_PRESETS
 
     assert set(TINY_PRESETS) < set(MODEL_PRESETS)
-    assert set(DATASETS) == {"arith", "file", "jsonl", "persona-facts"}
+    assert set(DATASETS) == {"arith", "file", "jsonl", "persona-facts", "env-demos"}
 
 
 def test_a_job_on_several_machines_shares_a_step_among_all_their_ranks():

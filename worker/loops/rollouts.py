@@ -89,6 +89,7 @@ class Rollouts(Generic[U]):
     excluded: torch.Tensor | None = None  # [N] bool: no counted reward could score it (None: every row scored)
     episodes: list[Episode] | None = None  # [N] each row's episode (a job with an environment)
     episode_stats: EpisodeStats | None = None  # every episode the step played, refills included
+    spent: Spent | None = None  # what the step's rounds sampled, and what its draw expected
 
     def __len__(self) -> int:
         """Rows on this rank."""
@@ -131,6 +132,9 @@ class Rollouts(Generic[U]):
             sums[f"fn/{name}"], sums[f"fn_n/{name}"] = sum(finite), len(finite)
         if self.staleness is not None:
             sums["stale"] = float(self.staleness.sum())
+        if self.spent is not None:
+            sums |= {"spent": float(self.spent.rollouts), "spent_tokens": self.spent.tokens,
+                     "refilled": float(self.spent.refill_rollouts)}
         t = self.ranks.sum(sums)
         n, scored = max(t["n"], 1.0), t["n_scored"]
         m = {"frac_reward_zero_std": self.frac_zero_std, "advantage/abs_mean": t["adv"] / n, "completions/mean_length": t["len"] / n,
@@ -147,6 +151,11 @@ class Rollouts(Generic[U]):
             m["rollout/staleness"] = t["stale"] / n
         if self.episode_stats is not None:
             m |= self.episode_stats.metrics()
+        if self.spent is not None:  # the step's sampling cost, on the axes a selection is judged on
+            m |= {"selection/observed_signal": 1.0 - self.frac_zero_std, "selection/rollouts": t["spent"],
+                  "selection/generated_tokens": t["spent_tokens"], "selection/refill_rollouts": t["refilled"]}
+            if self.spent.predicted is not None:
+                m["selection/predicted_signal"] = self.spent.predicted
         return m
 
     def sample_rows(self, n: int, *, influence: list[float] | None = None, selected: list[bool] | None = None,
@@ -212,6 +221,21 @@ def _sample_round(draw: Draw[U], round: int, need: int, G: int, *, first: Sampli
 
 
 @dataclass
+class Spent:
+    """What a step's sampling rounds cost (this rank's rows), and what its draw expected of them."""
+
+    rollouts: int = 0  # completions (or episodes) sampled, every round
+    tokens: float = 0.0  # their generated tokens (an episode's: after its first prompt)
+    refill_rollouts: int = 0  # ... of them in refill rounds (grpo.drop_zero_std_groups)
+    predicted: float | None = None  # the draw's predicted share of round 0's groups with a signal
+
+    def add(self, batch: RolloutBatch, *, refill: bool) -> None:
+        self.rollouts += len(batch)
+        self.tokens += float(batch.completion_mask.sum())
+        self.refill_rollouts += len(batch) if refill else 0
+
+
+@dataclass
 class Rounds:
     """What the sampling rounds of a step kept, and what they cost."""
 
@@ -220,6 +244,7 @@ class Rounds:
     rounds: int  # generate calls, the first included
     reward_s: float  # wall time spent scoring, every round
     played: list[EpisodeStats] = field(default_factory=list)  # every round's episodes (a job with an environment)
+    spent: Spent = field(default_factory=Spent)  # what the rounds sampled (this rank's)
 
 
 def sample_rounds(s: Setup[RLJob], step: int, draw: Draw[U], *, units: int, G: int, drop: bool,
@@ -233,7 +258,10 @@ def sample_rounds(s: Setup[RLJob], step: int, draw: Draw[U], *, units: int, G: i
         out.played.extend([d.stats] if d.stats is not None else [])
         graded = grade(s, d, G, step)
         out.reward_s += graded.scored.seconds
+        out.spent.add(d.batch, refill=out.rounds > 0)
         if d.drawn_by is not None and d.picked is not None:
+            if out.rounds == 0:  # what the draw expected of the step's groups, before it sees them
+                out.spent.predicted = d.drawn_by.predicted(d.picked)
             d.drawn_by.observe(d.picked, graded.rewards.view(len(d.units), d.groups_per_unit * G))
         tied = zero_std_groups(graded.rewards, G)  # [n_groups]
         keep = ~tied.view(-1, d.groups_per_unit).all(1) if drop else torch.ones(len(d.units), dtype=torch.bool)
@@ -284,7 +312,7 @@ def assemble(s: Setup[RLJob], step: int, reporter: Records, r: Rounds, G: int, *
                     train_rows=train_rows, frac_zero_std=r.frac_zero_std, refill_rounds=r.rounds - 1,
                     reward_s=r.reward_s, keys=keys, staleness=stale, ranks=s.ranks, excluded=excluded,
                     episodes=None if first.episodes is None else [e for k in kept for e in k.drawn.episodes or []],
-                    episode_stats=EpisodeStats.total(r.played))
+                    episode_stats=EpisodeStats.total(r.played), spent=r.spent)
 
 
 def collect_rollouts(s: Setup[RLJob], step: int, reporter: Records, draw: Draw[U], *, units: int, group_size: int,

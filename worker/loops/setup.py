@@ -26,6 +26,7 @@ from worker.engines.hf_engine import HFEngine, eos_token_ids
 from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
 from worker.environments.demos import demonstrations
 from worker.environments.host import EnvironmentHost, open_environment
+from worker.loops.draws import Learnability
 from worker.machine import allocator, memory
 from worker.machine.fingerprint import fingerprint, model_sha256
 from worker.model.checkpoints import (
@@ -67,6 +68,7 @@ class Setup(Generic[S]):
     sharded: bool = False  # the policy is sharded across the processes (FSDP2)
     memory_plan: memory.CheckpointPlan | None = None  # whether activations are recomputed, and why
     environment: EnvironmentHost | None = None  # where a multi-turn job's episodes are played
+    prompt_draw: Learnability | None = None  # selection.prompts learnability: the training draw, kept across steps
 
     @property
     def share_prompts(self) -> bool:
@@ -160,7 +162,19 @@ def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | N
     return Setup(spec=spec, model=model, tokenizer=tok, engine=engine, ref_model=ref, optimizer=opt, scheduler=sched,
                  task=task, scorer=scorer, device=device, extra=dict(extra or {}),
                  extra_optimizers=dict(extra_optimizers or {}), extra_schedulers=dict(extra_schedulers or {}),
-                 ranks=ranks, sharded=sharded, memory_plan=plan, environment=environment)
+                 ranks=ranks, sharded=sharded, memory_plan=plan, environment=environment,
+                 prompt_draw=learnability_draw(spec, task, environment))
+
+
+def learnability_draw(spec: AnySpec, task: TaskData, environment: EnvironmentHost | None) -> Learnability | None:
+    """A GRPO or TracIn job's training draw by predicted learning signal (selection.prompts learnability), over
+    its train prompts or its environment's training units; None for the uniform draw."""
+    selection = getattr(spec, "selection", None)
+    if selection is None or selection.prompts != "learnability" or not isinstance(spec.train, GRPOSpec):
+        return None
+    units = environment.training_units() if environment is not None else None
+    return Learnability(size=units.count if units else len(task.train), offset=units.first if units else 0,
+                        group_size=spec.train.num_generations, threshold=selection.passed_at, floor=selection.floor)
 
 
 # The train prompts whose rendered length bounds a micro-batch's rows in the memory estimate.
@@ -339,6 +353,8 @@ def resume(s: Setup[AnySpec], reporter: Reporter) -> Resumed:
     if ckpt is None:
         return Resumed()
     state = load_checkpoint(ckpt, s.trainables())
+    if s.prompt_draw is not None and "prompt_draw" in state.extra:  # the posteriors as the step left them
+        s.prompt_draw.load_state_dict(state.extra["prompt_draw"])
     reporter.event("resumed", f"resumed from checkpoint at step {state.step}", data={"step": state.step})
     opt_steps = state.opt_steps if state.opt_steps is not None else state.step * s.spec.train.epochs_per_step
     return Resumed(state.step, opt_steps)

@@ -79,7 +79,8 @@ def save(run: Run, step: int) -> None:
         if not run.s.ranks.main:
             return
         path = run.reporter.checkpoint_dir(step)
-        saved = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full)
+        extra = {"prompt_draw": run.s.prompt_draw.state_dict()} if run.s.prompt_draw is not None else None
+        saved = save_checkpoint(path, run.s.trainables(), step=step, opt_steps=run.opt_steps, full=full, extra=extra)
         run.reporter.checkpoint(step, path, saved.format, saved.size_bytes)
     run.reporter.event("checkpoint", f"checkpoint at step {step} ({saved.size_bytes / 1e6:.1f} MB)",
                        data={"step": step, "format": saved.format, "size_bytes": saved.size_bytes})

@@ -46,14 +46,14 @@ def submit_prompts(s: Setup[RLJob], pool: list[Example], G: int, *, seed_tag: st
 
 
 def submit_episodes(s: Setup[RLJob], G: int, *, seed_tag: str, validation: bool = False,
-                    step: int | None = None) -> Submit[Example]:
+                    step: int | None = None, prompts: PromptDraw | None = None) -> Submit[Example]:
     """Units are reset seeds (or Task API tasks) of the job's environment (drawn with `seed_tag`;
     `validation`: among its evaluation ones), a group of G episodes each, played now; each turn sampled with a seed from
     (seed_tag, round, episode, turn). `step`: training step `step`'s, tallied for its health reading."""
     rng, env = random.Random(seed_tag), s.environment
     assert env is not None
     units = env.evaluation_units() if validation else env.training_units()
-    draw = Uniform(units.count, offset=units.first)
+    draw = prompts or Uniform(units.count, offset=units.first)
 
     def submit(round: int, n: int) -> Sampling[Example]:
         share = draw_share(draw, rng, n, SINGLE)  # every rank plays every episode of the step
@@ -95,8 +95,8 @@ def submit_train_prompts(s: Setup[RLJob], step: int) -> Submit[Example]:
     g = s.spec.grpo
     tag = f"prompts-train-{g.seed}-{step}"
     if s.environment is not None:
-        return submit_episodes(s, g.num_generations, seed_tag=tag, step=step)
-    return submit_prompts(s, s.task.train, g.num_generations, seed_tag=tag)
+        return submit_episodes(s, g.num_generations, seed_tag=tag, step=step, prompts=s.prompt_draw)
+    return submit_prompts(s, s.task.train, g.num_generations, seed_tag=tag, prompts=s.prompt_draw)
 
 
 def collect_train_rollouts(s: Setup[RLJob], step: int, reporter: Records, *, submit: Submit[Example] | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -77,7 +78,7 @@ class Saved:
 
 
 def save_checkpoint(path: Path, t: Trainables, *, step: int, opt_steps: int,
-                    full: FullStates | None = None, extra: dict[str, int] | None = None) -> Saved:
+                    full: FullStates | None = None, extra: dict[str, Any] | None = None) -> Saved:
     """Write checkpoint folder `path` (`full`: a sharded model's gathered states, written in the
     same format as an unsharded one's; `extra`: the loop's own counters, back in SavedState.extra)."""
     path = Path(path)

@@ -133,3 +133,23 @@ class RetrieverSpec(_Section):
             reject_unused(self, "retriever", ("temperature", "learning_rate", "kl_coef", "clip_eps"),
                           unless="to a trained retriever (generator_only: false)")
         return self
+
+
+class SelectionSpec(_Section):
+    """Which prompts a GRPO or TracIn step draws, before any rollout is paid for."""
+
+    prompts: Literal["uniform", "learnability"] = Field(
+        "uniform", description="`uniform`: every training prompt (or environment seed) alike, with replacement. "
+        "`learnability`: in proportion to the predicted chance that a group of `grpo.num_generations` completions "
+        "has rewards that differ, 1 - p^G - (1 - p)^G, from a Beta(1, 1) posterior of each prompt's pass rate "
+        "updated with every group drawn for it; a prompt never drawn has the prior's (high) chance, so unseen "
+        "prompts are explored. No extra rollouts; the posteriors are in the checkpoint.")
+    passed_at: float = Field(0.5, description="learnability: a completion whose reward is at or above this passed.")
+    floor: float = Field(0.05, gt=0.0, le=1.0, description="learnability: the least draw weight of a prompt, so a "
+                         "prompt that has looked solved (or hopeless) is still drawn now and then.")
+
+    @model_validator(mode="after")
+    def _used(self) -> SelectionSpec:
+        if self.prompts == "uniform":
+            reject_unused(self, "selection", ("passed_at", "floor"), unless="with selection.prompts: learnability")
+        return self

@@ -13,7 +13,7 @@ from service.core.reward_specs import FunctionReward, RewardSpec
 from service.core.spec_base import _Section, reject_unused
 from service.core.specs.data import DEFAULT_REWARDS, DatasetSpec
 from service.core.specs.environment import EnvironmentSpec
-from service.core.specs.extras import RetrieverSpec, SparsitySpec, TracInSpec
+from service.core.specs.extras import RetrieverSpec, SelectionSpec, SparsitySpec, TracInSpec
 from service.core.specs.model import ModelSpec
 from service.core.specs.runtime import DevicesSpec, ResourcesSpec, RolloutSpec, gpus_needed
 from service.core.specs.training import GRPOSpec, SFTSpec, TrainSpec
@@ -206,6 +206,8 @@ class _GRPOKinds(_JobBase):
     """The kinds that train with GRPO."""
 
     grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+    selection: SelectionSpec = Field(default_factory=SelectionSpec, description="Which prompts (or environment "
+                                     "seeds) each step draws: uniformly, or by their predicted learning signal.")
     environment: EnvironmentSpec | None = Field(
         None, description="A multi-turn environment (OpenEnv) whose episodes the job trains on instead of "
         "the dataset's single completions; omit for single-turn jobs.")

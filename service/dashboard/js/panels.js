@@ -33,6 +33,12 @@ export const SECTIONS = [
     { title: "Steps without an update", keys: ["health/update"] },
     { title: "Failed episodes (health)", keys: ["health/environment"] },
   ] },
+  { title: "Prompt selection", panels: [
+    { title: "Groups with a learning signal", keys: ["selection/predicted_signal", "selection/observed_signal"],
+      note: "predicted by the draw before sampling (selection.prompts: learnability), and observed" },
+    { title: "Rollouts sampled", keys: ["selection/rollouts", "selection/refill_rollouts"] },
+    { title: "Generated tokens", keys: ["selection/generated_tokens"] },
+  ] },
   { title: "Episodes (environment)", panels: [
     { title: "Turns per episode", keys: ["env/turns_mean", "eval/env/turns_mean"] },
     { title: "Tool calls per episode", keys: ["env/tool_calls_mean", "env/tool_errors_mean", "eval/env/tool_calls_mean"] },

@@ -136,3 +136,34 @@ def test_the_uniform_draw_is_the_seeded_draw_every_rank_shares():
     shares = [draw_share(Uniform(7), random.Random("tag"), 5, Ranks(rank=r, world=2)) for r in range(2)]
     assert shares[0].picked + shares[1].picked == whole.picked and shares[1].index == [3, 4]
     assert Uniform(3, offset=100).draw(random.Random(0), 4) == [100 + i for i in Uniform(3).draw(random.Random(0), 4)]
+
+
+def test_a_learnability_draw_explores_favours_signal_and_continues_exactly_from_its_state():
+    import random
+
+    from worker.loops.draws import Learnability
+
+    draw = Learnability(size=10, group_size=4, threshold=0.5, floor=0.05, offset=100)
+    first = draw.draw(random.Random(1), 6)
+    assert all(100 <= u < 110 for u in first) and first == Learnability(
+        size=10, group_size=4, threshold=0.5, floor=0.05, offset=100).draw(random.Random(1), 6)  # the seed's
+    assert draw.predicted([100]) == pytest.approx(1 - 2 / 5)  # the prior's: 1 - 2 / (G + 1)
+    # prompts 100-104 always solved, 105-109 solved half the time: after 5 groups each, Beta(21, 1) and
+    # Beta(11, 11): 1 - 21/25 - (tiny) against 1 - 2 * (11*12*13*14) / (22*23*24*25)
+    rounds = torch.tensor([[1.0] * 4] * 5 + [[1.0, 0.0, 1.0, 0.0]] * 5)
+    for _ in range(5):
+        draw.observe(list(range(100, 110)), rounds)
+    assert draw.predicted([100]) == pytest.approx(4 / 25, abs=1e-3)
+    assert draw.predicted([105]) == pytest.approx(1 - 2 * 11 * 12 * 13 * 14 / (22 * 23 * 24 * 25))
+    share = sum(u < 105 for u in draw.draw(random.Random(2), 4000)) / 4000
+    assert 0.12 < share < 0.2  # the solved ones at their weight, 0.16 / (0.16 + 0.84), not uniform's half
+    for _ in range(20):  # 25 groups: Beta(101, 1) predicts 0.038, under the floor of 0.05
+        draw.observe(list(range(100, 110)), rounds)
+    share = sum(u < 105 for u in draw.draw(random.Random(2), 4000)) / 4000
+    assert 0.03 < share < 0.08  # the floor keeps the solved ones drawn, now and then
+    seen = Learnability(size=1000, group_size=4, threshold=0.5, floor=0.05)
+    seen.observe([3], torch.tensor([[1.0] * 4]))
+    assert len({u for u in seen.draw(random.Random(3), 50)} - {3}) > 40  # an unseen prompt is still drawn
+    again = Learnability(size=10, group_size=4, threshold=0.5, floor=0.05, offset=100)
+    again.load_state_dict(draw.state_dict())  # a resume: the next draw is the straight run's
+    assert again.draw(random.Random(4), 20) == draw.draw(random.Random(4), 20)

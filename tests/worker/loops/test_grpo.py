@@ -171,3 +171,37 @@ def test_the_first_epochs_ratio_is_exactly_one_whatever_the_dtype_and_batches(tm
     tracin.run(spec, FileReporter(tmp_path), settings=settings_factory())
     steps = [m["metrics"] for m in _metrics(tmp_path) if m["step"] > 0]
     assert steps and all(m["ratio/max"] == 1.0 and m["ratio/mean"] == 1.0 for m in steps), steps
+
+
+def _half_easy(completion, answers):
+    """Every completion passes for a prompt whose answer's CRC-32 is even; a coin's worth pass for the rest."""
+    import zlib
+
+    if zlib.crc32(answers[0].encode()) % 2 == 0:
+        return 1.0
+    return float(zlib.crc32(completion.encode()) % 2)
+
+
+def test_learnability_draws_fewer_groups_without_a_signal_than_uniform(tmp_path, settings_factory, monkeypatch):
+    """On a task where about half the prompts are trivially solved (every group of them ties), a job with
+    `selection.prompts: learnability` spends fewer of its later steps' groups on them than a uniform one, at
+    no extra rollouts: a property of the draw, not of learning."""
+    from service.core import reward_specs
+    from worker import rewards as R
+
+    monkeypatch.setitem(R.REGISTRY, "half_easy", R.RewardInfo(_half_easy))
+    monkeypatch.setitem(reward_specs.BUILTIN_REWARDS, "half_easy", "half the prompts solved (tests)")
+    tied = {}
+    for prompts in ("uniform", "learnability"):
+        spec = GRPOJob.model_validate({
+            "model": {"name": "tiny-random-llama", "lora": {"r": 4}}, "dataset": {"num_train": 8, "num_val": 4},
+            "rewards": [{"name": "half_easy"}], "selection": {"prompts": prompts},
+            "grpo": {"steps": 12, "prompts_per_step": 8, "num_generations": 4, "max_new_tokens": 4,
+                     "eval_every": 100, "eval_prompts": 2, "samples_per_step": 0}})
+        out = tmp_path / prompts
+        assert grpo.run(spec, FileReporter(out), settings=settings_factory()).status == "succeeded"
+        steps = [m["metrics"] for m in _metrics(out) if m["step"] > 6]
+        tied[prompts] = sum(m["frac_reward_zero_std"] for m in steps) / len(steps)
+        assert all(m["selection/rollouts"] == 32 for m in steps)  # the same rollouts a step
+        assert ("selection/predicted_signal" in steps[0]) == (prompts == "learnability")
+    assert tied["learnability"] < tied["uniform"] - 0.15, tied

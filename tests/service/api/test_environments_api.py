@@ -46,7 +46,7 @@ def test_a_bundled_environment_and_a_listed_server_are_accepted(env_api):
     (_job({"name": "calculator"}, dataset={"name": "arith", "difficulty": 2}), "", "dataset would have no effect"),
     (_job({"name": "calculator"}, resources={"processes": 2}), "", "runs as one process"),
     ({**_job({"name": "calculator"}), "kind": "joint", "dataset": {"name": "persona-facts"}}, "",
-     "supported for kinds 'grpo' and 'tracin'"),
+     "supported for kinds 'grpo', 'tracin' and 'sft', not 'joint'"),
 ])
 def test_what_cannot_work_is_a_422_naming_the_field(env_api, spec, field, words):
     r = env_api.post("/v1/jobs", json=spec)

@@ -85,14 +85,16 @@ def test_a_worker_killed_mid_episode_leaves_no_session_open(tmp_path):
         spec = _job(url, max_turns=4)
         spec["grpo"]["steps"] = 50
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
-        job = subprocess.Popen([sys.executable, "-m", "service.cli", "run", str(tmp_path / "job.yaml"), "--out",
-                                str(tmp_path / "out")], env={**os.environ, "GRPO_ENVIRONMENT_URLS": url,
-                                                              "GRPO_DATA_DIR": str(tmp_path / "data")},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 180
+        log = tmp_path / "job.log"
+        with log.open("wb") as out:
+            job = subprocess.Popen([sys.executable, "-m", "service.cli", "run", str(tmp_path / "job.yaml"), "--out",
+                                    str(tmp_path / "out")], env={**os.environ, "GRPO_ENVIRONMENT_URLS": url,
+                                                                  "GRPO_DATA_DIR": str(tmp_path / "data")},
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300  # the job's start (imports, the model) on a loaded machine
         while server.sessions()["open"] == 0 and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.sessions()["open"] > 0, "the job never opened a session"
+            time.sleep(0.01)
+        assert server.sessions()["open"] > 0, f"the job never opened a session: {log.read_text()[-3000:]}"
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
         deadline = time.monotonic() + 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from worker.engines.vllm_engine import free_port
 from worker.environments.client import EnvironmentFailed
 
 START_TIMEOUT_S = 120.0
-_OPEN: list[BundledServer] = []  # servers this process started; stop_servers() ends them
+_OPEN: list[BundledServer] = []  # servers this process started; stop_servers() ends the calling thread's
 
 
 class BundledServer:
@@ -29,6 +30,7 @@ class BundledServer:
                         "--step-delay", str(step_delay_s)]
         self.port = 0
         self.proc: subprocess.Popen | None = None
+        self.owner = threading.get_ident()  # the thread whose job (or test) it serves
 
     @property
     def url(self) -> str:
@@ -94,6 +96,8 @@ class BundledServer:
 
 
 def stop_servers() -> None:
-    """Stop every environment server this process started (the job's loop has ended, or failed)."""
-    for server in list(_OPEN):
+    """Stop every environment server the calling thread started (its job's loop has ended, or failed): a job
+    running in another thread of this process keeps its own."""
+    me = threading.get_ident()
+    for server in [s for s in _OPEN if s.owner == me]:
         server.stop()

@@ -42,6 +42,8 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
                      num_generations=min(4, train["num_generations"]), max_new_tokens=min(12, train["max_new_tokens"]))
     if agent:  # one step of 2 turns, evaluated on one episode: that it runs and records its episodes
         train["steps"] = 2 if kind == "sft" else 1  # an sft job on demonstrations: that its loss falls
+        if kind != "sft":  # a group of 2 episodes a prompt, 16 tokens a turn: sampling is an agent run's time
+            train.update(num_generations=2, max_new_tokens=min(16, train["max_new_tokens"]))
         spec["environment"].update(eval_episodes=1, max_turns=min(2, spec["environment"]["max_turns"]))
         if spec.get("dataset", {}).get("name") == "env-demos":
             spec["dataset"].update(num_train=16, num_val=4)

@@ -28,7 +28,7 @@ class SavedState:
 
     step: int
     opt_steps: int | None  # optimizer steps taken (absent from checkpoints of older versions)
-    extra: dict[str, int] = field(default_factory=dict)  # what save_checkpoint's `extra` held
+    extra: dict[str, Any] = field(default_factory=dict)  # what save_checkpoint's `extra` held
 
 
 @dataclass

@@ -44,13 +44,21 @@ def _run(spec_dict, out, settings, stop_after=None):
     return grpo.run(spec, Stopping(out), settings=settings)
 
 
-@pytest.mark.parametrize(("lora", "dtype"), [(None, "float32"), ({"r": 4}, "float32"), (None, "bfloat16")])
-def test_resume_equals_straight_run(tmp_path, settings_factory, lora, dtype):
-    """bf16 full fine-tuning too: its float32 master weights and moments are saved and restored in float32."""
+@pytest.mark.parametrize(("lora", "dtype", "prompts"), [(None, "float32", "uniform"), ({"r": 4}, "float32", "uniform"),
+                                                      (None, "bfloat16", "uniform"), ({"r": 4}, "float32", "learnability")])
+def test_resume_equals_straight_run(tmp_path, settings_factory, request, lora, dtype, prompts):
+    """bf16 full fine-tuning too: its float32 master weights and moments are saved and restored in float32; and
+    a learnability draw, whose posteriors the checkpoint holds, draws after a resume what a straight run draws
+    (on 8 prompts, with a reward whose groups differ, so another draw would train other weights)."""
     spec = {"model": {"name": "tiny-random-llama", "lora": lora, "dtype": dtype}, "dataset": {"num_train": 50, "num_val": 4},
+            "selection": {"prompts": prompts},
             "grpo": {"steps": 6, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 6,
                      "learning_rate": 1e-2, "epochs_per_rollout_batch": 2, "micro_batch_size": 3,
                      "lr_schedule": "cosine", "warmup_steps": 1, "kl_coef": 0.05, "eval_prompts": 2}}
+    if prompts == "learnability":
+        request.getfixturevalue("digit_reward")
+        spec |= {"rewards": [{"name": "digit_share"}], "dataset": {"num_train": 8, "num_val": 4},
+                 "selection": {"prompts": prompts, "passed_at": 0.2}}
     settings = settings_factory()
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert _run(spec, straight, settings).status == "succeeded"

@@ -111,6 +111,9 @@ class _Recording:
     def observe(self, picked: list[int], rewards: torch.Tensor) -> None:
         self.seen.append((picked, rewards.tolist()))
 
+    def predicted(self, picked: list[int]) -> float | None:
+        return 0.25 * len(self.seen)  # asked before round 0's rewards are told
+
 
 @pytest.mark.usefixtures("digit_reward")
 def test_the_prompt_draw_is_told_every_rounds_rewards_refills_included():
@@ -122,9 +125,13 @@ def test_the_prompt_draw_is_told_every_rounds_rewards_refills_included():
         return replace(d, picked=[10 * round + i for i in range(n)], drawn_by=recording)
 
     s = _setup(drop_zero_std_groups=True, max_refill_rounds=2, num_generations=G)
-    collect_rollouts(s, 1, Reporter(), draw, units=2, group_size=G)
+    ro = collect_rollouts(s, 1, Reporter(), draw, units=2, group_size=G)
     # round 0 drew units 0 and 1 (the second tied), round 1 refilled one; rewards [n_units, K * G]
     assert [picked for picked, _ in recording.seen] == [[0, 1], [10]]
+    # the draw's prediction is asked once, before round 0's rewards: the step reports it beside what it cost
+    m = ro.metrics()
+    assert m["selection/predicted_signal"] == 0.0 and m["selection/observed_signal"] == 1.0 - m["frac_reward_zero_std"]
+    assert m["selection/rollouts"] == 3 * K * G and m["selection/refill_rollouts"] == K * G
     assert recording.seen[0][1][1] == [0.0] * (K * G) and len(recording.seen[1][1][0]) == K * G
 
 

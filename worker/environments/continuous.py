@@ -43,6 +43,7 @@ class _Engine:
     active: int = 0  # episodes holding a slot and not waiting here (at the environment): about to join
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     sampling_s: float = 0.0
+    stopped: bool = False  # a cancel was heard: no episode asks again or starts
 
     async def turn(self, i: int, e: Episode, turn: int) -> tuple[str, bool]:
         """Episode `i`'s next turn (its text, ended with EOS), sampled in the next engine call."""
@@ -100,7 +101,10 @@ async def _episode(i: int, e: Episode, p: Players, url: str, limits: Limits, eng
 async def _played(i: int, e: Episode, p: Players, url: str, limits: Limits, engine: _Engine, slots: Slots,
                   stop: Callable[[], bool]) -> None:
     """Episode `i` played to its end in a session of its own."""
+    if engine.stopped:  # the slot a stopped episode freed: the step is ending, this episode never starts
+        return
     if await asyncio.to_thread(stop):
+        engine.stopped = True
         raise Stopped(f"cancelled before episode {i}")
     try:
         async with opened(url, e.seed, timeout_s=limits.timeout_s, max_bytes=limits.max_bytes,
@@ -110,6 +114,7 @@ async def _played(i: int, e: Episode, p: Players, url: str, limits: Limits, engi
                 if not e.live:
                     break
                 if await asyncio.to_thread(stop):
+                    engine.stopped = True
                     raise Stopped(f"cancelled at turn {turn} of episode {i}")
                 text, eos = await engine.turn(i, e, turn)
                 r = await p.act(session, e, text, limits)

@@ -63,17 +63,14 @@ class Outcome:
         return "\n".join(r.content for r in self.replies)
 
 
-def _reply(tokenizer, r: StepResult, limits: Limits, role: str = "user") -> tuple[Reply, bool]:
-    text, cut = cut_observation(tokenizer, observation_text(r, limits.observation_field), limits.max_observation_tokens)
-    return Reply(text, "tool" if role == "tool" else "user"), cut
-
-
 def _observed(tokenizer, r: StepResult, limits: Limits, *, as_tool: bool = False, calls: int = 0,
               malformed: int = 0) -> Outcome:
-    reply, cut = _reply(tokenizer, r, limits, "tool" if as_tool else "user")
+    """An observation as the model's next message (a tool message `as_tool`), cut to max_observation_tokens."""
+    text, cut = cut_observation(tokenizer, observation_text(r, limits.observation_field), limits.max_observation_tokens)
     said_call, said_error = bool(r.observation.get("tool_call")), bool(r.observation.get("tool_error"))
-    return Outcome(replies=(reply,), reward=r.reward, done=r.done, tool_calls=max(calls, int(said_call)),
-                   tool_errors=int(said_error), malformed=malformed, cut=int(cut))
+    return Outcome(replies=(Reply(text, "tool" if as_tool else "user"),), reward=r.reward, done=r.done,
+                   tool_calls=max(calls, int(said_call)), tool_errors=int(said_error), malformed=malformed,
+                   cut=int(cut))
 
 
 async def act(tokenizer, session: Session, text: str, use: ToolUse, limits: Limits,

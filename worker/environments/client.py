@@ -137,16 +137,9 @@ class Session:
         self._rpc_id += 1
         raw = await self._exchange({"type": "mcp", "data": {"jsonrpc": "2.0", "id": self._rpc_id, "method": method,
                                                             "params": params}})
-        try:
-            msg = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise EnvironmentFailed(f"its answer to {method} is not JSON") from None
-        data = msg.get("data") if isinstance(msg, dict) else None
-        if isinstance(msg, dict) and msg.get("type") == "error":
-            detail = data.get("message") if isinstance(data, dict) else None
-            raise EnvironmentFailed(f"it answered {method} with an error: {str(detail)[:300]}")
-        if not isinstance(msg, dict) or msg.get("type") != "mcp" or not isinstance(data, dict) \
-                or ("result" not in data and "error" not in data):
+        msg = decoded(raw, method)
+        data = msg.get("data")
+        if msg.get("type") != "mcp" or not isinstance(data, dict) or ("result" not in data and "error" not in data):
             raise EnvironmentFailed(f"its answer to {method} is not an MCP message")
         return data
 
@@ -157,7 +150,8 @@ class Session:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                                   for t in tools):
             error = data.get("error")
-            raise EnvironmentFailed(f"it has no MCP tool list: {str(error.get('message') if isinstance(error, dict) else error)[:300]}")
+            said = error.get("message") if isinstance(error, dict) else error
+            raise EnvironmentFailed(f"it has no MCP tool list: {str(said)[:300]}")
         return tools
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
@@ -175,8 +169,9 @@ class Session:
         return ToolResult(text="\n".join(parts), error=failed)
 
 
-def parse_answer(raw: str | bytes, asked: str) -> StepResult:
-    """An observation message as a StepResult; EnvironmentFailed for an error or anything malformed."""
+def decoded(raw: str | bytes, asked: str) -> dict[str, Any]:
+    """A server's message as a JSON object; EnvironmentFailed for anything else, or for an `error` message
+    (EnvironmentBusy when it says every session slot is taken)."""
     try:
         msg = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -189,6 +184,13 @@ def parse_answer(raw: str | bytes, asked: str) -> StepResult:
         if isinstance(data, dict) and data.get("code") == "CAPACITY_REACHED":
             raise EnvironmentBusy(f"the server is at capacity: {str(detail)[:300]}")
         raise EnvironmentFailed(f"it answered {asked} with an error: {str(detail)[:300]}")
+    return msg
+
+
+def parse_answer(raw: str | bytes, asked: str) -> StepResult:
+    """An observation message as a StepResult; EnvironmentFailed for an error or anything malformed."""
+    msg = decoded(raw, asked)
+    data = msg.get("data")
     if msg.get("type") != "observation" or not isinstance(data, dict) or not isinstance(data.get("observation"), dict):
         raise EnvironmentFailed(f"its answer to {asked} is not an observation message")
     reward = data.get("reward")
@@ -213,9 +215,10 @@ BACKOFF_S = (0.05, 2.0)  # the first wait after a refusal, and the longest
 @asynccontextmanager
 async def opened(url: str, seed: int, *, timeout_s: float, max_bytes: int, slots: Slots,
                  split: str | None = None) -> AsyncIterator[tuple[Session, StepResult]]:
-    """A session reset to `seed` (of `split`'s tasks, with the Task API), closed on leaving. A refusal (EnvironmentBusy: every slot taken) is
-    waited out, backing off from 50 ms to 2 s: for as long as the step holds another session on the server
-    (its episodes end and free their slots), else for `timeout_s`; then EnvironmentBusy."""
+    """A session reset to `seed` (of `split`'s tasks, with the Task API), closed on leaving. A refusal
+    (EnvironmentBusy: every slot taken) is waited out, backing off from 50 ms to 2 s: for as long as the step
+    holds another session on the server (its episodes end and free their slots), else for `timeout_s`; then
+    EnvironmentBusy."""
     wait, waited = BACKOFF_S[0], 0.0
     while True:
         session = Session(url, timeout_s=timeout_s, max_bytes=max_bytes)

@@ -27,8 +27,7 @@ from worker.datasets import Example, TaskData
 from worker.environments.acting import declared
 from worker.environments.continuous import Continuous
 from worker.environments.episodes import Episode, transcript
-from worker.environments.host import EVAL_SEEDS, tool_use
-from worker.environments.limits import Limits
+from worker.environments.host import EVAL_SEEDS, limits_of, tool_use
 from worker.environments.runner import Players, play
 from worker.environments.servers import BundledServer
 from worker.environments.turns import turn_format
@@ -59,6 +58,18 @@ def solver_turn(context: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
+def written(tokenizer, prompts: list[list[int]], texts: list[str]) -> RolloutBatch:
+    """The batch an engine returns had it sampled `texts` (one per prompt, each ended with EOS): what a
+    scripted engine hands the episode runner."""
+    done = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+    prompt_ids, prompt_mask = left_padded([list(p) for p in prompts], tokenizer.pad_token_id)
+    T = max(len(d) for d in done)
+    ids = torch.tensor([d + [tokenizer.pad_token_id] * (T - len(d)) for d in done], dtype=torch.long)
+    mask = torch.tensor([[1] * len(d) + [0] * (T - len(d)) for d in done], dtype=torch.long)
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+                        truncated=torch.zeros(len(done), dtype=torch.bool), completions=list(texts))
+
+
 class Solver:
     """A rollout engine whose turns are solver_turn's, each ended with the tokenizer's EOS."""
 
@@ -66,14 +77,8 @@ class Solver:
         self.tok = tokenizer
 
     def generate(self, prompts, n, *, seeds=None, greedy=False) -> RolloutBatch:
-        texts = [solver_turn(self.tok.decode(p)) for p in prompts for _ in range(n)]
-        done = [self.tok.encode(t, add_special_tokens=False) + [self.tok.eos_token_id] for t in texts]
-        prompt_ids, prompt_mask = left_padded([list(p) for p in prompts for _ in range(n)], self.tok.pad_token_id)
-        T = max(len(d) for d in done)
-        ids = torch.tensor([d + [self.tok.pad_token_id] * (T - len(d)) for d in done], dtype=torch.long)
-        mask = torch.tensor([[1] * len(d) + [0] * (T - len(d)) for d in done], dtype=torch.long)
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
-                            truncated=torch.zeros(len(done), dtype=torch.bool), completions=texts)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        return written(self.tok, rows, [solver_turn(self.tok.decode(p)) for p in rows])
 
 
 def demonstrations(spec: SFTJob, settings: Settings, tokenizer, log_dir: Path) -> TaskData:
@@ -90,11 +95,8 @@ def demonstrations(spec: SFTJob, settings: Settings, tokenizer, log_dir: Path) -
                           turns=turn_format(tokenizer, chat=True, tools=declared(use.tools)),
                           eos_ids=frozenset({tokenizer.eos_token_id}), max_new_tokens=spec.sft.max_new_tokens,
                           tools=use)
-        limits = Limits(max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
-                        max_observation_tokens=env.max_observation_tokens, max_concurrent=env.max_concurrent,
-                        timeout_s=env.timeout_s, max_bytes=settings.environment_max_message_bytes)
         seeds = [DEMO_SEEDS + d.seed * 1_000_003 + i for i in range(d.num_train + d.num_val)]
-        episodes, _ = play(players, url, seeds, 1, limits, seed_of=None, scheduler=Continuous())
+        episodes, _ = play(players, url, seeds, 1, limits_of(env, settings), seed_of=None, scheduler=Continuous())
     finally:
         server.stop()
     solved = [e for e in episodes if e.reward(env.reward) >= SOLVED]

@@ -60,6 +60,14 @@ class EnvironmentHost:
         return Units(self.spec.eval_episodes, first=EVAL_SEEDS)
 
 
+def limits_of(spec: EnvironmentSpec, settings: Settings) -> Limits:
+    """What bounds the spec's episodes, with the admin's cap on a message's size."""
+    return Limits(max_turns=spec.max_turns, max_episode_tokens=spec.max_episode_tokens,
+                  max_observation_tokens=spec.max_observation_tokens, max_concurrent=spec.max_concurrent,
+                  timeout_s=spec.timeout_s, max_bytes=settings.environment_max_message_bytes,
+                  action_field=spec.action_field, observation_field=spec.observation_field)
+
+
 def tool_use(spec: EnvironmentSpec, url: str, settings: Settings) -> ToolUse:
     """The tools the job's model is shown: none, the spec's declared ones, or the server's MCP tools (listed
     now, in a session of their own)."""
@@ -96,10 +104,7 @@ def open_environment(spec: EnvironmentSpec, settings: Settings, *, engine: Rollo
                               "model.chat_template: chatml-tools (a ChatML model), or use a model whose template has "
                               "a tools branch")
     turns = turn_format(tokenizer, chat=chat, tools=declared(use.tools))
-    limits = Limits(max_turns=spec.max_turns, max_episode_tokens=spec.max_episode_tokens,
-                    max_observation_tokens=spec.max_observation_tokens, max_concurrent=spec.max_concurrent,
-                    timeout_s=spec.timeout_s, max_bytes=settings.environment_max_message_bytes,
-                    action_field=spec.action_field, observation_field=spec.observation_field)
+    limits = limits_of(spec, settings)
     players = Players(engine=engine, tokenizer=tokenizer, turns=turns, eos_ids=frozenset(eos_ids),
                       max_new_tokens=max_new_tokens, tools=use)
     tasks = None if spec.tasks is None else count_tasks(url, spec.tasks, timeout_s=spec.timeout_s)

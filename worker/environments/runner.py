@@ -199,8 +199,9 @@ def play(p: Players, url: str, seeds: list[int], group_size: int, limits: Limits
          scheduler: EpisodeScheduler, stop: Callable[[], bool] = lambda: False,
          split: str | None = None) -> tuple[list[Episode], Played]:
     """`group_size` episodes per reset seed, seed-major [len(seeds) * G], played as `scheduler` runs them
-    (`split`: the seeds are task indices of that split, the Task API's); `seed_of` None: greedy turns. Returns the episodes and what playing them cost. `stop()` is asked before
-    every turn (a cancel): once it says so, Stopped, with every session closed."""
+    (`split`: the seeds are task indices of that split, the Task API's); `seed_of` None: greedy turns.
+    Returns the episodes and what playing them cost. `stop()` is asked before every turn (a cancel): once it
+    says so, Stopped, with every session closed."""
     episodes = [Episode(seed=s, g=g, prompt_ids=[], first_observation="", split=split)
                 for s in seeds for g in range(group_size)]
     return episodes, scheduler.run(p, url, episodes, limits, seed_of=seed_of, stop=stop)

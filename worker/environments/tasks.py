@@ -42,7 +42,8 @@ def count_tasks(url: str, splits: TaskSplits, *, timeout_s: float) -> TaskSet:
             counts = {}
             for split in (splits.train, splits.eval):
                 r = http.post(f"{base}/{names[0]}/num_tasks", json={"split": split})
-                n = r.json().get("num_tasks") if r.status_code == 200 else None
+                answer = r.json() if r.status_code == 200 else None
+                n = answer.get("num_tasks") if isinstance(answer, dict) else None
                 if not isinstance(n, int) or n < 1:
                     raise EnvironmentFailed(f"environment.tasks: the server holds no task in split {split!r} "
                                             f"({r.status_code}: {r.text[:200]})")

@@ -4,14 +4,12 @@ played again against the environment, and replaying them gives exactly its ids: 
 tokenized as the model's own episodes are."""
 
 import pytest
-import torch
 
 from service.core.settings import Settings
 from service.core.specs import SFTJob
-from worker.batch import RolloutBatch, left_padded
 from worker.environments.acting import declared
 from worker.environments.continuous import Continuous
-from worker.environments.demos import DEMO_SEEDS, demonstrations, expression, solver_turn
+from worker.environments.demos import DEMO_SEEDS, demonstrations, expression, solver_turn, written
 from worker.environments.episodes import rows
 from worker.environments.host import tool_use
 from worker.environments.limits import Limits
@@ -42,13 +40,7 @@ class Replay:
             context = self.tok.decode(p)
             task = next(t for t in self.turns_of if t in context)
             texts.append(self.turns_of[task][context.count("<|im_start|>assistant") - 1])
-        done = [self.tok.encode(t, add_special_tokens=False) + [self.tok.eos_token_id] for t in texts]
-        prompt_ids, prompt_mask = left_padded([list(p) for p in prompts], self.tok.pad_token_id)
-        T = max(len(d) for d in done)
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                            completion_ids=torch.tensor([d + [0] * (T - len(d)) for d in done]),
-                            completion_mask=torch.tensor([[1] * len(d) + [0] * (T - len(d)) for d in done]),
-                            truncated=torch.zeros(len(done), dtype=torch.bool), completions=texts)
+        return written(self.tok, prompts, texts)
 
 
 def test_every_demonstration_solves_its_task_replayed_and_is_tokenized_as_an_episode(models_root, tmp_path):

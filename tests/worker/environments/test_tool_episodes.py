@@ -7,12 +7,11 @@ earns the reward."""
 import re
 
 import pytest
-import torch
 
 from service.core.settings import Settings
 from service.core.specs import EnvironmentSpec, ModelSpec
-from worker.batch import RolloutBatch, left_padded
 from worker.environments.continuous import Continuous
+from worker.environments.demos import written
 from worker.environments.episodes import rows
 from worker.environments.host import tool_use
 from worker.environments.runner import EpisodeStats, Limits, Players, play
@@ -44,14 +43,7 @@ class Scripted:
         return f"<answer>{last}</answer>"
 
     def generate(self, prompts, n, *, seeds=None, greedy=False):
-        texts = [self._turn(self.tok.decode(p)) for p in prompts]
-        done = [self.tok.encode(t, add_special_tokens=False) + [self.tok.eos_token_id] for t in texts]
-        prompt_ids, prompt_mask = left_padded([list(p) for p in prompts], self.tok.pad_token_id)
-        T = max(len(d) for d in done)
-        ids = torch.tensor([d + [self.tok.pad_token_id] * (T - len(d)) for d in done])
-        mask = torch.tensor([[1] * len(d) + [0] * (T - len(d)) for d in done])
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
-                            truncated=torch.zeros(len(done), dtype=torch.bool), completions=texts)
+        return written(self.tok, prompts, [self._turn(self.tok.decode(p)) for p in prompts])
 
 
 @pytest.fixture(scope="module", params=["openenv-core 0.3", "openenv 0.10"])

@@ -47,13 +47,15 @@ log = logging.getLogger(__name__)
 class StreamHub:
     def __init__(self, url: str, interval_s: float = 1.0) -> None:
         self.url, self.interval_s = url, interval_s
+        self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
+        self._versions: dict[int, tuple] = {}  # the version each watched job was last seen at
+        self._task: asyncio.Task | None = None
+        self._idle: set[int] = set()  # watched jobs no stream waited on at the last poll
+        self.polls = 0  # statements run: one per interval however many streams wait
 
-    def _versions(self, job_ids: list[int]) -> dict[int, tuple]:
+    def _read_versions(self, job_ids: list[int]) -> dict[int, tuple]:
         with session_scope(self.url, read_only=True) as s:
             return jobs_q.job_versions(s, job_ids=job_ids)
-        self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
-        self._versions: dict[int, tuple] = {}
-        self._task: asyncio.Task | None = None
 
     async def wait_change(self, job_id: int, timeout_s: float) -> None:
         """Return once the job's version changes (or after `timeout_s`)."""
@@ -77,7 +79,8 @@ class StreamHub:
             if not ids:
                 break
             try:
-                versions = await run_in_threadpool(self._versions, ids)
+                self.polls += 1
+                versions = await run_in_threadpool(self._read_versions, ids)
             except Exception as exc:  # store away: streams keep waiting; their timeouts re-read
                 log.warning("stream poll failed: %s", type(exc).__name__)
                 continue
@@ -86,8 +89,12 @@ class StreamHub:
                     self._versions[job_id] = version
                     for ev in list(self._waiters.get(job_id, ())):
                         ev.set()
-            for gone in set(self._versions) - set(self._waiters):
+            # a stream is between two waits while it reads what changed: a job is forgotten only once no
+            # stream has waited on it for two polls, or each read would wake its stream again
+            idle = set(self._versions) - set(self._waiters)
+            for gone in idle & self._idle:
                 del self._versions[gone]
+            self._idle = idle
 
 
 def _read(url: str, job_id: int, last_step: int, last_event: int, admin: bool):

@@ -1,4 +1,5 @@
 import json
+import time
 
 from service.core.records import SampleRow, SelectionRecord, SparsityRecord
 from service.core.sparsity import ChangeStats, SparsityReport
@@ -200,6 +201,40 @@ def test_a_stream_opened_late_sends_every_event_before_end(api):
               if line.startswith("event:") and line.split(":", 1)[1].strip() == "event"]
     assert len(events) == 452 and events[-1]["type"] == "cancelled"  # created, 450 flags, the outcome
     assert [line for line in lines if line.startswith("event:")][-1] == "event: end"
+
+
+def test_a_live_stream_sends_each_new_step_and_reads_the_store_only_when_the_job_changed(api, monkeypatch):
+    """A stream of a job that is still running waits on the process's one poll (StreamHub): it sends a step
+    written after it opened, then the end, and while the job does not move it reads nothing."""
+    from service.api import stream
+
+    reads: list[int] = []
+    real = stream._read
+    monkeypatch.setattr(stream, "_read", lambda *a: reads.append(a[2]) or real(*a))
+    jid = _submit(api)["id"]
+    hub = api.client.app.state.stream_hub
+    with api.client.stream("GET", f"/v1/jobs/{jid}/stream", headers=api.auth()) as r:
+        sent = _sse(r.iter_lines())
+        assert next(sent)[0] == "status"
+        polls = hub.polls
+        time.sleep(4.5)  # the job stands still: the hub polls; its first look may wake the stream once
+        assert hub.polls - polls >= 3 and len(reads) <= 2, (hub.polls - polls, reads)
+        with session_scope(api.settings.store_url) as s:
+            metrics_q.upsert_step(s, job_id=jid, step=1, values={"reward/mean": 0.25})
+        assert next(data for kind, data in sent if kind == "metrics") == {"step": 1, "metrics": {"reward/mean": 0.25}}
+        leases.finish_job(api.settings.store_url, job_id=jid, holder=None, status="succeeded", message="done")
+        rest = [kind for kind, _ in sent]
+    assert rest[-1] == "end" and "metrics" not in rest
+
+
+def _sse(lines):
+    """(event, data) of each server-sent event, as they arrive."""
+    kind = None
+    for line in lines:
+        if line.startswith("event:"):
+            kind = line.split(":", 1)[1].strip()
+        elif line.startswith("data:") and kind:
+            yield kind, json.loads(line.split(":", 1)[1])
 
 
 def test_health_ready_and_prometheus(api):

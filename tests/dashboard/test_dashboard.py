@@ -162,11 +162,33 @@ def test_compare_overlays_a_metric_of_several_jobs(page, service):
     page.shot("compare")
 
 
-def test_watch_a_running_job_then_cancel_it(page, service):
-    long = {**SPARSE_JOB, "name": "long-running", "sparsity": None,
-            "grpo": {**SPARSE_JOB["grpo"], "steps": 400, "checkpoint_every": 0}}
+@pytest.fixture(scope="module")
+def long_job(service):
+    """A job that runs until a test cancels it."""
+    long = {**SPARSE_JOB, "name": "long-running", "grpo": {**SPARSE_JOB["grpo"], "steps": 400, "checkpoint_every": 0}}
     long.pop("sparsity")
-    job = service.submit(long)
+    return service.submit(long)
+
+
+def test_where_streams_cannot_stay_open_a_running_job_is_polled_for_new_steps_only(page, service, long_job):
+    asked: list[str] = []
+    page.route("**/stream?*", lambda route: route.abort())  # a proxy that lets no stream through
+    page.on("request", lambda r: asked.append(r.url) if "/metrics?" in r.url else None)
+    page.expected_errors = ["ERR_FAILED"]
+    sign_in(page, service)
+    page.goto(f"{service.base}/#/jobs/{long_job['id']}")
+    page.wait_for_selector('.chart[data-title="Reward"] canvas', timeout=120_000)
+    first = int(chart(page, "Reward").get_attribute("data-points"))
+    page.wait_for_function(f"() => Number(document.querySelector('.chart[data-title=\"Reward\"]').dataset.points) >= {first + 2}",
+                           timeout=120_000)
+    polls = [u for u in asked if "after_step=" in u]
+    assert polls and all("max_points" in u for u in asked), asked  # each poll asks only for later steps
+    steps = [int(u.split("after_step=")[1].split("&")[0]) for u in polls]
+    assert steps == sorted(steps) and steps[-1] >= first - 1, steps
+
+
+def test_watch_a_running_job_then_cancel_it(page, service, long_job):
+    job = long_job
     sign_in(page, service)
     page.goto(f"{service.base}/#/jobs/{job['id']}")
     page.wait_for_selector('.chart[data-title="Reward"] canvas', timeout=120_000)

@@ -59,8 +59,8 @@ export async function streamJob(jobId, params = {}) {
   return new EventSource(`/v1/jobs/${jobId}/stream` + qs({ ...params, access_token: token }));
 }
 
-export async function metrics(jobId, { keys, fromStep, toStep, maxPoints = 1000 } = {}) {
+export async function metrics(jobId, { keys, fromStep, afterStep, toStep, maxPoints = 1000 } = {}) {
   return api(`/v1/jobs/${jobId}/metrics` + qs({
-    keys: keys?.join(","), from_step: fromStep, to_step: toStep, max_points: maxPoints,
+    keys: keys?.join(","), from_step: fromStep, after_step: afterStep, to_step: toStep, max_points: maxPoints,
   }));
 }

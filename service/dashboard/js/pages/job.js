@@ -1,7 +1,8 @@
 // One job: header with progress and ETA, live charts of every metric, reports, samples, events, checkpoints.
-// Running jobs update from the server-sent-events stream; long series come bucketed from the server,
+// Running jobs update from the server-sent-events stream (or incremental polls where it cannot stay open, live.js); long series come bucketed from the server,
 // and a drag-zoom refetches the selected range at full resolution.
-import { api, metrics, streamJob } from "../api.js";
+import { api, metrics } from "../api.js";
+import { follow } from "../live.js";
 import { StepChart } from "../charts.js";
 import { TERMINAL, badge, duration, h, progress, runTime } from "../dom.js";
 import { SECTIONS, claimed, keysOf } from "../panels.js";
@@ -72,40 +73,36 @@ export async function jobPage({ app, onLeave }, id) {
   ensureCharts(first.keys);
   const byKey = Object.fromEntries(first.series.map((s) => [s.key, s]));
   for (const chart of charts.values()) chart.load(byKey);
-  let lastStep = Math.max(-1, ...first.series.flatMap((s) => s.points.map((p) => p.step)));
+  const lastStep = Math.max(-1, ...first.series.flatMap((s) => s.points.map((p) => p.step)));
   if (!first.keys.length) chartsRoot.append(h("p", { class: "muted", id: "no-metrics" }, "No metrics yet: charts appear with the first step."));
 
   if (TERMINAL.has(job.status)) return;
-  const es = await streamJob(id, { from_step: lastStep });
-  es.addEventListener("status", (e) => {
-    const s = JSON.parse(e.data);
-    const changed = s.status !== job.status;
-    Object.assign(job, s);
-    renderHeader();
-    if (changed) api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
-  });
-  es.addEventListener("metrics", (e) => {
-    const { step, metrics: values } = JSON.parse(e.data);
-    document.getElementById("no-metrics")?.remove();
-    ensureCharts(Object.keys(values));
-    for (const chart of charts.values()) chart.append(step, values);
-    lastStep = Math.max(lastStep, step);
-    samples.refreshIfLatest(step);
-  });
-  es.addEventListener("event", (e) => {
-    const ev = JSON.parse(e.data);
-    events.add(ev);
-    if (ev.type === "node") loadNodes();
-    if (ev.type === "health" || ev.type === "fingerprint") {
-      api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); renderFingerprint(); });
-    }
-  });
-  es.addEventListener("end", () => {
-    es.close();
-    api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
-    checkpoints.reload();
-  });
-  onLeave(() => es.close());
+  const stop = follow(id, { lastStep, on: {
+    status(s) {
+      const changed = s.status !== job.status;
+      Object.assign(job, s);
+      renderHeader();
+      if (changed) api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
+    },
+    metrics(step, values) {
+      document.getElementById("no-metrics")?.remove();
+      ensureCharts(Object.keys(values));
+      for (const chart of charts.values()) chart.append(step, values);
+      samples.refreshIfLatest(step);
+    },
+    event(ev) {
+      events.add(ev);
+      if (ev.type === "node") loadNodes();
+      if (ev.type === "health" || ev.type === "fingerprint") {
+        api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); renderFingerprint(); });
+      }
+    },
+    end() {
+      api(`/v1/jobs/${id}`).then((j) => { job = j; renderHeader(); });
+      checkpoints.reload();
+    },
+  } });
+  onLeave(stop);
 }
 
 function header(job, cancel, nodes) {

@@ -169,6 +169,7 @@ bench: install vllm trl
 	$(PY) bench/memory.py
 	$(PY) bench/influence_truth.py
 	$(PY) bench/prediction.py
+	$(PY) bench/selection_modes.py
 	$(PY) bench/selection.py
 	$(PY) bench/rl_vs_sft.py
 	GRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) bench/rollout.py

@@ -1,124 +1,198 @@
-"""Does selecting training samples beat training on all of them? Every `tracin.selection` over paired
-seeds: for each seed, every mode runs the same spec with the same grpo.seed (the same prompts, the same
-per-row sampling streams, the same LoRA initialisation), so the modes differ only in which samples
-each step trains on. Prints, per mode:
+"""Does choosing prompts pay for itself, and on which cost axis? Held-out accuracy against four costs:
+training steps, rollouts (completions sampled, refills included), generated tokens and wall-clock seconds,
+over paired seeds, for five arms:
 
-  - held-out greedy `eval/accuracy` at the last step: mean ± standard error over seeds;
-  - its paired difference against `all` (uniform GRPO) with a 95% Student-t interval over seeds;
-  - the mean step time as a ratio to `all`'s (time/step_s, same seed, same machine);
-  - the mean share of samples kept.
+- `uniform`: prompts drawn uniformly (plain GRPO);
+- `refill`: uniform, with tied groups dropped after sampling and refilled (`grpo.drop_zero_std_groups`);
+- `learnability`: prompts drawn before sampling by the predicted chance of a group with a signal
+  (`selection.prompts: learnability`);
+- `tracin`: TracIn keeping the samples with positive influence (`tracin.selection: positive`);
+- `learnability+tracin`: both.
 
-`positive` runs first on each seed; every mode that keeps a fraction (random, top_fraction,
-top_cosine, greedy, pass_rate) keeps the share `positive` kept on that seed (its mean
-tracin/selection_ratio), so "random" is random at the same ratio and the others rank at equal count.
+The task is bench/selection_noisy.py's (sums of 2-4 one-digit numbers; its small base model, pass rates
+spread over (0, 1)), with clean labels by default and a small pool of training prompts (--train), so that
+a prompt comes back and what the draw learned of it can be used. Every arm of a seed starts from the same
+weights (the fingerprint's trainable_sha256, checked). Test accuracy is measured outside the jobs on the
+checkpoints every --eval-every steps.
 
-    python bench/selection.py                                     # 6 seeds, every mode (hours on 2 cores)
-    python bench/selection.py --seeds 3 --modes positive,random,all --parallel 2 --threads 1
+How arms are compared on an axis: on each seed, the budget is the least any arm spent in all (so every arm
+reached it); each arm's accuracy at that budget is read off its test curve against its cumulative cost
+(linear between checkpoints), and its area under that curve up to the budget is divided by the budget.
+Both are paired against `uniform` on the same seed, with a 95% Student-t interval over seeds.
 
-Each run is its own `grpo-jobs run` process (bench/learning.py's run_seed). A benchmark, never a test.
-Ends with one line per mode: RESULT mode=... seeds=... acc_mean=... acc_se=... diff=... lo=... hi=... step_ratio=...
+    python bench/selection.py                          # 12 seeds, 50 steps, every arm (about 40 min on 2 cores)
+    python bench/selection.py --short                  # 2 seeds, 4 steps, an untrained base: the CI check
+
+A benchmark, never a test. Ends with one line per arm and axis:
+RESULT axis=... arm=... seeds=... acc=... diff=... lo=... hi=... auc_diff=... auc_lo=... auc_hi=...
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from learning import ROOT, SeedRun, run_seed  # bench/ is on the path when a bench runs
+from selection_noisy import MODEL, Task, lines, prepare, run_job, test_curve  # bench/ is on the path
 
 from service.core import evidence
 
-SPEC = ROOT / "bench" / "specs" / "selection-arith.yaml"
-MODES = ("positive", "top_fraction", "top_cosine", "greedy", "random", "pass_rate", "all")
-INFLUENCE = ("positive", "top_fraction", "top_cosine", "greedy")
-VALIDATION = ("val_prompts", "val_generations", "val_regenerate_every", "check_prediction")
+ARMS = {  # arm -> (job kind, what it adds to the spec)
+    "uniform": ("grpo", {}),
+    "refill": ("grpo", {"grpo": {"drop_zero_std_groups": True, "max_refill_rounds": 1}}),
+    "learnability": ("grpo", {"selection": {"prompts": "learnability"}}),
+    "tracin": ("tracin", {"tracin": {"selection": "positive"}}),
+    "learnability+tracin": ("tracin", {"selection": {"prompts": "learnability"}, "tracin": {"selection": "positive"}}),
+}
+AXES = {  # axis -> the per-step metric it adds up (None: one a step)
+    "steps": None,
+    "rollouts": "selection/rollouts",
+    "tokens": "selection/generated_tokens",
+    "seconds": "time/step_s",
+}
 
 
-def mode_spec(spec: dict, mode: str, fraction: float | None) -> dict:
-    """The spec with tracin.selection = mode (the validation settings only where influence is computed)."""
-    tracin = {k: v for k, v in (spec.get("tracin") or {}).items() if mode in INFLUENCE or k not in VALIDATION}
-    tracin["selection"] = mode
-    tracin.pop("fraction", None)
-    if mode not in ("positive", "all"):
-        tracin["fraction"] = round(min(1.0, max(fraction or 0.5, 0.01)), 3)
-    return {**spec, "tracin": tracin}
+def arm_spec(args: argparse.Namespace, arm: str) -> dict:
+    kind, extra = ARMS[arm]
+    spec = {
+        "kind": kind, "name": f"selection-{arm}",
+        "model": {"name": MODEL, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
+        "dataset": {"name": "jsonl", "path": "train.jsonl", "val_path": "val.jsonl"},
+        "rewards": [{"name": "numeric_match"}],
+        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "num_generations": 8, "max_new_tokens": 4,
+                 "temperature": 1.0, "learning_rate": args.lr, "micro_batch_size": 64, "eval_every": 0,
+                 "eval_prompts": 1, "checkpoint_every": args.eval_every, "samples_per_step": 0},
+    }
+    if kind == "tracin":
+        spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": 4, "val_regenerate_every": 1,
+                          "check_prediction": False}
+    for section, values in extra.items():
+        spec[section] = {**spec.get(section, {}), **values}
+    return spec
 
 
 @dataclass(frozen=True)
-class ModeSummary:
-    """One mode over the paired seeds, against `all` on the same seeds."""
+class Run:
+    """One arm on one seed: its test curve and what each step cost."""
 
-    mode: str
-    acc_mean: float
-    acc_se: float
-    diff: evidence.Interval  # accuracy minus `all`'s, paired by seed (nan with one seed)
-    step_ratio: float  # mean over seeds of time/step_s / `all`'s
-    kept: float  # mean tracin/selection_ratio
+    arm: str
+    seed: int
+    curve: dict[int, float]  # step -> test accuracy (step 0: the base model's)
+    costs: dict[str, list[float]]  # axis -> [steps] cumulative cost after each step
+    signal: float  # mean selection/observed_signal: the share of groups whose rewards differ
+    start_sha256: str
+
+    def spent(self, axis: str) -> float:
+        return self.costs[axis][-1]
+
+    def at(self, axis: str, budget: float) -> tuple[float, float]:
+        """Accuracy at `budget` of `axis` and the mean accuracy over [0, budget] (linear between checkpoints)."""
+        xs = [0.0] + [self.costs[axis][s - 1] for s in sorted(self.curve) if s > 0]
+        ys = [self.curve[s] for s in sorted(self.curve)]
+        area, x0, y0 = 0.0, xs[0], ys[0]
+        for x1, y1 in zip(xs[1:], ys[1:]):
+            if x1 >= budget:
+                y_b = y0 + (y1 - y0) * (budget - x0) / (x1 - x0) if x1 > x0 else y1
+                return y_b, (area + (budget - x0) * (y0 + y_b) / 2) / budget
+            area += (x1 - x0) * (y0 + y1) / 2
+            x0, y0 = x1, y1
+        return y0, (area + (budget - x0) * y0) / budget  # the budget is this run's whole spend: x0 == budget
 
 
-def summarise(mode: str, runs: dict[int, SeedRun], base: dict[int, SeedRun], seeds: list[int],
-              last: int) -> ModeSummary:
-    acc = [runs[s].accuracy[last] for s in seeds]
-    nan = float("nan")
-    diff = evidence.mean_interval([runs[s].accuracy[last] - base[s].accuracy[last] for s in seeds])
-    return ModeSummary(
-        mode, statistics.fmean(acc), evidence.standard_error(acc), diff or evidence.Interval(nan, nan, nan),
-        statistics.fmean(runs[s].means["time/step_s"] / base[s].means["time/step_s"] for s in seeds),
-        statistics.fmean(runs[s].means.get("tracin/selection_ratio", nan) for s in seeds))
+def run_arm(args: argparse.Namespace, arm: str, seed: int, task: Task, base_acc: float) -> Run:
+    out, _ = run_job(args, arm_spec(args, arm), f"{arm}-seed-{seed}", seed)
+    steps = [m for m in lines(out / "metrics.jsonl") if m["step"] > 0 and "selection/rollouts" in m["metrics"]]
+    costs = {}
+    for axis, key in AXES.items():
+        total, cum = 0.0, []
+        for m in steps:
+            total += 1.0 if key is None else m["metrics"][key]
+            cum.append(total)
+        costs[axis] = cum
+    [fp] = [e["data"] for e in lines(out / "events.jsonl") if e["type"] == "fingerprint"]
+    signal = statistics.fmean(m["metrics"]["selection/observed_signal"] for m in steps)
+    return Run(arm, seed, test_curve(args, out, task, base_acc), costs, signal, fp.get("trainable_sha256", ""))
+
+
+def fmt(i: evidence.Interval | None) -> str:
+    return "–" if i is None else f"{i.estimate:+.3f} [{i.low:+.3f}, {i.high:+.3f}]"
+
+
+def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Namespace, base_acc: float) -> None:
+    same = [s for s in seeds if len({runs[a][s].start_sha256 for a in runs}) == 1 and runs["uniform"][s].start_sha256]
+    print(f"\n{len(seeds)} paired seeds, {args.steps} steps, {args.prompts} prompts x 8 a step, {args.train} training "
+          f"rows, {args.noise:.0%} wrong answers; base model's test accuracy {base_acc:.3f} on {args.test} rows")
+    print(f"starting weights identical across arms on {len(same)} of {len(seeds)} seeds (fingerprint trainable_sha256)")
+    print("\nwhat each arm spent in all, mean over seeds (against uniform's), and its share of groups with a signal")
+    print(f"{'arm':<21}" + "".join(f"{a:<20}" for a in AXES) + "signal")
+    for arm in runs:
+        cells = []
+        for axis in AXES:
+            mine = statistics.fmean(runs[arm][s].spent(axis) for s in seeds)
+            base = statistics.fmean(runs["uniform"][s].spent(axis) for s in seeds)
+            cells.append(f"{mine:,.0f} ({mine / base:.2f}x)".ljust(20))
+        print(f"{arm:<21}" + "".join(cells) + f"{statistics.fmean(runs[arm][s].signal for s in seeds):.2f}")
+    results = []
+    for axis in AXES:
+        budget = {s: min(runs[a][s].spent(axis) for a in runs) for s in seeds}
+        print(f"\naxis: {axis} (budget per seed: the least any arm spent; mean {statistics.fmean(budget.values()):,.0f})")
+        print(f"{'arm':<21}{'acc at budget':<17}{'vs uniform [95% CI]':<27}{'mean acc to budget':<20}vs uniform [95% CI]")
+        for arm in runs:
+            acc = [runs[arm][s].at(axis, budget[s]) for s in seeds]
+            base = [runs["uniform"][s].at(axis, budget[s]) for s in seeds]
+            d = evidence.mean_interval([a[0] - b[0] for a, b in zip(acc, base)]) if arm != "uniform" else None
+            da = evidence.mean_interval([a[1] - b[1] for a, b in zip(acc, base)]) if arm != "uniform" else None
+            m, se = statistics.fmean(a[0] for a in acc), evidence.standard_error([a[0] for a in acc])
+            print(f"{arm:<21}{m:.3f} ± {se:.3f}    {fmt(d):<27}{statistics.fmean(a[1] for a in acc):.3f}"
+                  f"{'':<15}{fmt(da)}")
+            results.append((axis, arm, m, d, da))
+    nan = evidence.Interval(float("nan"), float("nan"), float("nan"))
+    for axis, arm, m, d, da in results:
+        d, da = d or nan, da or nan
+        print(f"RESULT axis={axis} arm={arm} seeds={len(seeds)} acc={m:.3f} diff={d.estimate:+.3f} lo={d.low:+.3f} "
+              f"hi={d.high:+.3f} auc_diff={da.estimate:+.3f} auc_lo={da.low:+.3f} auc_hi={da.high:+.3f}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", type=Path, default=SPEC, help="a kind: tracin spec")
-    ap.add_argument("--seeds", type=int, default=6, help="paired seeds")
+    ap.add_argument("--seeds", type=int, default=12, help="paired seeds")
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=0, help="override grpo.steps (0: the spec's)")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated; `all` is always run")
-    ap.add_argument("--parallel", type=int, default=1, help="runs at once")
-    ap.add_argument("--threads", type=int, default=0, help="threads per run (default: cores / parallel)")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=10, help="test accuracy every N steps (checkpoints)")
+    ap.add_argument("--prompts", type=int, default=8, help="grpo.prompts_per_step (8 completions each)")
+    ap.add_argument("--val-prompts", type=int, default=8, help="tracin.val_prompts (4 completions each)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--noise", type=float, default=0.0, help="share of training prompts with a wrong answer")
+    ap.add_argument("--train", type=int, default=128, help="training rows: 50 steps x 8 prompts draw each ~3 times")
+    ap.add_argument("--val", type=int, default=200)
+    ap.add_argument("--test", type=int, default=500)
+    ap.add_argument("--base-acc", type=float, default=0.45, help="the base model's target validation accuracy")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated; `uniform` is always run")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at once")
+    ap.add_argument("--threads", type=int, default=1, help="threads per run")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/selection-axes"), help="data, base model and runs")
+    ap.add_argument("--short", action="store_true", help="2 seeds, 4 steps, 32 rows, an untrained base model")
     args = ap.parse_args()
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
-    spec = yaml.safe_load(args.spec.read_text())
-    if args.steps:
-        spec["grpo"]["steps"] = args.steps
-    last = spec["grpo"]["steps"]
-    modes = [m for m in MODES if m in set(args.modes.split(",")) | {"all"}]
+    if args.short:
+        args.seeds, args.steps, args.eval_every, args.prompts, args.val_prompts = 2, 4, 2, 4, 2
+        args.train, args.val, args.test, args.base_acc = 32, 8, 50, 0.0
+    task, base_acc = prepare(args)
+    arms = [a for a in ARMS if a in set(args.arms.split(",")) | {"uniform"}]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    runs: dict[str, dict[int, SeedRun]] = {m: {} for m in modes}
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
-        def run(mode: str, seed: int, fraction: float | None) -> None:
-            runs[mode][seed] = run_seed(mode_spec(spec, mode, fraction), seed, code=ROOT, threads=threads,
-                                        work=Path(tmp), tag=f"{mode}-")
-            r = runs[mode][seed]
-            print(f"  {mode:<12} seed {seed}: acc {r.accuracy.get(0, float('nan')):.3f} -> "
-                  f"{r.accuracy.get(last, float('nan')):.3f}, {r.wall_s:.0f} s", flush=True)
+    runs: dict[str, dict[int, Run]] = {a: {} for a in arms}
 
-        matched: dict[int, float | None] = {s: None for s in seeds}
-        if "positive" in modes:
-            list(pool.map(lambda s: run("positive", s, None), seeds))
-            matched = {s: runs["positive"][s].means.get("tracin/selection_ratio") for s in seeds}
-        rest = [(m, s) for m in modes if m != "positive" for s in seeds]
-        list(pool.map(lambda ms: run(ms[0], ms[1], matched[ms[1]]), rest))
+    def run(arm_seed: tuple[str, int]) -> None:
+        arm, seed = arm_seed
+        r = runs[arm][seed] = run_arm(args, arm, seed, task, base_acc)
+        print(f"  {arm:<20} seed {seed}: test acc {r.curve[0]:.3f} -> {r.curve[max(r.curve)]:.3f}, "
+              f"{r.spent('rollouts'):.0f} rollouts, {r.spent('tokens'):.0f} tokens, {r.spent('seconds'):.0f} s",
+              flush=True)
 
-    base = runs["all"]
-    summaries = [summarise(mode, runs[mode], base, seeds, last) for mode in modes]
-    print(f"\n{args.spec.name}: {len(seeds)} paired seeds, {last} steps, eval/accuracy on "
-          f"{spec['grpo'].get('eval_prompts', 32)} held-out prompts at step {last}")
-    print(f"{'mode':<13}{'acc mean ± se':<17}{'vs all: diff [95% CI]':<30}{'step time / all':<17}kept")
-    for m in summaries:
-        d = m.diff
-        ci = "–" if m.mode == "all" else f"{d.estimate:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
-        print(f"{m.mode:<13}{m.acc_mean:.3f} ± {m.acc_se:.3f}    {ci:<30}{m.step_ratio:<17.2f}{m.kept:.2f}")
-    for m in summaries:
-        d = m.diff
-        print(f"RESULT mode={m.mode} seeds={len(seeds)} acc_mean={m.acc_mean:.3f} acc_se={m.acc_se:.3f} "
-              f"diff={d.estimate:+.3f} lo={d.low:+.3f} hi={d.high:+.3f} step_ratio={m.step_ratio:.2f}", flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:  # seed by seed: the arms of a seed run under like load
+        list(pool.map(run, [(a, s) for s in seeds for a in arms]))
+    report(runs, seeds, args, base_acc)
 
 
 if __name__ == "__main__":

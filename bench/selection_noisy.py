@@ -219,14 +219,11 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_arm(args: argparse.Namespace, arm: str, seed: int, share: float | None, task: Task, base_acc: float) -> Run:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = arm_spec(args, arm, share)
-    spec["grpo"]["seed"] = seed
-    spec_file, out = args.work / f"{arm}-seed-{seed}.yaml", args.work / f"{arm}-seed-{seed}"
+def run_job(args: argparse.Namespace, spec: dict, name: str, seed: int) -> tuple[Path, float]:
+    """`spec` with grpo.seed = seed, run by `grpo-jobs run` in its own process on the bench's model and data:
+    its output folder and wall seconds."""
+    spec = {**spec, "grpo": {**spec["grpo"], "seed": seed}}
+    spec_file, out = args.work / f"{name}.yaml", args.work / name
     spec_file.write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads),
            "MKL_NUM_THREADS": str(args.threads), "GRPO_MODEL_ROOTS": str(args.work / "models"),
@@ -235,9 +232,16 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, share: float | None, 
     proc = subprocess.run([sys.executable, "-c", RUN, "run", str(spec_file), "--out", str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{arm} seed {seed} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    wall = time.perf_counter() - t0
-    [fp] = [e["data"] for e in lines(out / "events.jsonl") if e["type"] == "fingerprint"]
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return out, time.perf_counter() - t0
+
+
+def test_curve(args: argparse.Namespace, out: Path, task: Task, base_acc: float) -> dict[int, float]:
+    """step -> greedy test accuracy of each checkpoint in `out` (step 0: the base model's)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     torch.set_num_threads(args.threads)
     folder = args.work / "models" / MODEL
     tok = AutoTokenizer.from_pretrained(folder)
@@ -245,6 +249,14 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, share: float | None, 
     for ckpt in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])):
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), ckpt).eval()
         curve[int(ckpt.name.split("-")[1])] = greedy_accuracy(model, tok, task.test)
+    return curve
+
+
+def run_arm(args: argparse.Namespace, arm: str, seed: int, share: float | None, task: Task, base_acc: float) -> Run:
+    spec = arm_spec(args, arm, share)
+    out, wall = run_job(args, spec, f"{arm}-seed-{seed}", seed)
+    [fp] = [e["data"] for e in lines(out / "events.jsonl") if e["type"] == "fingerprint"]
+    curve = test_curve(args, out, task, base_acc)
     wrong_q = {prompt(q) for q, _, w in task.train if w}
     both = dropped = wrong_n = rows = 0
     for row in lines(out / "samples.jsonl"):
@@ -302,6 +314,28 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
               f"auc_diff={da.estimate:+.3f} auc_lo={da.low:+.3f} auc_hi={da.high:+.3f}", flush=True)
 
 
+def prepare(args: argparse.Namespace) -> tuple[Task, float]:
+    """The task's files and the base model in args.work (the model trained once, then reused), and the base
+    model's test accuracy."""
+    args.work = args.work.resolve()
+    task = make_task(seed=0, n_train=args.train, n_val=args.val, n_test=args.test, noise=args.noise)
+    (args.work / "data").mkdir(parents=True, exist_ok=True)
+    write_rows(args.work / "data" / "train.jsonl", task.train)
+    write_rows(args.work / "data" / "val.jsonl", task.val)
+    folder = args.work / "models" / MODEL
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (folder / "config.json").exists():
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        pretrain_base(folder, task, target=args.base_acc, seed=0)
+    base_acc = greedy_accuracy(AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder),
+                               task.test)
+    print(f"base model: test accuracy {base_acc:.3f}", flush=True)
+    torch.set_num_threads(args.threads)
+    return task, base_acc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=12, help="paired seeds")
@@ -321,24 +355,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="threads per run")
     ap.add_argument("--work", type=Path, default=Path("/tmp/selection-noisy"), help="data, base model and runs")
     args = ap.parse_args()
-    args.work = args.work.resolve()
-    task = make_task(seed=0, n_train=args.train, n_val=args.val, n_test=args.test, noise=args.noise)
-    (args.work / "data").mkdir(parents=True, exist_ok=True)
-    write_rows(args.work / "data" / "train.jsonl", task.train)
-    write_rows(args.work / "data" / "val.jsonl", task.val)
-    folder = args.work / "models" / MODEL
-    if not (folder / "config.json").exists():
-        import torch
-
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-        pretrain_base(folder, task, target=args.base_acc, seed=0)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base_acc = greedy_accuracy(AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder),
-                               task.test)
-    print(f"base model: test accuracy {base_acc:.3f}", flush=True)
-    torch.set_num_threads(args.threads)
+    task, base_acc = prepare(args)
     arms = [a for a in ARMS if a in set(args.arms.split(",")) | {"all"}]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     runs: dict[str, dict[int, Run]] = {a: {} for a in arms}

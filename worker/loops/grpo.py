@@ -23,6 +23,7 @@ from service.core.settings import Settings
 from service.core.specs import GRPOJob
 from worker.environments.runner import Stopped
 from worker.loops import evaluation, skeleton, update, utilisation
+from worker.loops.rollouts import Tied
 from worker.loops.setup import build
 from worker.loops.sources import TrainRollouts
 from worker.parallel.distributed import SINGLE, Ranks
@@ -47,8 +48,8 @@ def run(spec: GRPOJob, reporter: Reporter, *, settings: Settings, ranks: Ranks =
         except Stopped as exc:  # a cancel heard between the step's episodes
             return skeleton.stopped_in_step(run, step, str(exc))
         skeleton.rollouts_done(run, timer)
-        if ro is None:
-            skeleton.skip_step(run, step, "every group's rewards tied", {"frac_reward_zero_std": 1.0}, timer=timer)
+        if isinstance(ro, Tied):
+            skeleton.skip_step(run, step, "every group's rewards tied", ro.metrics(), timer=timer)
             continue
 
         # 4. old and reference log-probs

@@ -45,7 +45,7 @@ from worker.batch import RolloutBatch
 from worker.datasets import Example, load_retrieval_task, rag_question, render_prompt
 from worker.loops import evaluation, skeleton, update
 from worker.loops.draws import Uniform, draw_share, pick
-from worker.loops.rollouts import Draw, Drawn, Rollouts, collect_rollouts
+from worker.loops.rollouts import Draw, Drawn, Rollouts, Tied, collect_rollouts
 from worker.loops.setup import Setup, build, policy_device
 from worker.parallel.distributed import SINGLE, Ranks, row_seed
 from worker.reporting import LoopResult, Reporter
@@ -236,8 +236,8 @@ def run(spec: JointJob, reporter: Reporter, *, settings: Settings, ranks: Ranks 
         ro = collect_rollouts(s, step, reporter, draw_queries(s, retriever, ref, index, step),
                               units=g.prompts_per_step, group_size=g.num_generations)
         skeleton.rollouts_done(run, timer)
-        if ro is None:
-            skeleton.skip_step(run, step, "every query's answers tied", {"frac_reward_zero_std": 1.0}, timer=timer)
+        if isinstance(ro, Tied):
+            skeleton.skip_step(run, step, "every query's answers tied", ro.metrics(), timer=timer)
             continue
 
         # 4. retriever: document rewards, advantages within the k, PPO-clipped loss + KL

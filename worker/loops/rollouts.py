@@ -133,8 +133,7 @@ class Rollouts(Generic[U]):
         if self.staleness is not None:
             sums["stale"] = float(self.staleness.sum())
         if self.spent is not None:
-            sums |= {"spent": float(self.spent.rollouts), "spent_tokens": self.spent.tokens,
-                     "refilled": float(self.spent.refill_rollouts)}
+            sums |= self.spent.sums()
         t = self.ranks.sum(sums)
         n, scored = max(t["n"], 1.0), t["n_scored"]
         m = {"frac_reward_zero_std": self.frac_zero_std, "advantage/abs_mean": t["adv"] / n, "completions/mean_length": t["len"] / n,
@@ -151,11 +150,8 @@ class Rollouts(Generic[U]):
             m["rollout/staleness"] = t["stale"] / n
         if self.episode_stats is not None:
             m |= self.episode_stats.metrics()
-        if self.spent is not None:  # the step's sampling cost, on the axes a selection is judged on
-            m |= {"selection/observed_signal": 1.0 - self.frac_zero_std, "selection/rollouts": t["spent"],
-                  "selection/generated_tokens": t["spent_tokens"], "selection/refill_rollouts": t["refilled"]}
-            if self.spent.predicted is not None:
-                m["selection/predicted_signal"] = self.spent.predicted
+        if self.spent is not None:
+            m |= self.spent.metrics(t, frac_zero_std=self.frac_zero_std)
         return m
 
     def sample_rows(self, n: int, *, influence: list[float] | None = None, selected: list[bool] | None = None,
@@ -234,6 +230,32 @@ class Spent:
         self.tokens += float(batch.completion_mask.sum())
         self.refill_rollouts += len(batch) if refill else 0
 
+    def sums(self) -> dict[str, float]:
+        """This rank's part, to be summed over ranks."""
+        return {"spent": float(self.rollouts), "spent_tokens": self.tokens, "refilled": float(self.refill_rollouts)}
+
+    def metrics(self, t: dict[str, float], *, frac_zero_std: float) -> dict[str, float]:
+        """The step's sampling cost on the axes a selection is judged on, from `sums()` summed over ranks."""
+        m = {"selection/observed_signal": 1.0 - frac_zero_std, "selection/rollouts": t["spent"],
+             "selection/generated_tokens": t["spent_tokens"], "selection/refill_rollouts": t["refilled"]}
+        if self.predicted is not None:
+            m["selection/predicted_signal"] = self.predicted
+        return m
+
+
+@dataclass(frozen=True)
+class Tied:
+    """A step whose every group tied, refills included: nothing to train on, but its rollouts were paid for
+    and its episodes played, and the skipped step reports both."""
+
+    spent: Spent  # this rank's
+    played: EpisodeStats | None  # its episodes, as Rollouts.episode_stats (a job with an environment)
+    ranks: Ranks
+
+    def metrics(self) -> dict[str, float]:
+        m = {"frac_reward_zero_std": 1.0, **self.spent.metrics(self.ranks.sum(self.spent.sums()), frac_zero_std=1.0)}
+        return m | (self.played.metrics() if self.played is not None else {})
+
 
 @dataclass
 class Rounds:
@@ -248,9 +270,9 @@ class Rounds:
 
 
 def sample_rounds(s: Setup[RLJob], step: int, draw: Draw[U], *, units: int, G: int, drop: bool,
-                  first: Sampling[U] | None) -> Rounds | None:
+                  first: Sampling[U] | None) -> Rounds:
     """Rounds of `draw`, scored, until `units` units with signal are kept (every unit, without `drop`) or
-    grpo.max_refill_rounds refills are spent; None when no rank kept any."""
+    grpo.max_refill_rounds refills are spent; `kept` is empty on every rank when no rank kept any."""
     out = Rounds(kept=[], frac_zero_std=0.0, rounds=0, reward_s=0.0)
     need = units  # the same on every rank: each round draws and keeps over all of them
     while need > 0:
@@ -276,7 +298,7 @@ def sample_rounds(s: Setup[RLJob], step: int, draw: Draw[U], *, units: int, G: i
         if need > 0 and out.rounds > s.spec.grpo.max_refill_rounds:
             break
     if need == units:  # nothing kept on any rank
-        return None
+        return out
     if not out.kept:  # this rank kept nothing; the others did: an empty part, shaped as the last round's
         out.kept.append(last.keep_units(torch.zeros(len(last.drawn.units), dtype=torch.bool), G))
     return out
@@ -316,8 +338,8 @@ def assemble(s: Setup[RLJob], step: int, reporter: Records, r: Rounds, G: int, *
 
 
 def collect_rollouts(s: Setup[RLJob], step: int, reporter: Records, draw: Draw[U], *, units: int, group_size: int,
-                     drop_zero_std: bool | None = None, first: Sampling[U] | None = None) -> Rollouts[U] | None:
-    """`units` units' groups, scored, with group-normalised advantages; None when every unit tied.
+                     drop_zero_std: bool | None = None, first: Sampling[U] | None = None) -> Rollouts[U] | Tied:
+    """`units` units' groups, scored, with group-normalised advantages; Tied when every unit tied.
 
     With dropping (default: grpo.drop_zero_std_groups), tied units are replaced by fresh ones for
     up to grpo.max_refill_rounds more rounds, and tied groups of kept units are left out of training.
@@ -325,4 +347,6 @@ def collect_rollouts(s: Setup[RLJob], step: int, reporter: Records, draw: Draw[U
     """
     drop = s.spec.grpo.drop_zero_std_groups if drop_zero_std is None else drop_zero_std
     rounds = sample_rounds(s, step, draw, units=units, G=group_size, drop=drop, first=first)
-    return None if rounds is None else assemble(s, step, reporter, rounds, group_size, drop=drop)
+    if not rounds.kept:
+        return Tied(rounds.spent, EpisodeStats.total(rounds.played), s.ranks)
+    return assemble(s, step, reporter, rounds, group_size, drop=drop)

@@ -17,7 +17,7 @@ from worker.datasets import Example, render_example
 from worker.environments import episodes as episode_rows
 from worker.environments.runner import EpisodeStats, play
 from worker.loops.draws import PromptDraw, Uniform, draw_share, pick
-from worker.loops.rollouts import Draw, Drawn, Rollouts, Sampling, Submit, collect_rollouts
+from worker.loops.rollouts import Draw, Drawn, Rollouts, Sampling, Submit, Tied, collect_rollouts
 from worker.loops.scoring import episode_scores
 from worker.loops.setup import AnySpec, RLJob, Setup
 from worker.parallel.distributed import SINGLE, row_seed
@@ -100,7 +100,7 @@ def submit_train_prompts(s: Setup[RLJob], step: int) -> Submit[Example]:
 
 
 def collect_train_rollouts(s: Setup[RLJob], step: int, reporter: Records, *, submit: Submit[Example] | None = None,
-                           first: Sampling[Example] | None = None) -> Rollouts[Example] | None:
+                           first: Sampling[Example] | None = None) -> Rollouts[Example] | Tied:
     """The step's grpo.prompts_per_step training prompts, grpo.num_generations completions each;
     round 0 from `first` where it was submitted ahead (by `submit`, which draws the refills)."""
     g = s.spec.grpo
@@ -131,7 +131,7 @@ class TrainRollouts:
     s: Setup[RLJob]
     ahead: Ahead | None = None
 
-    def collect(self, step: int, reporter: Records) -> Rollouts[Example] | None:
+    def collect(self, step: int, reporter: Records) -> Rollouts[Example] | Tied:
         s, g, ahead = self.s, self.s.spec.grpo, self.ahead
         self.ahead = None
         if ahead is not None and ahead.step == step:

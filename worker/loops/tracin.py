@@ -43,7 +43,7 @@ from worker.algos import selection as sel
 from worker.algos.influence import GhostHooks, adam_direction
 from worker.environments.runner import Stopped
 from worker.loops import evaluation, prediction, skeleton, update
-from worker.loops.rollouts import Rollouts, collect_rollouts
+from worker.loops.rollouts import Rollouts, Tied, collect_rollouts
 from worker.loops.setup import Setup, build, of_kind
 from worker.loops.sources import TrainRollouts, draw_validation
 from worker.parallel.distributed import SINGLE, Ranks
@@ -145,8 +145,9 @@ def validation_batch(s: Setup[TracInJob], val: Validation, step: int, reporter: 
     if val.ro is not None and (step - 1) % t.val_regenerate_every:
         return {}
     draw = draw_validation(s, t.val_generations, seed_tag=f"prompts-val-{g.seed}-{step}")
-    val.ro = collect_rollouts(s, step, reporter, draw, units=t.val_prompts, group_size=t.val_generations,
-                              drop_zero_std=True)
+    found = collect_rollouts(s, step, reporter, draw, units=t.val_prompts, group_size=t.val_generations,
+                             drop_zero_std=True)
+    val.ro = None if isinstance(found, Tied) else found
     val.ref_logp = None if val.ro is None else update.reference_logprobs(s, val.ro.batch)  # frozen: once per batch
     # each refill round is one more generate call on this step
     return {} if val.ro is None else {"tracin/val_refill_rounds": float(val.ro.refill_rounds)}
@@ -275,9 +276,9 @@ def run(spec: TracInJob, reporter: Reporter, *, settings: Settings, ranks: Ranks
             return skeleton.stopped_in_step(run, step, str(exc))
         val_stats = validation_batch(s, val, step, reporter) if by_influence else {}
         skeleton.rollouts_done(run, timer)
-        if ro is None:
+        if isinstance(ro, Tied):
             skeleton.skip_step(run, step, "every training group's rewards tied (no signal)",
-                               {**val_stats, "frac_reward_zero_std": 1.0, "tracin/num_selected": 0.0}, timer=timer)
+                               {**val_stats, **ro.metrics(), "tracin/num_selected": 0.0}, timer=timer)
             continue
         n = ro.total
         if by_influence and val.ro is None:  # G_val = 0, so every influence is exactly 0 and nothing is selected

@@ -11,7 +11,7 @@ from service.core.specs import GRPOSpec
 from worker.batch import RolloutBatch
 from worker.datasets import Example
 from worker.loops.draws import Uniform, draw_share, pick
-from worker.loops.rollouts import Drawn, collect_rollouts
+from worker.loops.rollouts import Drawn, Tied, collect_rollouts
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import Reporter
 from worker.rewards import FunctionComponent, Scorer, lookup
@@ -76,8 +76,12 @@ def test_without_dropping_every_group_is_kept_and_trained_on():
 def test_nothing_to_learn_after_the_last_refill_round():
     draw, calls = _drawer([TIED] * 3)
     s = _setup(drop_zero_std_groups=True, max_refill_rounds=2, num_generations=G)
-    assert collect_rollouts(s, 1, Reporter(), draw, units=1, group_size=G) is None
-    assert calls == [1, 1, 1]
+    tied = collect_rollouts(s, 1, Reporter(), draw, units=1, group_size=G)
+    assert isinstance(tied, Tied) and calls == [1, 1, 1]
+    m = tied.metrics()  # what the skipped step paid for is still reported: three rounds of K groups of G
+    assert m["frac_reward_zero_std"] == 1.0 and m["selection/observed_signal"] == 0.0
+    assert (m["selection/rollouts"], m["selection/refill_rollouts"]) == (3 * K * G, 2 * K * G)
+    assert m["selection/generated_tokens"] > 0
 
 
 def _unscorable_setup() -> SimpleNamespace:

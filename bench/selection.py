@@ -24,7 +24,7 @@ Both are paired against `uniform` on the same seed, with a 95% Student-t interva
     python bench/selection.py --short                  # 2 seeds, 4 steps, an untrained base: the CI check
 
 A benchmark, never a test. Ends with one line per arm and axis:
-RESULT axis=... arm=... seeds=... acc=... diff=... lo=... hi=... auc_diff=... auc_lo=... auc_hi=...
+RESULT axis=... arm=... seeds=... spent=... acc=... diff=... lo=... hi=... auc_diff=... auc_lo=... auc_hi=...
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
     same = [s for s in seeds if len({runs[a][s].start_sha256 for a in runs}) == 1 and runs["uniform"][s].start_sha256]
     print(f"\n{len(seeds)} paired seeds, {args.steps} steps, {args.prompts} prompts x 8 a step, {args.train} training "
           f"rows, {args.noise:.0%} wrong answers; base model's test accuracy {base_acc:.3f} on {args.test} rows")
-    print(f"starting weights identical across arms on {len(same)} of {len(seeds)} seeds (fingerprint trainable_sha256)")
+    print(f"starting weights identical across arms on {len(same)} of {len(seeds)} seeds (fingerprint trainable_sha256)",
+          flush=True)
     print("\nwhat each arm spent in all, mean over seeds (against uniform's), and its share of groups with a signal")
     print(f"{'arm':<21}" + "".join(f"{a:<20}" for a in AXES) + "signal")
     for arm in runs:
@@ -147,11 +148,11 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
             m, se = statistics.fmean(a[0] for a in acc), evidence.standard_error([a[0] for a in acc])
             print(f"{arm:<21}{m:.3f} ± {se:.3f}    {fmt(d):<27}{statistics.fmean(a[1] for a in acc):.3f}"
                   f"{'':<15}{fmt(da)}")
-            results.append((axis, arm, m, d, da))
+            results.append((axis, arm, m, d, da, statistics.fmean(runs[arm][s].spent(axis) for s in seeds)))
     nan = evidence.Interval(float("nan"), float("nan"), float("nan"))
-    for axis, arm, m, d, da in results:
+    for axis, arm, m, d, da, spent in results:
         d, da = d or nan, da or nan
-        print(f"RESULT axis={axis} arm={arm} seeds={len(seeds)} acc={m:.3f} diff={d.estimate:+.3f} lo={d.low:+.3f} "
+        print(f"RESULT axis={axis} arm={arm} seeds={len(seeds)} spent={spent:.1f} acc={m:.3f} diff={d.estimate:+.3f} lo={d.low:+.3f} "
               f"hi={d.high:+.3f} auc_diff={da.estimate:+.3f} auc_lo={da.low:+.3f} auc_hi={da.high:+.3f}", flush=True)
 
 

@@ -37,6 +37,8 @@ class Fingerprint(BaseModel):
     data_sha256: str = Field(description="SHA-256 of the loaded task: every train and validation example (and the "
                              "corpus of a retrieval task).")
     model_sha256: str = Field(description="SHA-256 of the base model's weight files (a tiny preset: of its weights).")
+    dtype: str = Field("", description="The dtype the base weights were loaded in (`model.dtype: auto` resolved; "
+                       "empty: recorded before it was).")
     trainable_sha256: str = Field("", description="SHA-256 of the weights training starts from: the trainable "
                                   "parameters after LoRA's initialisation and `model.init_from` (empty: recorded "
                                   "before it was measured). Two runs of one seed start from equal weights when "

@@ -27,7 +27,7 @@ from worker.engines.vllm_engine import EngineFailed, VLLMEngine, place_engine
 from worker.environments.demos import demonstrations
 from worker.environments.host import EnvironmentHost, open_environment
 from worker.loops.draws import Learnability
-from worker.machine import allocator, memory
+from worker.machine import allocator, memory, precision
 from worker.machine.fingerprint import fingerprint, model_sha256
 from worker.model.checkpoints import (
     Trainables,
@@ -115,6 +115,9 @@ def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | N
     g = spec.train
     dev = policy_device(spec, ranks)
     device = torch.device(dev)
+    prec = precision.choose(spec.model.dtype, device, cache=settings.cache_dir / "precision.json",
+                            bfloat16_ok=bfloat16_refused(spec))
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": prec.dtype})})  # auto resolved
     # checkpointing is switched on below, once the task's prompts tell how long a micro-batch's rows are
     mspec = spec.model.model_copy(update={"gradient_checkpointing": False})
     model, tok = load_policy(mspec, models_root=settings.models_dir, device=dev, seed=g.seed,
@@ -138,7 +141,7 @@ def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | N
                    data={"trainable": n_train, "total": n_all, "lora": spec.model.lora is not None, "malloc": malloc})
     sharded = spec.resources.sharding == "fsdp"
     fold = fold_plan(spec, settings, model, device, ranks=ranks, sharded=sharded)
-    report_memory_plan(reporter, plan, fold)
+    report_memory_plan(reporter, plan, fold, prec)
     params = SamplingParams(max_new_tokens=g.max_new_tokens, stop=tuple(g.stop))  # SFT only samples greedily
     if isinstance(g, GRPOSpec):
         params = dataclasses.replace(params, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
@@ -204,13 +207,24 @@ def checkpoint_plan(spec: AnySpec, settings: Settings, model: torch.nn.Module, t
     return dataclasses.replace(plan, checkpointing=anyone)
 
 
-def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: memory.FoldPlan | None) -> None:
-    """The `memory_plan` event: checkpointing, and the sampler's fold where it could fold."""
+def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: memory.FoldPlan | None,
+                       prec: precision.Precision) -> None:
+    """The `memory_plan` event: the base weights' dtype, checkpointing, and the sampler's fold where it could
+    fold."""
     message, data = plan.event()
     if fold is not None:
         message, data = f"{message}; {fold.describe()}", {**data, "sampler_fold": fold.fold,
                                                            "sampler_fold_gb": fold.copy_gb}
-    reporter.event("memory_plan", message, data=data)
+    if prec.probe is not None:  # auto: say what was chosen and why
+        message = f"{prec.reason}; {message}"
+    reporter.event("memory_plan", message, data={**data, "precision": prec.data()})
+
+
+def bfloat16_refused(spec: AnySpec) -> str | None:
+    """Why `model.dtype: auto` may not choose bfloat16 for this job (None: it may)."""
+    if getattr(getattr(spec, "resources", None), "sharding", "none") == "fsdp":
+        return "resources.sharding 'fsdp' trains float32 weights only"
+    return None
 
 
 def memory_budget_gb(settings: Settings, device: torch.device, ranks: Ranks = SINGLE) -> float | None:

@@ -5,7 +5,6 @@ machine that has nothing else of the service."""
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
@@ -33,22 +32,9 @@ def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape | None:
 
 @functools.cache
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a square matmul on `device` in `dtype` (at least float32 on a CPU, where half-precision
-    matmuls are emulated): the best of five after a warm-up. Measured once per process."""
-    n = PEAK_SIZE.get(device.type, 1024)
-    if device.type == "cpu":
-        dtype = torch.promote_types(dtype, torch.float32)
-    own = torch.Generator(device).manual_seed(0)  # the job's random stream stays untouched
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=own)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=own)
-    best = float("inf")
-    for i in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:  # the first is the warm-up
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    """FLOP/s of a square matmul on `device` in `dtype`, the best of five after a warm-up: the rate of the
+    weights' own dtype (a CPU with AMX multiplies bfloat16 several times faster than float32; one without
+    emulates it, slower). Measured once per process."""
+    from worker.machine.precision import matmul_flops
+
+    return matmul_flops(device, dtype, PEAK_SIZE.get(device.type, 1024))

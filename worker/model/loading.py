@@ -219,7 +219,12 @@ def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
 
 
 def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 0, model_roots: list[Path] = ()):
-    """(model, tokenizer): the trainable policy on `device`, with a LoRA adapter when asked."""
+    """(model, tokenizer): the trainable policy on `device`, with a LoRA adapter when asked (`model.dtype:
+    auto` resolved on `device` where the caller has not: worker/machine/precision.py)."""
+    if spec.dtype == "auto":
+        from worker.machine.precision import choose
+
+        spec = spec.model_copy(update={"dtype": choose("auto", torch.device(device), cache=None).dtype})
     tokenizer = load_tokenizer(spec, models_root=models_root, model_roots=model_roots)
     model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, model_roots=model_roots, seed=seed)
     if spec.lora is not None:

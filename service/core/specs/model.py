@@ -57,10 +57,13 @@ class ModelSpec(_Section):
         "under the admin's model roots (GRPO_MODEL_ROOTS), e.g. 'team/llama-1b', or a Hugging Face id "
         "already in the workers' local cache.",
     )
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         "float32", description="Parameter dtype of the trained policy (float64: for numerical checks on the CPU; "
         "log-probs and losses are computed in at least float32). With bfloat16/float16, a LoRA adapter stays "
-        "float32 and full fine-tuning steps float32 master weights, rounded into the model after each step.",
+        "float32 and full fine-tuning steps float32 master weights, rounded into the model after each step. "
+        "`auto`: bfloat16 where the job's device multiplies it natively (at least 1.5x float32's matmul rate, "
+        "measured when the job starts and cached per machine: GPUs, CPUs with AMX), else float32; the "
+        "`memory_plan` event says which and why, and the fingerprint's `dtype` records it.",
     )
     chat_template: Literal["tokenizer", "chatml-tools"] = Field(
         "tokenizer", description="The chat template prompts and episodes are rendered with: the tokenizer's own, "

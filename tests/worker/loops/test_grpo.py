@@ -158,7 +158,8 @@ def test_a_skipped_last_step_still_evaluates(tmp_path, settings_factory, monkeyp
     assert result.eval == {k: v for m in lines if m["step"] == 2 for k, v in m["metrics"].items() if k.startswith("eval/")}
 
 
-@pytest.mark.parametrize("dtype,fp32_head", [("bfloat16", False), ("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("dtype,fp32_head", [("bfloat16", False), ("bfloat16", True), ("float32", False),
+                                            ("auto", False)])  # auto: as this machine decides
 def test_the_first_epochs_ratio_is_exactly_one_whatever_the_dtype_and_batches(tmp_path, settings_factory, digit_reward,
                                                                               dtype, fp32_head):
     """Old log-probs are the first epoch's own forward (the policy's weights are the rollout copy's at the

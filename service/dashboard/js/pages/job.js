@@ -155,7 +155,7 @@ function fingerprintSection(fp) {
   if (!fp) return [h("h2", {}, "Fingerprint"), h("p", { class: "muted" }, "Recorded when an attempt starts.")];
   const hw = fp.hardware;
   const rows = [
-    ["spec", fp.spec_sha256], ["data", fp.data_sha256], ["model weights", fp.model_sha256],
+    ["spec", fp.spec_sha256], ["data", fp.data_sha256], ["model weights", fp.model_sha256], ["base weights' dtype", fp.dtype || "not recorded"],
     ["starting weights", fp.trainable_sha256 || "not recorded"],
     ["grpo-jobs", fp.commit ? `${fp.version} (${fp.commit})` : fp.version],
     ["libraries", Object.entries(fp.libraries).map(([k, v]) => `${k} ${v}`).join(", ")],

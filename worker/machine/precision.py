@@ -1,0 +1,121 @@
+"""`model.dtype: auto`: the frozen base weights in bfloat16 where this device multiplies bfloat16 natively
+(faster than float32: GPUs' tensor cores, CPUs with AMX or AVX512-BF16), else float32.
+
+The probe times a square matmul in both dtypes (the best of a few after a warm-up) and is cached per
+machine and device in a small JSON file, so every job, and every process of a job, on the machine decides
+alike. Trainable weights never follow: a LoRA adapter and its AdamW state stay float32, and full
+fine-tuning steps float32 master weights (worker/model/loading.py, worker/training.py), because AdamW's
+steps fall below bfloat16's resolution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PROBE_SIZE = {"cpu": 1024, "cuda": 4096}  # square sides: long enough to reach the rate, short to time (< 0.2 s)
+NATIVE = 1.5  # bfloat16 counts as native when it multiplies at least this much faster than float32
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The device's matmul rates, float32 and bfloat16 (FLOP/s)."""
+
+    device: str  # what was measured: the device and, on a CPU, its model and torch's threads
+    float32_flops: float
+    bfloat16_flops: float
+
+    @property
+    def speedup(self) -> float:
+        return self.bfloat16_flops / self.float32_flops
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtype the base weights load in, and why."""
+
+    dtype: str  # a ModelSpec dtype: float32, bfloat16, float16 or float64
+    reason: str
+    probe: Probe | None = None  # with `auto`
+    cached: bool = False  # the probe came from the machine's cache
+
+    def data(self) -> dict[str, object]:
+        """For the `memory_plan` event."""
+        return {"dtype": self.dtype, "reason": self.reason, "cached": self.cached,
+                "probe": None if self.probe is None else asdict(self.probe)}
+
+
+def device_key(device: torch.device) -> str:
+    """The machine and device a probe holds for."""
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        from worker.machine.fingerprint import cpu_name
+
+        what = f"{cpu_name()}, {torch.get_num_threads()} threads"
+    return f"{socket.gethostname()}/{device.type}: {what} (torch {torch.__version__})"
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, *, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on `device`: the best of `repeats` after a warm-up."""
+    own = torch.Generator(device).manual_seed(0)  # the job's random stream stays untouched
+    a = torch.randn(n, n, device=device, generator=own).to(dtype)
+    b = torch.randn(n, n, device=device, generator=own).to(dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first is the warm-up
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def probe(device: torch.device, cache: Path | None, *, timer=None) -> tuple[Probe, bool]:
+    """The device's rates, from `cache` (a JSON file: key -> probe) where it has them, else measured by
+    `timer` (matmul_flops) and written there; and whether they came from the cache."""
+    key = device_key(device)
+    known: dict[str, dict] = {}
+    if cache is not None and cache.exists():
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}  # a torn or foreign file: measure again and rewrite it
+        if isinstance(known.get(key), dict):
+            try:
+                return Probe(**known[key]), True
+            except TypeError:
+                pass
+    n, timer = PROBE_SIZE.get(device.type, 1024), timer or matmul_flops
+    found = Probe(key, timer(device, torch.float32, n), timer(device, torch.bfloat16, n))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: asdict(found)}, indent=1))
+        tmp.replace(cache)  # whole or not at all: a concurrent reader sees the old file or this one
+    return found, False
+
+
+def choose(requested: str, device: torch.device, *, cache: Path | None, bfloat16_ok: str | None = None,
+           timer=None) -> Precision:
+    """What `model.dtype` loads as on `device`. `auto` is bfloat16 where the probe finds it native
+    (at least NATIVE x float32's rate) and `bfloat16_ok` names no reason against it, else float32."""
+    if requested != "auto":
+        return Precision(requested, "model.dtype names it")
+    if bfloat16_ok is not None:
+        return Precision("float32", f"auto: float32, as {bfloat16_ok}")
+    rates, cached = probe(device, cache, timer=timer)
+    words = (f"bfloat16 multiplies at {rates.bfloat16_flops / 1e9:,.0f} GFLOP/s against float32's "
+             f"{rates.float32_flops / 1e9:,.0f} on {device.type} ({rates.speedup:.1f}x)")
+    if rates.speedup >= NATIVE:
+        return Precision("bfloat16", f"auto: bfloat16 base weights, as {words}", rates, cached)
+    return Precision("float32", f"auto: float32, as {words}: not native", rates, cached)

@@ -84,6 +84,19 @@ def sampling(shape: DecoderShape, prompts: list[int], groups: list[list[int]]) -
                                                                                                strict=True))
 
 
+def sampling_bytes(shape: DecoderShape, prompts: list[int], groups: list[list[int]], *, weight_bytes: int,
+                   value_bytes: int) -> int:
+    """The bytes sampling groups[i] completions of prompts[i] must read from memory when every row decodes in
+    one batch: the weights (`weight_bytes`) once for the prefill and once per decode position of the longest
+    completion (the batch advances together), and each row's cached keys and values (`value_bytes` each)
+    once per position it decodes. What model bandwidth utilisation (mbu/sampling) divides by the seconds."""
+    kv_per_position = 2 * shape.layers * shape.kv_heads * shape.head_dim * value_bytes
+    steps = max((max(group, default=0) for group in groups), default=0) - 1  # the last token is not fed back
+    cache = sum(sum(p + t for t in range(max(c - 1, 0))) for p, group in zip(prompts, groups, strict=True)
+                for c in group)
+    return weight_bytes * (1 + max(steps, 0)) + kv_per_position * cache
+
+
 def training(forward_flops: int, *, frozen_base: bool) -> int:
     """A forward and its backward (module docstring)."""
     return forward_flops * (2 if frozen_base else 3)

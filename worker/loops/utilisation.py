@@ -6,6 +6,11 @@ wall time, against a peak measured on the same device in the same dtype when the
     mfu/train         old and reference log-probs and every epoch's forward and backward (each prompt once
                       for the rows that share it) / (seconds x peak)
 
+    mbu/sampling      the bytes sampling must read (the weights once a decode position of the batch, each
+                      row's cached keys and values once a position) / (its seconds x the read bandwidth): decode
+                      is bound by memory, so this, not mfu/sampling, says how near sampling is to its limit
+    mbu/peak_gbps     a large read's rate here (GB/s, this process's threads)
+
 A figure near 1 is at the machine's limit; sampling far below it has work to win back. Counted for
 the rows the step trains on (a refilled group's discarded rows are not counted, so the sampling
 figure is a lower bound with refills).
@@ -20,13 +25,22 @@ from worker.algos.lora import is_lora
 from worker.batch import RolloutBatch
 from worker.loops.rollouts import Rollouts
 from worker.loops.setup import AnySpec, RLJob, Setup
-from worker.machine.hardware import decoder_shape, peak_flops
+from worker.machine.hardware import decoder_shape, peak_bandwidth, peak_flops
 from worker.model.prefix import prompt_groups
 
 
 def _lengths(batch: RolloutBatch, rows: list[int]) -> tuple[list[int], list[int]]:
     return ([int(x) for x in batch.prompt_mask[rows].sum(1).tolist()],
             [int(x) for x in batch.completion_mask[rows].sum(1).tolist()])
+
+
+def sampling_bytes(shape: flops.DecoderShape, model, batch: RolloutBatch, group: int) -> int:
+    """The bytes sampling `batch` (prompt-major, `group` rows a prompt) must read (flops.sampling_bytes)."""
+    prompts, completions = _lengths(batch, list(range(len(batch))))
+    firsts = range(0, len(batch), group)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return flops.sampling_bytes(shape, [prompts[i] for i in firsts], [completions[i:i + group] for i in firsts],
+                                weight_bytes=weights, value_bytes=next(model.parameters()).element_size())
 
 
 def sampling_flops(shape: flops.DecoderShape, batch: RolloutBatch, group: int) -> int:
@@ -60,12 +74,15 @@ def train_flops(shape: flops.DecoderShape, batch: RolloutBatch, rows: list[int],
     return epochs * flops.training(fwd, frozen_base=frozen_base) + fwd * (int(old_pass) + int(ref_pass))
 
 
-def step_metrics(*, peak: float, sampling: int | None, sampling_s: float, train: int, train_s: float) -> dict[str, float]:
-    """mfu/* of a step; sampling is left out when it was not measured here (None: another engine, or rows
-    sampled during the last step)."""
+def step_metrics(*, peak: float, sampling: int | None, sampling_s: float, train: int, train_s: float,
+                 read: tuple[int, float] | None = None) -> dict[str, float]:
+    """mfu/* (and mbu/* with `read`: sampling's bytes and the read bandwidth) of a step; sampling is left
+    out when it was not measured here (None: another engine, or rows sampled during the last step)."""
     out = {"mfu/peak_tflops": peak / 1e12}
     if sampling is not None and sampling_s > 0:
         out["mfu/sampling"] = sampling / sampling_s / peak
+        if read is not None:
+            out |= {"mbu/sampling": read[0] / sampling_s / read[1], "mbu/peak_gbps": read[1] / 1e9}
     if train_s > 0:
         out["mfu/train"] = train / train_s / peak
     return out
@@ -94,5 +111,6 @@ def grpo_step(s: Setup[RLJob], ro: Rollouts[Any], measured: dict[str, float], *,
     train = train_flops(shape, ro.batch, ro.train_rows, epochs=g.epochs_per_rollout_batch, frozen_base=is_lora(s.model),
                         old_pass=g.epochs_per_rollout_batch > 1, ref_pass=g.with_reference)
     peak = peak_flops(s.device, next(s.model.parameters()).dtype)
+    read = (sampling_bytes(shape, s.model, ro.batch, g.num_generations), peak_bandwidth(s.device)) if here else None
     return step_metrics(peak=peak, sampling=sampling, sampling_s=rollout_s - sync_s - measured.get("time/reward_s", 0.0),
-                        train=train, train_s=train_s)
+                        train=train, train_s=train_s, read=read)

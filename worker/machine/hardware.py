@@ -1,6 +1,6 @@
 """What a step's utilisation is measured against: a model's decoder shapes (from its config) and this
-device's peak FLOP/s (measured). Torch and transformers alone, so bench/device_check.py uses them on a
-machine that has nothing else of the service."""
+device's peak FLOP/s and memory read bandwidth (measured). Torch and transformers alone, so
+bench/device_check.py uses them on a machine that has nothing else of the service."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from worker.algos import flops
 from worker.algos.lora import base_model
 
 PEAK_SIZE = {"cpu": 1024, "cuda": 8192}  # square matmul sides: long enough to reach the rate, short to time
+READ_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # what the bandwidth probe reads: far past the caches
 
 
 def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape | None:
@@ -38,3 +39,23 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     from worker.machine.precision import matmul_flops
 
     return matmul_flops(device, dtype, PEAK_SIZE.get(device.type, 1024))
+
+
+@functools.cache
+def peak_bandwidth(device: torch.device) -> float:
+    """Bytes a second this process reads from `device`'s memory: a float32 sum over READ_BYTES, the best of five
+    after a warm-up (its threads, as the job's sampler reads with them). Measured once per process."""
+    import time
+
+    x = torch.ones(READ_BYTES.get(device.type, 256 << 20) // 4, device=device)
+    best = float("inf")
+    for i in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best

@@ -77,3 +77,18 @@ def test_measuring_the_peak_leaves_the_jobs_random_stream_alone():
     torch.manual_seed(5)
     assert peak_flops(torch.device("cpu"), torch.float64) > 0
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_sampling_reads_the_weights_once_a_decode_position_of_the_batch_and_each_rows_cache():
+    # one layer, one kv head of 2, 2-byte values: a position's keys and values are 2 x 1 x 2 x 2 = 8 bytes
+    # rows of prompt 2 with completions 3 and 1, a row of prompt 5 with 2: the longest decodes 2 positions
+    # after its first token; row 1 reads 2 then 3 cached positions, row 3 reads 5
+    assert flops.sampling_bytes(S, [2, 5], [[3, 1], [2]], weight_bytes=1000, value_bytes=2) == (
+        1000 * (1 + 2) + 8 * ((2 + 3) + 0 + 5))
+    assert flops.sampling_bytes(S, [], [], weight_bytes=1000, value_bytes=2) == 1000  # nothing decoded
+
+
+def test_measuring_the_read_bandwidth_gives_a_rate():
+    from worker.machine.hardware import peak_bandwidth
+
+    assert peak_bandwidth(torch.device("cpu")) > 1e8  # bytes a second: any machine reads faster than 100 MB/s

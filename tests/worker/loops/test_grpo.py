@@ -122,6 +122,11 @@ def test_one_real_step_on_smollm2_with_lora(tmp_path, settings_factory, digit_re
     assert per_token * rows * (completion - 1) <= sampled <= per_token * rows * (completion + prompt), step1
     trained = step1["mfu/train"] * peak * step1["time/train_s"]  # reference, forward, backward (LoRA: ~1 forward)
     assert 2 * per_token * rows * completion <= trained <= 4 * per_token * rows * (completion + prompt), step1
+    # and the bytes sampling read, from its share of the read bandwidth: the weights at least once a position of
+    # the longest completion, and at most that plus every row's cache (under a weights' worth a position here)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    read = step1["mbu/sampling"] * step1["mbu/peak_gbps"] * 1e9 * sampling_s
+    assert weights * completion <= read <= weights * (spec.grpo.max_new_tokens + 1) * 2, step1
 
 
 def test_kl_is_reported_only_when_measured(tmp_path, settings_factory, distinct_reward):

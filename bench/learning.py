@@ -8,6 +8,7 @@ training `reward/mean`, and the mean ± standard error over seeds.
     python bench/learning.py --spec examples/demo-smollm2.yaml --seeds 3 --steps 6
     python bench/learning.py --code ../other-checkout          # the same specs run by another checkout's code
     python bench/learning.py --parallel 2                      # two seeds at once, one thread each
+    python bench/learning.py --dtype auto --parallel 2         # each seed as the spec says and in auto, paired
 
 `--code DIR` puts DIR first on PYTHONPATH, so an older commit (a `git worktree`) runs the same specs
 with this virtual environment; only fields that commit knows may be in the spec.
@@ -122,6 +123,40 @@ def bench_spec(path: Path, args: argparse.Namespace) -> None:
           flush=True)
 
 
+def compare_dtype(path: Path, args: argparse.Namespace) -> None:
+    """The spec as it is and with model.dtype = args.dtype, paired by seed (each pair run side by side, so both
+    see the same machine): each side's accuracy at the last step, the paired difference with its 95% interval,
+    and the wall-time ratio."""
+    from service.core import evidence
+
+    spec = yaml.safe_load(path.read_text())
+    if args.steps:
+        spec["grpo"]["steps"] = args.steps
+    steps = spec["grpo"]["steps"]
+    other = {**spec, "model": {**spec["model"], "dtype": args.dtype}}
+    mine = spec["model"].get("dtype", "float32")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    jobs = [(side, s) for s in seeds for side in (mine, args.dtype)]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
+        done = list(pool.map(lambda j: run_seed(spec if j[0] == mine else other, j[1], code=args.code,
+                                                threads=args.threads, work=Path(tmp), tag=f"{j[0]}-"), jobs))
+    runs = {(side, s): r for (side, s), r in zip(jobs, done)}
+    print(f"\n{path.name}: model.dtype {mine} against {args.dtype}, {steps} steps, {len(seeds)} paired seeds")
+    print(f"seed  {mine + ' acc':<16}{args.dtype + ' acc':<16}{mine + ' s':<12}{args.dtype + ' s':<12}")
+    for s in seeds:
+        a, b = runs[mine, s], runs[args.dtype, s]
+        print(f"{s:<5} {a.accuracy[steps]:<16.3f}{b.accuracy[steps]:<16.3f}{a.wall_s:<12.0f}{b.wall_s:<12.0f}")
+    diff = evidence.mean_interval([runs[args.dtype, s].accuracy[steps] - runs[mine, s].accuracy[steps] for s in seeds])
+    wall = statistics.fmean(runs[args.dtype, s].wall_s / runs[mine, s].wall_s for s in seeds)
+    acc = {side: mean_se([runs[side, s].accuracy[steps] for s in seeds]) for side in (mine, args.dtype)}
+    print(f"acc{steps}: {mine} {acc[mine][0]:.3f} ± {acc[mine][1]:.3f}, {args.dtype} {acc[args.dtype][0]:.3f} ± "
+          f"{acc[args.dtype][1]:.3f}; paired difference {diff.estimate:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]; "
+          f"wall time {wall:.2f}x")
+    print(f"RESULT spec={path.stem} compare={mine}:{args.dtype} seeds={len(seeds)} acc_a={acc[mine][0]:.3f} "
+          f"acc_b={acc[args.dtype][0]:.3f} diff={diff.estimate:+.3f} lo={diff.low:+.3f} hi={diff.high:+.3f} "
+          f"wall_ratio={wall:.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", type=Path, action="append", help="a spec file (repeatable); default: the demo and matched specs")
@@ -131,11 +166,12 @@ def main() -> None:
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code runs the specs")
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once")
     ap.add_argument("--threads", type=int, default=0, help="threads per seed (default: cores / parallel)")
+    ap.add_argument("--dtype", help="also run every seed with this model.dtype (auto, bfloat16) and compare, paired")
     args = ap.parse_args()
     args.code = args.code.resolve()
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
     for path in args.spec or DEFAULT_SPECS:
-        bench_spec(path, args)
+        (compare_dtype if args.dtype else bench_spec)(path, args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from selection_noisy import MODEL, Task, lines, prepare, run_job, test_curve  # bench/ is on the path
+from selection_noisy import MODEL, Task, lines, prepare, run_job, study_arguments, test_curve  # bench/ is on the path
 
 from service.core import evidence
 
@@ -158,22 +158,9 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=12, help="paired seeds")
-    ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=10, help="test accuracy every N steps (checkpoints)")
-    ap.add_argument("--prompts", type=int, default=8, help="grpo.prompts_per_step (8 completions each)")
-    ap.add_argument("--val-prompts", type=int, default=8, help="tracin.val_prompts (4 completions each)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--noise", type=float, default=0.0, help="share of training prompts with a wrong answer")
-    ap.add_argument("--train", type=int, default=128, help="training rows: 50 steps x 8 prompts draw each ~3 times")
-    ap.add_argument("--val", type=int, default=200)
-    ap.add_argument("--test", type=int, default=500)
-    ap.add_argument("--base-acc", type=float, default=0.45, help="the base model's target validation accuracy")
+    # a small pool of training rows: 50 steps x 8 prompts draw each about 3 times
+    study_arguments(ap, noise=0.0, train=128, work=Path("/tmp/selection-axes"))
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated; `uniform` is always run")
-    ap.add_argument("--parallel", type=int, default=2, help="runs at once")
-    ap.add_argument("--threads", type=int, default=1, help="threads per run")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/selection-axes"), help="data, base model and runs")
     ap.add_argument("--short", action="store_true", help="2 seeds, 4 steps, 32 rows, an untrained base model")
     args = ap.parse_args()
     if args.short:

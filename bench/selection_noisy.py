@@ -314,6 +314,25 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
               f"auc_diff={da.estimate:+.3f} auc_lo={da.low:+.3f} auc_hi={da.high:+.3f}", flush=True)
 
 
+def study_arguments(ap: argparse.ArgumentParser, *, noise: float, train: int, work: Path) -> None:
+    """The seeds, the task, the runs and where they go: what this study and bench/selection.py ask alike."""
+    ap.add_argument("--seeds", type=int, default=12, help="paired seeds")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=10, help="test accuracy every N steps (checkpoints)")
+    ap.add_argument("--prompts", type=int, default=8, help="grpo.prompts_per_step (8 completions each)")
+    ap.add_argument("--val-prompts", type=int, default=8, help="tracin.val_prompts (4 completions each)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--noise", type=float, default=noise, help="share of training prompts with a wrong answer")
+    ap.add_argument("--train", type=int, default=train, help="training rows")
+    ap.add_argument("--val", type=int, default=200)
+    ap.add_argument("--test", type=int, default=500)
+    ap.add_argument("--base-acc", type=float, default=0.45, help="the base model's target validation accuracy")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at once")
+    ap.add_argument("--threads", type=int, default=1, help="threads per run")
+    ap.add_argument("--work", type=Path, default=work, help="data, base model and runs")
+
+
 def prepare(args: argparse.Namespace) -> tuple[Task, float]:
     """The task's files and the base model in args.work (the model trained once, then reused), and the base
     model's test accuracy."""
@@ -338,22 +357,8 @@ def prepare(args: argparse.Namespace) -> tuple[Task, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=12, help="paired seeds")
-    ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=10, help="test accuracy every N steps (checkpoints)")
-    ap.add_argument("--prompts", type=int, default=8, help="grpo.prompts_per_step (8 completions each)")
-    ap.add_argument("--val-prompts", type=int, default=8, help="tracin.val_prompts (4 completions each)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--noise", type=float, default=0.3, help="share of training rows with a wrong answer")
-    ap.add_argument("--train", type=int, default=2000)
-    ap.add_argument("--val", type=int, default=200)
-    ap.add_argument("--test", type=int, default=500)
-    ap.add_argument("--base-acc", type=float, default=0.45, help="the base model's target validation accuracy")
+    study_arguments(ap, noise=0.3, train=2000, work=Path("/tmp/selection-noisy"))
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated; `all` is always run")
-    ap.add_argument("--parallel", type=int, default=2, help="runs at once")
-    ap.add_argument("--threads", type=int, default=1, help="threads per run")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/selection-noisy"), help="data, base model and runs")
     args = ap.parse_args()
     task, base_acc = prepare(args)
     arms = [a for a in ARMS if a in set(args.arms.split(",")) | {"all"}]

@@ -35,7 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from selection_noisy import MODEL, Task, lines, prepare, run_job, study_arguments, test_curve  # bench/ is on the path
+from selection_noisy import (  # bench/ is on the path
+    Task,
+    lines,
+    prepare,
+    run_job,
+    study_arguments,
+    study_spec,
+    test_curve,
+)
 
 from service.core import evidence
 
@@ -56,15 +64,7 @@ AXES = {  # axis -> the per-step metric it adds up (None: one a step)
 
 def arm_spec(args: argparse.Namespace, arm: str) -> dict:
     kind, extra = ARMS[arm]
-    spec = {
-        "kind": kind, "name": f"selection-{arm}",
-        "model": {"name": MODEL, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
-        "dataset": {"name": "jsonl", "path": "train.jsonl", "val_path": "val.jsonl"},
-        "rewards": [{"name": "numeric_match"}],
-        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "num_generations": 8, "max_new_tokens": 4,
-                 "temperature": 1.0, "learning_rate": args.lr, "micro_batch_size": 64, "eval_every": 0,
-                 "eval_prompts": 1, "checkpoint_every": args.eval_every, "samples_per_step": 0},
-    }
+    spec = study_spec(args, kind, f"selection-{arm}", samples_per_step=0)
     if kind == "tracin":
         spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": 4, "val_regenerate_every": 1,
                           "check_prediction": False}

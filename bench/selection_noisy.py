@@ -184,15 +184,20 @@ def arm_spec(args: argparse.Namespace, arm: str, share: float | None) -> dict:
                       check_prediction=False)
     if arm in KEEPS_A_SHARE:
         tracin["fraction"] = round(min(1.0, max(share or 0.5, 0.01)), 3)
+    return {**study_spec(args, "tracin", f"noisy-{arm}", samples_per_step=1), "tracin": tracin}
+
+
+def study_spec(args: argparse.Namespace, kind: str, name: str, *, samples_per_step: int) -> dict:
+    """A job on the study's model and files: LoRA r=16, 8 completions of 4 tokens at temperature 1, a checkpoint
+    every --eval-every steps for the test curve, no evaluation inside the job."""
     return {
-        "kind": "tracin", "name": f"noisy-{arm}",
+        "kind": kind, "name": name,
         "model": {"name": MODEL, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
         "dataset": {"name": "jsonl", "path": "train.jsonl", "val_path": "val.jsonl"},
         "rewards": [{"name": "numeric_match"}],
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "num_generations": 8, "max_new_tokens": 4,
                  "temperature": 1.0, "learning_rate": args.lr, "micro_batch_size": 64, "eval_every": 0,
-                 "eval_prompts": 1, "checkpoint_every": args.eval_every, "samples_per_step": 1},
-        "tracin": tracin,
+                 "eval_prompts": 1, "checkpoint_every": args.eval_every, "samples_per_step": samples_per_step},
     }
 
 

@@ -69,6 +69,28 @@ def test_episodes_the_server_fails_are_counted_and_the_job_goes_on(tmp_path, set
         assert all(x["advantage"] == 0.0 for x in _lines(tmp_path / "samples.jsonl") if x["index"] // 2 in groups)
 
 
+async def _always_slow(ws):
+    await asyncio.sleep(3.0)  # past the spec's timeout_s, every time
+
+
+def test_a_step_whose_every_episode_failed_is_skipped_and_still_reports_its_environment(tmp_path, settings_factory):
+    """Every episode fails, so every group ties and the step is skipped: its episodes' env/* metrics and what it
+    sampled are still reported, and the environment guard flags it (a skipped step used to report neither)."""
+    server = Hostile(_always_slow)
+    spec = _spec(server.url, steps=1, eval_episodes=1)
+    spec = spec.model_copy(update={"grpo": spec.grpo.model_copy(update={"drop_zero_std_groups": True,
+                                                                         "max_refill_rounds": 0})})
+    result = grpo.run(spec, FileReporter(tmp_path), settings=settings_factory(GRPO_ENVIRONMENT_URLS=server.url))
+    assert result.status == "succeeded"
+    step1 = next(m["metrics"] for m in _lines(tmp_path / "metrics.jsonl") if m["step"] == 1)
+    assert step1["frac_reward_zero_std"] == 1.0 and step1["env/error_ratio"] == 1.0
+    assert step1["selection/rollouts"] == 4 and step1["selection/observed_signal"] == 0.0
+    events = _lines(tmp_path / "events.jsonl")
+    assert [e["type"] for e in events if e["type"] == "skipped"] == ["skipped"]
+    flags = [e for e in events if e["type"] == "health" and e["data"]["guard"] == "environment"]
+    assert flags and flags[0]["data"]["level"] == "critical" and "no answer to step within 1 s" in flags[0]["message"]
+
+
 def test_episodes_longer_than_the_model_holds_fail_at_the_start(tmp_path, settings_factory):
     spec = _spec("http://127.0.0.1:9/", max_episode_tokens=1000, max_observation_tokens=100)
     with pytest.raises(ValueError, match=r"\(100 \+ 1000\) is more than tiny-random-llama holds \(1024 positions"):

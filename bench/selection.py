@@ -20,7 +20,7 @@ reached it); each arm's accuracy at that budget is read off its test curve again
 (linear between checkpoints), and its area under that curve up to the budget is divided by the budget.
 Both are paired against `uniform` on the same seed, with a 95% Student-t interval over seeds.
 
-    python bench/selection.py                          # 12 seeds, 50 steps, every arm (about 40 min on 2 cores)
+    python bench/selection.py                          # 12 seeds, 50 steps, every arm (about 20 min on 2 cores)
     python bench/selection.py --short                  # 2 seeds, 4 steps, an untrained base: the CI check
 
 A benchmark, never a test. Ends with one line per arm and axis:

@@ -115,9 +115,7 @@ def build(spec: J, settings: Settings, reporter: Reporter, *, task: TaskData | N
     g = spec.train
     dev = policy_device(spec, ranks)
     device = torch.device(dev)
-    prec = precision.choose(spec.model.dtype, device, cache=settings.cache_dir / "precision.json",
-                            bfloat16_ok=bfloat16_refused(spec))
-    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": prec.dtype})})  # auto resolved
+    spec, prec = with_precision(spec, settings, device)
     # checkpointing is switched on below, once the task's prompts tell how long a micro-batch's rows are
     mspec = spec.model.model_copy(update={"gradient_checkpointing": False})
     model, tok = load_policy(mspec, models_root=settings.models_dir, device=dev, seed=g.seed,
@@ -218,6 +216,14 @@ def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: mem
     if prec.probe is not None:  # auto: say what was chosen and why
         message = f"{prec.reason}; {message}"
     reporter.event("memory_plan", message, data={**data, "precision": prec.data()})
+
+
+def with_precision(spec: J, settings: Settings, device: torch.device) -> tuple[J, precision.Precision]:
+    """The spec with `model.dtype` as this device loads it (`auto` resolved), and why."""
+    prec = precision.choose(spec.model.dtype, device, cache=settings.cache_dir / "precision.json",
+                            bfloat16_ok=bfloat16_refused(spec))
+    resolved = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": prec.dtype})})
+    return cast(J, resolved), prec
 
 
 def bfloat16_refused(spec: AnySpec) -> str | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from worker.algos import flops
 from worker.algos.lora import is_lora
 from worker.batch import RolloutBatch
@@ -34,7 +36,7 @@ def _lengths(batch: RolloutBatch, rows: list[int]) -> tuple[list[int], list[int]
             [int(x) for x in batch.completion_mask[rows].sum(1).tolist()])
 
 
-def sampling_bytes(shape: flops.DecoderShape, model, batch: RolloutBatch, group: int) -> int:
+def sampling_bytes(shape: flops.DecoderShape, model: torch.nn.Module, batch: RolloutBatch, group: int) -> int:
     """The bytes sampling `batch` (prompt-major, `group` rows a prompt) must read (flops.sampling_bytes)."""
     prompts, completions = _lengths(batch, list(range(len(batch))))
     firsts = range(0, len(batch), group)

@@ -17,6 +17,7 @@ import torch
 
 from service.core.fingerprint import Fingerprint, Hardware
 from service.core.settings import Settings
+from worker.machine.hardware import cpu_name
 from worker.model.loading import TINY_PRESETS, model_source
 
 SOURCE = Path(__file__).resolve().parents[1]
@@ -59,17 +60,6 @@ def libraries(engine: str, settings: Settings) -> dict[str, str]:
     if engine == "vllm" and (v := vllm_version(settings.vllm_python)):
         out["vllm"] = v
     return out
-
-
-@functools.cache
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def hardware(device: str) -> Hardware:

@@ -5,6 +5,9 @@ bench/device_check.py uses them on a machine that has nothing else of the servic
 from __future__ import annotations
 
 import functools
+import platform
+import time
+from pathlib import Path
 
 import torch
 
@@ -13,6 +16,18 @@ from worker.algos.lora import base_model
 
 PEAK_SIZE = {"cpu": 1024, "cuda": 8192}  # square matmul sides: long enough to reach the rate, short to time
 READ_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # what the bandwidth probe reads: far past the caches
+
+
+@functools.cache
+def cpu_name() -> str:
+    """The CPU's model name (what the fingerprint and the precision probe's cache name the machine by)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape | None:
@@ -31,13 +46,29 @@ def decoder_shape(model: torch.nn.Module) -> flops.DecoderShape | None:
         head_dim=getattr(c, "head_dim", None) or named["hidden_size"] // heads, vocab=named["vocab_size"])
 
 
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, *, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on `device`: the best of `repeats` after a warm-up."""
+    own = torch.Generator(device).manual_seed(0)  # the job's random stream stays untouched
+    a = torch.randn(n, n, device=device, generator=own).to(dtype)
+    b = torch.randn(n, n, device=device, generator=own).to(dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first is the warm-up
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
 @functools.cache
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of a square matmul on `device` in `dtype`, the best of five after a warm-up: the rate of the
     weights' own dtype (a CPU with AMX multiplies bfloat16 several times faster than float32; one without
     emulates it, slower). Measured once per process."""
-    from worker.machine.precision import matmul_flops
-
     return matmul_flops(device, dtype, PEAK_SIZE.get(device.type, 1024))
 
 
@@ -45,8 +76,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 def peak_bandwidth(device: torch.device) -> float:
     """Bytes a second this process reads from `device`'s memory: a float32 sum over READ_BYTES, the best of five
     after a warm-up (its threads, as the job's sampler reads with them). Measured once per process."""
-    import time
-
     x = torch.ones(READ_BYTES.get(device.type, 256 << 20) // 4, device=device)
     best = float("inf")
     for i in range(6):

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from worker.machine.hardware import cpu_name, matmul_flops
 
 PROBE_SIZE = {"cpu": 1024, "cuda": 4096}  # square sides: long enough to reach the rate, short to time (< 0.2 s)
 NATIVE = 1.5  # bfloat16 counts as native when it multiplies at least this much faster than float32
@@ -56,28 +57,8 @@ def device_key(device: torch.device) -> str:
     if device.type == "cuda":
         what = torch.cuda.get_device_name(device)
     else:
-        from worker.machine.fingerprint import cpu_name
-
         what = f"{cpu_name()}, {torch.get_num_threads()} threads"
     return f"{socket.gethostname()}/{device.type}: {what} (torch {torch.__version__})"
-
-
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, *, repeats: int = 5) -> float:
-    """FLOP/s of an n x n matmul in `dtype` on `device`: the best of `repeats` after a warm-up."""
-    own = torch.Generator(device).manual_seed(0)  # the job's random stream stays untouched
-    a = torch.randn(n, n, device=device, generator=own).to(dtype)
-    b = torch.randn(n, n, device=device, generator=own).to(dtype)
-    best = float("inf")
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:  # the first is the warm-up
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def probe(device: torch.device, cache: Path | None, *, timer=None) -> tuple[Probe, bool]:

@@ -4,7 +4,7 @@
 The probe times a square matmul in both dtypes (the best of a few after a warm-up) and is cached per
 machine and device in a small JSON file, so every job, and every process of a job, on the machine decides
 alike. Trainable weights never follow: a LoRA adapter and its AdamW state stay float32, and full
-fine-tuning steps float32 master weights (worker/model/loading.py, worker/training.py), because AdamW's
+fine-tuning steps float32 master weights (worker/algos/optim.py), because AdamW's
 steps fall below bfloat16's resolution.
 """
 

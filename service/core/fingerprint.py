@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 EVENT = "fingerprint"
 # Metric names the machine measures (times, rates, memory, utilisation) rather than the run learns:
 # they differ between two runs of one fingerprint, and are left out when runs are compared.
-MEASURED = ("time/", "throughput/", "memory/", "mfu/", "tracin/time_s", "sparsity/time_s", "health/grader_time")
+MEASURED = ("time/", "throughput/", "memory/", "mfu/", "mbu/", "tracin/time_s", "sparsity/time_s", "health/grader_time")
 
 
 class Hardware(BaseModel):

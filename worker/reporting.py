@@ -65,6 +65,7 @@ class InitWeights:
     path: Path  # its folder
     job: int
     step: int
+    source: str = ""  # where it came from when not a job of the service's (`grpo-jobs run --init-from DIR`)
 
 
 class Records(Protocol):
@@ -198,8 +199,9 @@ class FileReporter(Reporter):
     """`grpo-jobs run --out DIR`: metrics.jsonl, events.jsonl, selections.jsonl, sparsity.jsonl,
     samples.jsonl and checkpoints/step-N/."""
 
-    def __init__(self, out: Path, *, echo=None) -> None:
+    def __init__(self, out: Path, *, echo=None, init_from: Path | None = None) -> None:
         self.out = Path(out)
+        self.init_from = init_from  # an earlier run's folder, where model.init_from's checkpoints are
         self.out.mkdir(parents=True, exist_ok=True)
         self.checkpoint_root = self.out / "checkpoints"
         self.echo = echo
@@ -228,6 +230,18 @@ class FileReporter(Reporter):
 
     def sparsity(self, record):
         self._append("sparsity.jsonl", dataclasses.asdict(record))
+
+    def init_checkpoint(self, job, step):
+        if self.init_from is None:
+            return super().init_checkpoint(job, step)
+        from service.core.artifacts import COMPLETE
+        from worker.model.checkpoints import latest_checkpoint
+
+        root = self.init_from / "checkpoints"
+        folder = latest_checkpoint(root) if step is None else root / f"step-{step}"
+        if folder is None or not (folder / COMPLETE).exists():
+            raise ValueError(f"{self.init_from} has no complete checkpoint" + ("" if step is None else f" at step {step}"))
+        return InitWeights(folder, job, int(folder.name.removeprefix("step-")), source=str(self.init_from))
 
     def checkpoint(self, step, path, format, size_bytes):
         self._append("checkpoints.jsonl", {"step": step, "path": str(path), "format": format, "size_bytes": size_bytes})

@@ -116,15 +116,22 @@ def _find_vllm() -> None:
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Writes metrics.jsonl, events.jsonl, selections.jsonl, sparsity.jsonl, checkpoints/.")
-def run(spec_file: Path, out: Path) -> None:
+@click.option("--init-from", "init_from", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Start the model from an earlier run's folder (its --out): its latest checkpoint, or the step "
+              "model.init_from.step names. Locally the folder stands for model.init_from's job of the service's.")
+def run(spec_file: Path, out: Path, init_from: Path | None) -> None:
     """Run a job in this process, no service needed."""
     from pydantic import ValidationError
 
     from service.core.errors import format_errors
     from service.core.specs import parse_spec
 
+    raw = load_spec_file(spec_file)
+    if init_from is not None:  # the job id is the service's; locally the folder stands for it
+        model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+        raw["model"] = {**model, "init_from": {"job": 1, **(model.get("init_from") or {})}}
     try:
-        spec = parse_spec(load_spec_file(spec_file))
+        spec = parse_spec(raw)
     except ValidationError as exc:
         raise spec_errors(spec_file, format_errors(exc.errors())["detail"]) from None
     if spec.resources.nodes > 1:
@@ -142,7 +149,7 @@ def run(spec_file: Path, out: Path) -> None:
     from worker.parallel.launch import RanksFailed
     from worker.reporting import FileReporter
 
-    reporter = FileReporter(out, echo=click.echo)
+    reporter = FileReporter(out, echo=click.echo, init_from=init_from)
     try:  # with several processes, rank 0 appends to the same files
         result = run_spec(spec, reporter, settings=get_settings(),
                           rank_reporter=partial(FileReporter, out, echo=click.echo))

@@ -387,5 +387,5 @@ def init_weights(model: torch.nn.Module, init: InitFrom | None, reporter: Report
         return
     found = reporter.init_checkpoint(init.job, init.step)
     load_weights(found.path, model=model)
-    reporter.event("initialised", f"weights from job {found.job}, step {found.step}",
-                   data={"job": found.job, "step": found.step})
+    reporter.event("initialised", f"weights from {found.source or f'job {found.job}'}, step {found.step}",
+                   data={"job": found.job, "step": found.step, **({"source": found.source} if found.source else {})})

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.core.specs import SFTJob
+from service.core.specs import GRPOJob, SFTJob
 from worker.environments.servers import stop_servers
 from worker.loops import sft
 from worker.loops.setup import build
@@ -148,3 +148,18 @@ def test_sft_on_demonstrations_trains_the_models_turns_and_evaluates_in_the_envi
     trained = [s.tokenizer.decode(batch.completion_ids[i][batch.loss_mask()[i].bool()]) for i in range(4)]
     assert all("<tool_call>" in t and "<tool_response>" not in t for t in trained)
     assert int(batch.loss_mask().sum()) < int(batch.completion_mask.sum())  # the tool's answers: context only
+
+    # then GRPO from it, as `grpo-jobs run --init-from DIR` starts it: the SFT run's last adapter, named in an event
+    grpo = GRPOJob.model_validate({
+        "kind": "grpo", "model": {**spec.model.model_dump(exclude_none=True), "init_from": {"job": 1}},
+        "environment": spec.environment.model_dump(exclude_none=True), "grpo": {"steps": 1, "prompts_per_step": 1}})
+    started = FileReporter(tmp_path / "grpo", init_from=tmp_path)
+    model = build(grpo, settings, started).model
+    adapter = load_file(tmp_path / "checkpoints" / "step-4" / "adapter_model.safetensors")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(adapter) and all(torch.equal(v, adapter[k]) for k, v in zip(sorted(adapter), (
+        loaded[k] for k in sorted(loaded))))
+    events = [json.loads(line) for line in (tmp_path / "grpo" / "events.jsonl").read_text().splitlines()]
+    assert [e["data"] for e in events if e["type"] == "initialised"] == [{"job": 1, "step": 4, "source": str(tmp_path)}]
+    with pytest.raises(ValueError, match="no complete checkpoint at step 3"):
+        FileReporter(tmp_path / "x", init_from=tmp_path).init_checkpoint(1, 3)

@@ -50,7 +50,8 @@ def shard(s: Setup[AnySpec], examples: list[Example]) -> list[Example]:
 
 
 # what an evaluation reports of its episodes, beside their reward
-EVAL_EPISODE_METRICS = ("env/turns_mean", "env/tool_calls_mean", "env/truncated_ratio", "env/error_ratio")
+EVAL_EPISODE_METRICS = ("env/turns_mean", "env/tool_calls_mean", "env/tool_errors_mean", "env/truncated_ratio",
+                        "env/error_ratio")
 
 
 def evaluate_episodes(s: Setup[AnySpec]) -> dict[str, float]:

@@ -41,7 +41,8 @@ export const SECTIONS = [
   ] },
   { title: "Episodes (environment)", panels: [
     { title: "Turns per episode", keys: ["env/turns_mean", "eval/env/turns_mean"] },
-    { title: "Tool calls per episode", keys: ["env/tool_calls_mean", "env/tool_errors_mean", "eval/env/tool_calls_mean"] },
+    { title: "Tool calls per episode", keys: ["env/tool_calls_mean", "env/tool_errors_mean", "eval/env/tool_calls_mean",
+                                                 "eval/env/tool_errors_mean"] },
     { title: "Tool calls that could not be read", keys: ["env/tool_parse_errors"] },
     { title: "Sessions on the server", keys: ["env/sessions_open_max", "env/sessions_refused"],
       note: "the most open at once, and refusals at capacity waited out" },

@@ -82,8 +82,9 @@ trl: $(TRL_VENV)/.installed
 $(TRL_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(TRL_VENV)
 	$(TORCH_INSTALL) $(TRL_VENV)/bin/python
-	# pydantic: TRL's side scores with our worker/rewards/functions.py, whose reward specs are pydantic models
-	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic
+	# pydantic: TRL's side scores with our worker/rewards/functions.py, whose reward specs are pydantic models;
+	# websockets: its agent side (bench/trl_agent.py) plays our environment server over OpenEnv's protocol
+	$(UV) pip install -q --python $(TRL_VENV)/bin/python $(TRL) peft pydantic websockets
 	touch $@
 
 # OpenEnv's current release (the package `openenv`; the service's own servers use `openenv-core` 0.3, its

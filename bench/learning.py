@@ -9,6 +9,8 @@ training `reward/mean`, and the mean ± standard error over seeds.
     python bench/learning.py --code ../other-checkout          # the same specs run by another checkout's code
     python bench/learning.py --parallel 2                      # two seeds at once, one thread each
     python bench/learning.py --dtype auto --parallel 2         # each seed as the spec says and in auto, paired
+    python bench/learning.py --cold-start bench/specs/cold-start-sft.yaml --spec bench/specs/cold-start-grpo.yaml
+                                                               # SFT, then GRPO from it: base, SFT, GRPO, paired
 
 `--code DIR` puts DIR first on PYTHONPATH, so an older commit (a `git worktree`) runs the same specs
 with this virtual environment; only fields that commit knows may be in the spec.
@@ -48,6 +50,7 @@ class SeedRun:
     reward_mean: float  # mean of reward/mean over the training steps
     wall_s: float
     series: dict[str, list[float]]  # every training metric over the steps that recorded it, in order
+    evals: dict[int, dict[str, float]]  # step -> its evaluation's eval/* metrics
 
     @property
     def means(self) -> dict[str, float]:
@@ -69,18 +72,29 @@ def eval_metric(spec: dict) -> str:
     return "eval/reward_mean" if "environment" in spec else "eval/accuracy"
 
 
-def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag: str = "") -> SeedRun:
-    """`spec` run with grpo.seed = seed by `grpo-jobs run` in its own process, in work/<tag>seed-<seed>."""
+def section(spec: dict) -> str:
+    """The spec's loop section: `sft` for an SFT job, `grpo` for the others."""
+    return "sft" if spec.get("kind") == "sft" else "grpo"
+
+
+def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag: str = "",
+             init_from: Path | None = None) -> SeedRun:
+    """`spec` run with <loop>.seed = seed by `grpo-jobs run` in its own process, in work/<tag>seed-<seed>
+    (from `init_from`'s last checkpoint, an earlier run's folder, where given). Only the last step is
+    checkpointed."""
     d = json.loads(json.dumps(spec))
-    d.setdefault("grpo", {})["seed"] = seed
-    d["grpo"]["samples_per_step"] = 0
-    d["grpo"]["checkpoint_every"] = 0
+    loop = d.setdefault(section(d), {})
+    loop["seed"] = seed
+    loop["checkpoint_every"] = 0
+    if section(d) == "grpo":
+        loop["samples_per_step"] = 0
     spec_file, out = work / f"{tag}seed-{seed}.yaml", work / f"{tag}seed-{seed}"
     spec_file.write_text(yaml.safe_dump(d))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    start = [] if init_from is None else ["--init-from", str(init_from)]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", RUN, "run", str(spec_file), "--out", str(out)], env=env,
+    proc = subprocess.run([sys.executable, "-c", RUN, "run", str(spec_file), "--out", str(out), *start], env=env,
                           cwd=code, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -94,7 +108,9 @@ def run_seed(spec: dict, seed: int, *, code: Path, threads: int, work: Path, tag
         if m["step"] > 0:
             for k, v in m["metrics"].items():
                 per_key.setdefault(k, []).append(v)
-    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall, per_key)
+    evals = {m["step"]: {k: v for k, v in m["metrics"].items() if k.startswith("eval/")} for m in lines
+             if measured in m["metrics"]}
+    return SeedRun(seed, acc, statistics.fmean(rewards) if rewards else float("nan"), wall, per_key, evals)
 
 
 def bench_spec(path: Path, args: argparse.Namespace) -> None:
@@ -157,6 +173,68 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
           f"wall_ratio={wall:.3f}", flush=True)
 
 
+# a cold start's figures at each stage: the episodes' reward, and their tool calls and failed calls per episode
+STAGE_KEYS = {"reward": "eval/reward_mean", "calls": "eval/env/tool_calls_mean",
+              "failed_calls": "eval/env/tool_errors_mean"}
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """One seed's SFT run and the GRPO run from its last checkpoint."""
+
+    sft: SeedRun
+    grpo: SeedRun
+
+    def stages(self) -> dict[str, dict[str, float]]:
+        """The evaluation of the base model (SFT's step 0), after SFT (its last) and after GRPO (GRPO's last)."""
+        return {"base": self.sft.evals[min(self.sft.evals)], "sft": self.sft.evals[max(self.sft.evals)],
+                "grpo": self.grpo.evals[max(self.grpo.evals)]}
+
+
+def cold_start(path: Path, args: argparse.Namespace) -> None:
+    """Per seed, the SFT spec args.cold_start, then the GRPO spec `path` from its last checkpoint with the same
+    seed; each stage's evaluation (STAGE_KEYS) and GRPO's paired gain in reward over SFT alone, with its 95%
+    interval. GRPO's own step-0 evaluation is SFT's last model again: printed as a check."""
+    from service.core import evidence
+
+    sft, grpo = yaml.safe_load(args.cold_start.read_text()), yaml.safe_load(path.read_text())
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+
+        def both(seed: int) -> ColdStart:
+            first = run_seed(sft, seed, code=args.code, threads=args.threads, work=work, tag="sft-")
+            pair = ColdStart(first, run_seed(grpo, seed, code=args.code, threads=args.threads, work=work,
+                                             tag="grpo-", init_from=work / f"sft-seed-{seed}"))
+            st = pair.stages()
+            print(f"seed {seed}: reward {st['base']['eval/reward_mean']:.3f} -> {st['sft']['eval/reward_mean']:.3f} "
+                  f"-> {st['grpo']['eval/reward_mean']:.3f} (GRPO's step 0: "
+                  f"{pair.grpo.evals[min(pair.grpo.evals)]['eval/reward_mean']:.3f}); "
+                  f"{first.wall_s:.0f} s + {pair.grpo.wall_s:.0f} s", flush=True)
+            return pair
+
+        with ThreadPoolExecutor(args.parallel) as pool:
+            pairs = list(pool.map(both, seeds))
+    print(f"\n{args.cold_start.name} then {path.name}, {len(seeds)} seeds (each stage: "
+          + ", ".join(f"{name} = {key}" for name, key in STAGE_KEYS.items()) + ")")
+    print("seed  " + "  ".join(f"{stage}:{name:<13}" for stage in ("base", "sft", "grpo") for name in STAGE_KEYS))
+    for seed, pair in zip(seeds, pairs):
+        st = pair.stages()
+        print(f"{seed:<5} " + "  ".join(f"{st[stage].get(key, float('nan')):<{len(stage) + 14}.3f}"
+                                       for stage in ("base", "sft", "grpo") for key in STAGE_KEYS.values()))
+    means = {stage: {name: mean_se([p.stages()[stage].get(key, float("nan")) for p in pairs])
+                     for name, key in STAGE_KEYS.items()} for stage in ("base", "sft", "grpo")}
+    for stage, figures in means.items():
+        print(f"{stage:<5} " + ", ".join(f"{name} {m:.3f} ± {se:.3f}" for name, (m, se) in figures.items()))
+    gain = evidence.mean_interval([p.stages()["grpo"]["eval/reward_mean"] - p.stages()["sft"]["eval/reward_mean"]
+                                   for p in pairs])
+    print(f"GRPO over SFT alone, paired: {gain.estimate:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}]")
+    print(f"RESULT cold_start={args.cold_start.stem} spec={path.stem} seeds={len(seeds)} "
+          + " ".join(f"{stage}_{name}={m:.3f}" for stage, figures in means.items() for name, (m, _) in figures.items())
+          + f" gain={gain.estimate:+.3f} lo={gain.low:+.3f} hi={gain.high:+.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", type=Path, action="append", help="a spec file (repeatable); default: the demo and matched specs")
@@ -167,11 +245,15 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once")
     ap.add_argument("--threads", type=int, default=0, help="threads per seed (default: cores / parallel)")
     ap.add_argument("--dtype", help="also run every seed with this model.dtype (auto, bfloat16) and compare, paired")
+    ap.add_argument("--cold-start", type=Path, help="an sft spec run first for every seed; each --spec then starts "
+                    "from its last checkpoint, and GRPO's gain over SFT alone is measured, paired")
+    ap.add_argument("--keep", type=Path, help="with --cold-start: keep every seed's runs in this folder "
+                    "(sft-seed-N/, grpo-seed-N/), for bench/trl_agents.py")
     args = ap.parse_args()
     args.code = args.code.resolve()
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
     for path in args.spec or DEFAULT_SPECS:
-        (compare_dtype if args.dtype else bench_spec)(path, args)
+        (cold_start if args.cold_start else compare_dtype if args.dtype else bench_spec)(path, args)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,10 @@ def trl_task(spec: GRPOJob, seed: int, *, adapter: Path, url: str) -> dict:
 
 
 def run_trl(spec: GRPOJob, seed: int, adapter: Path, work: Path, threads: int) -> dict:
-    """TRL's run of one seed from `adapter`, against a bundled server of its own."""
+    """TRL's run of one seed from `adapter`, against a bundled server of its own; an earlier run's result
+    kept in `work` is read instead (several seeds may run at once from separate invocations)."""
+    if (kept := work / f"trl-{seed}-out.json").exists():
+        return json.loads(kept.read_text())
     server = BundledServer("multiplication", work / f"server-{seed}.log")
     url = server.start()
     try:
@@ -90,18 +93,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds from --first-seed up")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="TRL's threads")
+    ap.add_argument("--keep", type=Path, help="keep TRL's results here (trl-<seed>-out.json); those already there "
+                    "are read, not run again")
     args = ap.parse_args()
     if not TRL_PYTHON.exists():
         raise SystemExit("TRL's environment is missing: run `make trl` first")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     curves: dict[str, dict[int, list[float]]] = {"ours": {}, "trl": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for seed in seeds:
             spec = GRPOJob.model_validate(yaml.safe_load((args.runs / f"grpo-seed-{seed}.yaml").read_text()))
             adapter = latest_checkpoint(args.runs / f"sft-seed-{seed}" / "checkpoints")
             if adapter is None:
                 raise SystemExit(f"{args.runs}/sft-seed-{seed} has no checkpoint")
-            result = run_trl(spec, seed, adapter, Path(tmp), args.threads)
+            result = run_trl(spec, seed, adapter, work, args.threads)
             curves["trl"][seed] = result["reward"]
             print(f"seed {seed}: TRL " + " ".join(f"{r:.3f}" for r in curves["trl"][seed]) + "; tool calls a rollout "
                   + " ".join(f"{c:.2f}" for c in result["tool_calls"]) + f" ({result['versions']})", flush=True)

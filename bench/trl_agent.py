@@ -16,10 +16,8 @@ writes Qwen2.5's `<tool_call>` format. Writes one JSON: each step's mean reward 
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
-from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -27,6 +25,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import qwen3_template
+from trl_grpo import read_task  # bench/ is on the path when a bench runs
 from websockets.sync.client import connect
 
 URL = ""  # the environment server's base URL, set from the task file before the trainer builds its pool
@@ -84,11 +83,7 @@ def paid(completions, environments, **_) -> list[float]:
 
 def main() -> None:
     global URL
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--task", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    task = json.loads(args.task.read_text())
+    task, out_file = read_task()
     m = task["matched"]
     URL = task["url"]
 
@@ -112,7 +107,7 @@ def main() -> None:
                               processing_class=tokenizer, environment_factory=Multiplication)
         trainer.train()
         logged = [h for h in trainer.state.log_history if "reward" in h]
-    args.out.write_text(json.dumps({
+    out_file.write_text(json.dumps({
         "reward": [h["reward"] for h in logged],
         "tool_calls": [h.get("tools/call_frequency", float("nan")) for h in logged],
         "logged": logged,

@@ -55,12 +55,17 @@ class StepClock(TrainerCallback):
         self.step_s.append(time.perf_counter() - self._t0)
 
 
-def main() -> None:
+def read_task() -> tuple[dict, Path]:
+    """The harness's task file (`--task`), and where the result goes (`--out`)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    task = json.loads(args.task.read_text())
+    return json.loads(args.task.read_text()), args.out
+
+
+def main() -> None:
+    task, out_file = read_task()
     m = task["matched"]
     numeric_match = our_reward_functions().numeric_match
 
@@ -89,7 +94,7 @@ def main() -> None:
                               processing_class=tokenizer, peft_config=lora, callbacks=[clock])
         trainer.train()
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    args.out.write_text(json.dumps({
+    out_file.write_text(json.dumps({
         "step_s": clock.step_s, "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,

@@ -9,6 +9,7 @@ training `reward/mean`, and the mean ± standard error over seeds.
     python bench/learning.py --code ../other-checkout          # the same specs run by another checkout's code
     python bench/learning.py --parallel 2                      # two seeds at once, one thread each
     python bench/learning.py --dtype auto --parallel 2         # each seed as the spec says and in auto, paired
+    python bench/learning.py --dtype auto --fp32-head          # ... with auto's LM head multiplying in float32
     python bench/learning.py --cold-start bench/specs/cold-start-sft.yaml --spec bench/specs/cold-start-grpo.yaml
                                                                # SFT, then GRPO from it: base, SFT, GRPO, paired
 
@@ -149,7 +150,7 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     if args.steps:
         spec["grpo"]["steps"] = args.steps
     steps = spec["grpo"]["steps"]
-    other = {**spec, "model": {**spec["model"], "dtype": args.dtype}}
+    other = {**spec, "model": {**spec["model"], "dtype": args.dtype, **({"fp32_head": True} if args.fp32_head else {})}}
     mine = spec["model"].get("dtype", "float32")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     jobs = [(side, s) for s in seeds for side in (mine, args.dtype)]
@@ -157,7 +158,8 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
         done = list(pool.map(lambda j: run_seed(spec if j[0] == mine else other, j[1], code=args.code,
                                                 threads=args.threads, work=Path(tmp), tag=f"{j[0]}-"), jobs))
     runs = {(side, s): r for (side, s), r in zip(jobs, done)}
-    print(f"\n{path.name}: model.dtype {mine} against {args.dtype}, {steps} steps, {len(seeds)} paired seeds")
+    head = " with model.fp32_head" if args.fp32_head else ""
+    print(f"\n{path.name}: model.dtype {mine} against {args.dtype}{head}, {steps} steps, {len(seeds)} paired seeds")
     print(f"seed  {mine + ' acc':<16}{args.dtype + ' acc':<16}{mine + ' s':<12}{args.dtype + ' s':<12}")
     for s in seeds:
         a, b = runs[mine, s], runs[args.dtype, s]
@@ -168,7 +170,7 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     print(f"acc{steps}: {mine} {acc[mine][0]:.3f} ± {acc[mine][1]:.3f}, {args.dtype} {acc[args.dtype][0]:.3f} ± "
           f"{acc[args.dtype][1]:.3f}; paired difference {diff.estimate:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]; "
           f"wall time {wall:.2f}x")
-    print(f"RESULT spec={path.stem} compare={mine}:{args.dtype} seeds={len(seeds)} acc_a={acc[mine][0]:.3f} "
+    print(f"RESULT spec={path.stem} compare={mine}:{args.dtype}{'+fp32_head' if args.fp32_head else ''} seeds={len(seeds)} acc_a={acc[mine][0]:.3f} "
           f"acc_b={acc[args.dtype][0]:.3f} diff={diff.estimate:+.3f} lo={diff.low:+.3f} hi={diff.high:+.3f} "
           f"wall_ratio={wall:.3f}", flush=True)
 
@@ -245,6 +247,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once")
     ap.add_argument("--threads", type=int, default=0, help="threads per seed (default: cores / parallel)")
     ap.add_argument("--dtype", help="also run every seed with this model.dtype (auto, bfloat16) and compare, paired")
+    ap.add_argument("--fp32-head", action="store_true", help="with --dtype: that side also sets model.fp32_head "
+                    "(the LM head's matmul in float32)")
     ap.add_argument("--cold-start", type=Path, help="an sft spec run first for every seed; each --spec then starts "
                     "from its last checkpoint, and GRPO's gain over SFT alone is measured, paired")
     ap.add_argument("--keep", type=Path, help="with --cold-start: keep every seed's runs in this folder "

@@ -4,7 +4,8 @@ wrote, timed step by step. Runs in TRL's own environment (`make trl`), never imp
     .venv-trl/bin/python bench/trl_grpo.py --task task.json --out trl.json
 
 The task file (written by the harness, from our dataset and chat template) holds the model folder, the
-rendered prompts with their answers, and the matched settings. The reward is our own `numeric_match`, read
+rendered prompts with their answers, the matched settings, and TRL's own precision settings (`trl`: the
+model's load dtype, `bf16` autocast, gradient checkpointing). The reward is our own `numeric_match`, read
 from the checkout's worker/rewards/functions.py, so both sides score with one definition. Writes one JSON:
 each optimizer step's wall time (TRL samples inside the step, so it holds rollout and training), the
 steps' mean reward, and the process's peak RSS.
@@ -74,15 +75,16 @@ def main() -> None:
 
     torch.manual_seed(task["seed"])
     tokenizer = AutoTokenizer.from_pretrained(task["model_dir"])
-    model = AutoModelForCausalLM.from_pretrained(task["model_dir"], dtype=torch.float32)
+    how = task.get("trl", {"dtype": "float32", "bf16": False, "gradient_checkpointing": False})
+    model = AutoModelForCausalLM.from_pretrained(task["model_dir"], dtype=getattr(torch, how["dtype"]))
     data = Dataset.from_list([{"prompt": p, "answers": a} for p, a in zip(task["prompts"], task["answers"], strict=True)])
     micro = m["micro_batch_size"]
     rows = m["prompts_per_step"] * m["num_generations"]
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, seed=task["seed"], max_steps=m["steps"], use_cpu=True, bf16=False,
-            gradient_checkpointing=False,  # the matched spec checkpoints on neither side
+            output_dir=out, seed=task["seed"], max_steps=m["steps"], use_cpu=True,
+            bf16=how["bf16"], gradient_checkpointing=how["gradient_checkpointing"],  # the harness's TRL setting
             per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,  # one generation batch per step
             num_generations=m["num_generations"], max_completion_length=m["max_new_tokens"],
             temperature=m["temperature"], learning_rate=m["learning_rate"], beta=m["kl_coef"],

@@ -1,20 +1,27 @@
 """The matched GRPO step timed against TRL's GRPOTrainer on this machine: the same model, prompts, LoRA,
-group size, completion length and micro-batch (bench/specs/matched-trl.yaml), one run alone after the
-other, seed by seed.
+group size, completion length and micro-batch (bench/specs/matched-trl.yaml), each run alone after the
+other, seed by seed, in each precision setting of either side.
 
     make trl                                   # TRL 1.16 in its own environment, .venv-trl
-    python bench/trl_side_by_side.py           # 2 seeds x 10 steps on each side
-    python bench/trl_side_by_side.py --seeds 3 --steps 8
+    python bench/trl_side_by_side.py           # 2 seeds x 10 steps: ours in float32 and auto, TRL's four settings
+    python bench/trl_side_by_side.py --seeds 3 --steps 8 --ours auto --trl defaults,bf16
+
+TRL's settings (`--trl`): `matched` (float32 weights, no autocast, no gradient checkpointing: the spec's
+settings), `defaults` (GRPOConfig's own: float32 weights, bf16 autocast, gradient checkpointing on), `bf16`
+(autocast without checkpointing) and `bf16-weights` (the base weights loaded in bfloat16, autocast, no
+checkpointing; peft keeps the LoRA adapter float32, as our `auto` does). Ours (`--ours`): the spec's
+model.dtype values, `float32` and `auto`.
 
 Each side's step is its median over steps 2..N (the first step warms caches and allocators on both; the
 median also keeps our last step's end-of-job evaluation out): ours is `time/step_s` from `grpo-jobs run`,
 TRL's the wall time from a step's start to its update (it samples inside the step; bench/trl_grpo.py).
 Both sides train on our arith prompts rendered by our chat template and score with our `numeric_match`;
-TRL's settings follow the spec (no gradient checkpointing, no KL, clip 0.2, constant learning rate).
-Prompt order and sampling streams differ by design: it compares the cost of a step, not its draw.
+TRL's settings follow the spec (no KL, clip 0.2, constant learning rate).
+Prompt order and sampling streams differ by design: it compares the cost of a step, not its draw; the
+steps' mean reward is printed beside it, as a check that a setting still learns.
 Our side's rows also give each phase's median share of the measured peak (`mfu/*`; TRL measures none).
-Ends with: RESULT seeds=... ours_step_s=... trl_step_s=... ratio=... ours_peak_rss_gb=... trl_peak_rss_gb=...
-ours_sampling=... ours_train=...
+Ends with a RESULT line per pair of settings: RESULT ours=... trl=... seeds=... ours_step_s=... trl_step_s=...
+ratio=... ours_peak_rss_gb=... trl_peak_rss_gb=... ours_reward=... trl_reward=...
 """
 
 from __future__ import annotations
@@ -39,6 +46,12 @@ from worker.model.loading import load_tokenizer, smollm2_dir
 
 SPEC = ROOT / "bench" / "specs" / "matched-trl.yaml"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+TRL_SETTINGS = {  # name -> how bench/trl_grpo.py loads and trains (the task file's `trl`)
+    "matched": {"dtype": "float32", "bf16": False, "gradient_checkpointing": False},
+    "defaults": {"dtype": "float32", "bf16": True, "gradient_checkpointing": True},  # GRPOConfig's own, TRL 1.16
+    "bf16": {"dtype": "float32", "bf16": True, "gradient_checkpointing": False},
+    "bf16-weights": {"dtype": "bfloat16", "bf16": True, "gradient_checkpointing": False},
+}
 
 
 def warm(xs: list[float]) -> list[float]:
@@ -61,7 +74,7 @@ class SideRun:
         return statistics.median(warm(self.step_s))
 
 
-def trl_task(spec: GRPOJob, seed: int) -> dict:
+def trl_task(spec: GRPOJob, seed: int, setting: str) -> dict:
     """What bench/trl_grpo.py needs: the model folder, our rendered training prompts, the matched settings."""
     settings = get_settings()
     tokenizer = load_tokenizer(spec.model, models_root=settings.models_dir)
@@ -69,7 +82,7 @@ def trl_task(spec: GRPOJob, seed: int) -> dict:
     g, lora = spec.grpo, spec.model.lora
     rows = g.prompts_per_step * g.num_generations
     return {
-        "seed": seed, "model_dir": str(smollm2_dir(settings.models_dir)),
+        "seed": seed, "trl": TRL_SETTINGS[setting], "model_dir": str(smollm2_dir(settings.models_dir)),
         "prompts": [render_example(tokenizer, ex, data.instruction) for ex in data.train],
         "answers": [list(ex.answers) for ex in data.train],
         "matched": {"steps": g.steps, "prompts_per_step": g.prompts_per_step, "num_generations": g.num_generations,
@@ -80,7 +93,8 @@ def trl_task(spec: GRPOJob, seed: int) -> dict:
 
 
 def run_trl(task: dict, work: Path, threads: int) -> SideRun:
-    task_file, out = work / f"trl-{task['seed']}.json", work / f"trl-{task['seed']}-out.json"
+    name = f"trl-{task['seed']}-{task['trl']['dtype']}-{task['trl']['bf16']}-{task['trl']['gradient_checkpointing']}"
+    task_file, out = work / f"{name}.json", work / f"{name}-out.json"
     task_file.write_text(json.dumps(task))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
@@ -95,7 +109,8 @@ def run_trl(task: dict, work: Path, threads: int) -> SideRun:
 
 
 def run_ours(spec_dict: dict, seed: int, work: Path, threads: int) -> SideRun:
-    r = run_seed(spec_dict, seed, code=ROOT, threads=threads, work=work, tag="ours-")
+    # a folder per dtype: `grpo-jobs run` into a finished run's folder would resume it, not train again
+    r = run_seed(spec_dict, seed, code=ROOT, threads=threads, work=work, tag=f"ours-{spec_dict['model']['dtype']}-")
     mfu = {k: statistics.median(warm(v)) for k, v in r.series.items() if k.startswith("mfu/")}
     return SideRun(r.series["time/step_s"], r.reward_mean, max(r.series["memory/peak_rss_gb"]), r.wall_s, mfu)
 
@@ -103,8 +118,15 @@ def run_ours(spec_dict: dict, seed: int, work: Path, threads: int) -> SideRun:
 def show(seed: int, side: str, r: SideRun) -> None:
     steps = " ".join(f"{s:.1f}" for s in r.step_s)
     mfu = " ".join(f"{k}={v:.3f}" for k, v in sorted(r.mfu.items()))
-    print(f"{seed:<5} {side:<5} {r.median_step_s:13.2f} {steps:<60} {r.reward_mean:6.3f} {r.peak_rss_gb:11.2f} {mfu}",
+    print(f"{seed:<5} {side:<18} {r.median_step_s:13.2f} {steps:<60} {r.reward_mean:6.3f} {r.peak_rss_gb:11.2f} {mfu}",
           flush=True)
+
+
+def choices(arg: str, known: tuple[str, ...] | dict, what: str) -> list[str]:
+    names = [n for n in arg.split(",") if n]
+    if not names or any(n not in known for n in names):
+        raise SystemExit(f"{what}: choose among {', '.join(known)} (got {arg!r})")
+    return names
 
 
 def main() -> None:
@@ -112,28 +134,45 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--ours", default="float32,auto", help="our model.dtype settings, comma-separated")
+    ap.add_argument("--trl", default=",".join(TRL_SETTINGS), help="TRL's settings, comma-separated: "
+                    + ", ".join(TRL_SETTINGS))
     args = ap.parse_args()
+    ours_as, trl_as = choices(args.ours, ("float32", "auto"), "--ours"), choices(args.trl, TRL_SETTINGS, "--trl")
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `make trl` first")
     spec_dict = yaml.safe_load(SPEC.read_text())
     spec_dict["grpo"].update(steps=args.steps, eval_every=0)
-    print(f"{'seed':<5} {'side':<5} {'median_step_s':>13} {'steps_s':<60} {'reward':>6} {'peak_rss_gb':>11} mfu")
-    ours: list[SideRun] = []
-    trl: list[SideRun] = []
+    print(f"{'seed':<5} {'side':<18} {'median_step_s':>13} {'steps_s':<60} {'reward':>6} {'peak_rss_gb':>11} mfu")
+    runs: dict[str, list[SideRun]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             spec_dict["grpo"]["seed"] = seed
-            task = trl_task(GRPOJob.model_validate(spec_dict), seed)
-            trl.append(run_trl(task, Path(tmp), args.threads))
-            show(seed, "trl", trl[-1])
-            ours.append(run_ours(spec_dict, seed, Path(tmp), args.threads))
-            show(seed, "ours", ours[-1])
-    o = statistics.median(r.median_step_s for r in ours)
-    t = statistics.median(r.median_step_s for r in trl)
-    mfu = " ".join(f"ours_{k.split('/')[1]}={statistics.median(r.mfu[k] for r in ours):.3f}" for k in sorted(ours[0].mfu))
-    print(f"RESULT seeds={args.seeds} steps={args.steps} ours_step_s={o:.2f} trl_step_s={t:.2f} ratio={o / t:.3f} "
-          f"ours_peak_rss_gb={max(r.peak_rss_gb for r in ours):.2f} trl_peak_rss_gb={max(r.peak_rss_gb for r in trl):.2f} "
-          f"{mfu}")
+            for name in trl_as:
+                task = trl_task(GRPOJob.model_validate(spec_dict), seed, name)
+                runs.setdefault(f"trl:{name}", []).append(run_trl(task, Path(tmp), args.threads))
+                show(seed, f"trl:{name}", runs[f"trl:{name}"][-1])
+            for dtype in ours_as:
+                mine = {**spec_dict, "model": {**spec_dict["model"], "dtype": dtype}}
+                runs.setdefault(f"ours:{dtype}", []).append(run_ours(mine, seed, Path(tmp), args.threads))
+                show(seed, f"ours:{dtype}", runs[f"ours:{dtype}"][-1])
+
+    def step(side: str) -> float:
+        return statistics.median(r.median_step_s for r in runs[side])
+
+    for dtype in ours_as:
+        ours = runs[f"ours:{dtype}"]
+        mfu = " ".join(f"ours_{k.split('/')[1]}={statistics.median(r.mfu[k] for r in ours):.3f}"
+                       for k in sorted(ours[0].mfu))
+        for name in trl_as:
+            trl = runs[f"trl:{name}"]
+            print(f"RESULT ours={dtype} trl={name} seeds={args.seeds} steps={args.steps} "
+                  f"ours_step_s={step(f'ours:{dtype}'):.2f} trl_step_s={step(f'trl:{name}'):.2f} "
+                  f"ratio={step(f'ours:{dtype}') / step(f'trl:{name}'):.3f} "
+                  f"ours_peak_rss_gb={max(r.peak_rss_gb for r in ours):.2f} "
+                  f"trl_peak_rss_gb={max(r.peak_rss_gb for r in trl):.2f} "
+                  f"ours_reward={statistics.fmean(r.reward_mean for r in ours):.3f} "
+                  f"trl_reward={statistics.fmean(r.reward_mean for r in trl):.3f} {mfu}")
 
 
 if __name__ == "__main__":

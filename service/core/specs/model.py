@@ -62,7 +62,7 @@ class ModelSpec(_Section):
         "log-probs and losses are computed in at least float32). With bfloat16/float16, a LoRA adapter stays "
         "float32 and full fine-tuning steps float32 master weights, rounded into the model after each step. "
         "`auto`: bfloat16 where the job's device multiplies it natively (at least 1.5x float32's matmul rate, "
-        "measured when the job starts and cached per machine: GPUs, CPUs with AMX), else float32; the "
+        "measured when the job starts and cached per machine: GPUs, CPUs with AMX or AVX512-BF16), else float32; the "
         "`memory_plan` event says which and why, and the fingerprint's `dtype` records it.",
     )
     chat_template: Literal["tokenizer", "chatml-tools"] = Field(

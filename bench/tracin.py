@@ -7,7 +7,10 @@
    batched pass, so what it costs over the hooks is only the lost batching, which on a CPU is small
    and on a GPU is most of the cost.
 2. A step of the real TracIn loop against a step of the real GRPO loop on the same settings and
-   seed, each loop in its own process so that each one's peak memory is its own.
+   seed, each loop in its own process so that each one's peak memory is its own; and against GRPO
+   with `grpo.share_prompts: false`, which takes every row's own prompt positions as TracIn must
+   (a sample's influence needs its own gradient at the prompt's positions, so TracIn never shares a
+   group's prompt): the first ratio is what TracIn costs a user, the second what its influence adds.
 
     python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 8] [--generations 8]
 
@@ -22,7 +25,8 @@ two loops take turns step by step (see `scoring` and `lockstep`), so that both s
 see the same machine state: on this VM, timings of the same pass drifted up to 2x over minutes.
 `--scoring-only` skips part 2.
 
-Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=...
+Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=... step_ratio_unshared=...
+mem_ratio_unshared=...
 """
 
 from __future__ import annotations
@@ -52,16 +56,21 @@ from worker.model.forward import sequence_logprobs
 from worker.reporting import Reporter
 
 
+LOOPS = ("grpo", "grpo-unshared", "tracin")  # the processes `lockstep` runs, in turns
+
+
 def job(args, kind: str, steps: int) -> dict:
+    """The spec of one loop: `kind` is one of LOOPS."""
     spec = {
-        "kind": kind,
+        "kind": "grpo" if kind == "grpo-unshared" else kind,
         "model": {"name": args.model, "lora": {"r": args.lora_r}},
         "dataset": {"name": "arith"},
         # a graded reward beside the exact one, so advantages (and scores) are rarely all zero
         "rewards": [{"name": "numeric_match"}, {"name": "rouge_l", "weight": 0.2}],
         "grpo": {"steps": steps, "prompts_per_step": args.prompts, "num_generations": args.generations,
                  "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.micro_batch,
-                 "learning_rate": 1e-4, "temperature": 1.0, "eval_prompts": 1, "samples_per_step": 0},
+                 "learning_rate": 1e-4, "temperature": 1.0, "eval_prompts": 1, "samples_per_step": 0,
+                 "share_prompts": kind != "grpo-unshared"},
     }
     if kind == "tracin":
         spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": args.val_generations,
@@ -212,11 +221,11 @@ def scoring(args) -> tuple[float, float, float, float, float, int]:
 
 
 def lockstep(args) -> dict[str, dict]:
-    """Run the GRPO and TracIn loops in two processes (each one's peak memory its own) that take
-    turns step by step, so that both see the same machine speed; returns each one's report."""
+    """Run the LOOPS in a process each (each one's peak memory its own), taking turns step by step so
+    that all of them see the same machine speed; returns each one's report."""
     procs = {kind: subprocess.Popen([sys.executable, __file__, "--child", kind, *sys.argv[1:]], text=True,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-             for kind in ("grpo", "tracin")}
+             for kind in LOOPS}
 
     def wait(kind: str) -> dict:
         for line in procs[kind].stdout:
@@ -225,9 +234,9 @@ def lockstep(args) -> dict[str, dict]:
         raise SystemExit(f"the {kind} loop exited with {procs[kind].wait()}")
 
     for kind in procs:
-        wait(kind)  # both loaded and evaluated (step 0); from here on one runs at a time
+        wait(kind)  # all loaded and evaluated (step 0); from here on one runs at a time
     for step in range(1, args.loop_steps + 1):
-        order = list(procs) if step % 2 else list(reversed(procs))  # alternate who goes first
+        order = list(procs) if step % 2 else list(reversed(procs))  # alternate who goes first and last
         for kind in order:
             procs[kind].stdin.write("go\n")
             procs[kind].stdin.flush()
@@ -255,7 +264,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="Hooks passes interleaved with the per-sample ones.")
     ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")
     ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the GRPO and TracIn loops).")
-    ap.add_argument("--child", choices=["grpo", "tracin"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=LOOPS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -278,7 +287,8 @@ def main() -> None:
 
 
 def report_loops(args, runs: dict[str, dict]) -> str:
-    """Print each loop's timings; return the RESULT fields `step_ratio=... mem_ratio=...`."""
+    """Print each loop's timings; return the RESULT fields: TracIn's step and peak memory against GRPO's
+    (`step_ratio`, `mem_ratio`) and against GRPO's without shared prompts (`*_unshared`)."""
     for kind, r in runs.items():
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown"].items() if v)
         print(f"{kind} loop: {r['step_s']:.2f} s/step ({parts}; steps {', '.join(f'{t:.1f}' for t in r['per_step'])}); "
@@ -287,8 +297,10 @@ def report_loops(args, runs: dict[str, dict]) -> str:
     print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
           f"in micro-batches of {args.micro_batch}, "
           f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
-    return (f"step_ratio={runs['tracin']['step_s'] / runs['grpo']['step_s']:.3f} "
-            f"mem_ratio={runs['tracin']['peak_mb'] / runs['grpo']['peak_mb']:.3f}")
+    t = runs["tracin"]
+    return " ".join(f"step_ratio{tag}={t['step_s'] / runs[kind]['step_s']:.3f} "
+                    f"mem_ratio{tag}={t['peak_mb'] / runs[kind]['peak_mb']:.3f}"
+                    for kind, tag in (("grpo", ""), ("grpo-unshared", "_unshared")))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ from worker.machine import allocator
 from worker.model.forward import sequence_logprobs
 from worker.reporting import Reporter
 
-
 LOOPS = ("grpo", "grpo-unshared", "tracin")  # the processes `lockstep` runs, in turns
 
 

@@ -10,6 +10,7 @@ training `reward/mean`, and the mean ± standard error over seeds.
     python bench/learning.py --parallel 2                      # two seeds at once, one thread each
     python bench/learning.py --dtype auto --parallel 2         # each seed as the spec says and in auto, paired
     python bench/learning.py --dtype auto --fp32-head          # ... with auto's LM head multiplying in float32
+    python bench/learning.py --dtype auto --eval-float32       # ... and auto's adapters evaluated in float32 too
     python bench/learning.py --cold-start bench/specs/cold-start-sft.yaml --spec bench/specs/cold-start-grpo.yaml
                                                                # SFT, then GRPO from it: base, SFT, GRPO, paired
 
@@ -154,10 +155,24 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     mine = spec["model"].get("dtype", "float32")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     jobs = [(side, s) for s in seeds for side in (mine, args.dtype)]
+    # --eval-float32: the other side's last adapter, loaded onto the spec's own weights and evaluated there
+    # (the step-0 evaluation of a one-step run from it), which tells training's share of a gap from evaluation's
+    rerun = {**spec, "grpo": {**spec["grpo"], "steps": 1}}
+    evaluated = f"{args.dtype}-eval-{mine}"
+
+    def one(job: tuple[str, int], work: Path) -> list[tuple[tuple[str, int], SeedRun]]:
+        side, seed = job
+        run = run_seed(spec if side == mine else other, seed, code=args.code, threads=args.threads, work=work,
+                       tag=f"{side}-")
+        out = [(job, run)]
+        if args.eval_float32 and side != mine:
+            out.append(((evaluated, seed), run_seed(rerun, seed, code=args.code, threads=args.threads, work=work,
+                                                    tag=f"{evaluated}-", init_from=work / f"{side}-seed-{seed}")))
+        return out
+
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
-        done = list(pool.map(lambda j: run_seed(spec if j[0] == mine else other, j[1], code=args.code,
-                                                threads=args.threads, work=Path(tmp), tag=f"{j[0]}-"), jobs))
-    runs = {(side, s): r for (side, s), r in zip(jobs, done)}
+        done = list(pool.map(lambda j: one(j, Path(tmp)), jobs))
+    runs = {key: r for pairs in done for key, r in pairs}
     head = " with model.fp32_head" if args.fp32_head else ""
     print(f"\n{path.name}: model.dtype {mine} against {args.dtype}{head}, {steps} steps, {len(seeds)} paired seeds")
     print(f"seed  {mine + ' acc':<16}{args.dtype + ' acc':<16}{mine + ' s':<12}{args.dtype + ' s':<12}")
@@ -170,9 +185,19 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     print(f"acc{steps}: {mine} {acc[mine][0]:.3f} ± {acc[mine][1]:.3f}, {args.dtype} {acc[args.dtype][0]:.3f} ± "
           f"{acc[args.dtype][1]:.3f}; paired difference {diff.estimate:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]; "
           f"wall time {wall:.2f}x")
+    more = ""
+    if args.eval_float32:
+        acc_e = [runs[evaluated, s].accuracy[0] for s in seeds]  # the step-0 evaluation: the trained adapter
+        print("seed  " + "  ".join(f"{s}: {a:.3f}" for s, a in zip(seeds, acc_e))
+              + f"  ({args.dtype}'s adapters evaluated in {mine})")
+        diff_e = evidence.mean_interval([a - runs[mine, s].accuracy[steps] for s, a in zip(seeds, acc_e)])
+        m, se = mean_se(acc_e)
+        print(f"{args.dtype} trained, evaluated in {mine}: {m:.3f} ± {se:.3f}; paired difference against {mine} "
+              f"{diff_e.estimate:+.3f} [{diff_e.low:+.3f}, {diff_e.high:+.3f}]")
+        more = f" acc_b_eval_a={m:.3f} diff_eval_a={diff_e.estimate:+.3f} lo_eval_a={diff_e.low:+.3f} hi_eval_a={diff_e.high:+.3f}"
     print(f"RESULT spec={path.stem} compare={mine}:{args.dtype}{'+fp32_head' if args.fp32_head else ''} seeds={len(seeds)} acc_a={acc[mine][0]:.3f} "
           f"acc_b={acc[args.dtype][0]:.3f} diff={diff.estimate:+.3f} lo={diff.low:+.3f} hi={diff.high:+.3f} "
-          f"wall_ratio={wall:.3f}", flush=True)
+          f"wall_ratio={wall:.3f}{more}", flush=True)
 
 
 # a cold start's figures at each stage: the episodes' reward, and their tool calls and failed calls per episode
@@ -247,6 +272,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="seeds run at once")
     ap.add_argument("--threads", type=int, default=0, help="threads per seed (default: cores / parallel)")
     ap.add_argument("--dtype", help="also run every seed with this model.dtype (auto, bfloat16) and compare, paired")
+    ap.add_argument("--eval-float32", action="store_true", help="with --dtype: also evaluate that side's trained "
+                    "adapters on the spec's own (float32) weights, so training's share of a gap is told from evaluation's")
     ap.add_argument("--fp32-head", action="store_true", help="with --dtype: that side also sets model.fp32_head "
                     "(the LM head's matmul in float32)")
     ap.add_argument("--cold-start", type=Path, help="an sft spec run first for every seed; each --spec then starts "

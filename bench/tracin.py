@@ -21,7 +21,7 @@ The loops' extra cost for TracIn is mostly fixed per step (the validation batch)
 falls as N grows.
 
 The three scoring methods are timed interleaved in rounds after one untimed warm-up pass, and the
-two loops take turns step by step (see `scoring` and `lockstep`), so that both sides of each ratio
+loops take turns step by step (see `scoring` and `lockstep`), so that both sides of each ratio
 see the same machine state: on this VM, timings of the same pass drifted up to 2x over minutes.
 `--scoring-only` skips part 2.
 
@@ -262,7 +262,7 @@ def main() -> None:
                     help="tracin.score of the TracIn loop (sgd streams positive's factors micro-batch by micro-batch)")
     ap.add_argument("--rounds", type=int, default=4, help="Hooks passes interleaved with the per-sample ones.")
     ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")
-    ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the GRPO and TracIn loops).")
+    ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the loops: GRPO, unshared GRPO, TracIn).")
     ap.add_argument("--child", choices=LOOPS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

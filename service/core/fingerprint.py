@@ -39,6 +39,8 @@ class Fingerprint(BaseModel):
     model_sha256: str = Field(description="SHA-256 of the base model's weight files (a tiny preset: of its weights).")
     dtype: str = Field("", description="The dtype the base weights were loaded in (`model.dtype: auto` resolved; "
                        "empty: recorded before it was).")
+    activations: str = Field("", description="The dtype between a low-precision model's matmuls (`model."
+                             "activations` resolved: float32 or weights; empty: recorded before it was).")
     trainable_sha256: str = Field("", description="SHA-256 of the weights training starts from: the trainable "
                                   "parameters after LoRA's initialisation and `model.init_from` (empty: recorded "
                                   "before it was measured). Two runs of one seed start from equal weights when "

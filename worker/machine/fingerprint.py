@@ -128,4 +128,4 @@ def fingerprint(spec, settings: Settings, *, model_hash: str, task, device: str,
         "grpo-jobs"), commit=source_commit(), libraries=libraries(spec.rollout.engine, settings),
         hardware=hardware(device), seeds={"train": spec.train.seed, "dataset": spec.dataset.seed},
         processes=spec.resources.processes, data_sha256=task_sha256(task), model_sha256=model_hash,
-        dtype=spec.model.dtype, trainable_sha256=trainable_sha256(model))
+        dtype=spec.model.dtype, activations=spec.model.activations, trainable_sha256=trainable_sha256(model))

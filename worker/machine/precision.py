@@ -6,6 +6,11 @@ machine and device in a small JSON file, so every job, and every process of a jo
 alike. Trainable weights never follow: a LoRA adapter and its AdamW state stay float32, and full
 fine-tuning steps float32 master weights (worker/algos/optim.py), because AdamW's
 steps fall below bfloat16's resolution.
+
+`model.activations` says what flows between the low-precision matmuls. On a CPU it is float32 (`auto`):
+each frozen linear layer multiplies in bfloat16 and hands float32 on (worker/model/loading.py), because
+bfloat16 activations round a LoRA adapter's early updates (about 1e-3 of a weight) away in every layer's
+sum, and because this CPU's bfloat16 attention and elementwise kernels are slower than float32's.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,10 +50,11 @@ class Precision:
     reason: str
     probe: Probe | None = None  # with `auto`
     cached: bool = False  # the probe came from the machine's cache
+    activations: str = "weights"  # float32 or weights: the dtype between a low-precision model's matmuls
 
     def data(self) -> dict[str, object]:
         """For the `memory_plan` event."""
-        return {"dtype": self.dtype, "reason": self.reason, "cached": self.cached,
+        return {"dtype": self.dtype, "activations": self.activations, "reason": self.reason, "cached": self.cached,
                 "probe": None if self.probe is None else asdict(self.probe)}
 
 
@@ -100,3 +106,25 @@ def choose(requested: str, device: torch.device, *, cache: Path | None, bfloat16
     if rates.speedup >= NATIVE:
         return Precision("bfloat16", f"auto: bfloat16 base weights, as {words}", rates, cached)
     return Precision("float32", f"auto: float32, as {words}: not native", rates, cached)
+
+
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def activations_for(requested: str, dtype: str, device: torch.device) -> str:
+    """What `model.activations` is for base weights of `dtype` on `device`: float32 or weights (`auto`:
+    float32 on a CPU, the weights' dtype elsewhere; a float32 or float64 model's are its own)."""
+    if dtype not in LOW_PRECISION:
+        return "weights"
+    if requested != "auto":
+        return requested
+    return "float32" if device.type == "cpu" else "weights"
+
+
+def resolve(requested_dtype: str, requested_activations: str, device: torch.device, *, cache: Path | None,
+            bfloat16_ok: str | None = None, timer=None) -> Precision:
+    """`choose`, with the activations' dtype resolved for what it chose."""
+    prec = choose(requested_dtype, device, cache=cache, bfloat16_ok=bfloat16_ok, timer=timer)
+    acts = activations_for(requested_activations, prec.dtype, device)
+    reason = f"{prec.reason}, float32 activations" if acts == "float32" else prec.reason
+    return replace(prec, activations=acts, reason=reason)

@@ -16,6 +16,7 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -196,6 +197,39 @@ def head_in_float32(model: torch.nn.Module) -> None:
     model.set_output_embeddings(Float32Head.wrap(head))
 
 
+def float32_activations(model: torch.nn.Module) -> None:
+    """Float32 between the low-precision matmuls (`model.activations: float32`): every linear layer with
+    bfloat16/float16 weights multiplies its input cast to them and hands its output on in float32, an
+    embedding's output is float32, and the few other low-precision parameters (norms' scales) become
+    float32, so the residual stream, attention, the KV cache and a LoRA adapter's sum with its base layer's
+    output stay float32. The hooks are the modules' own, so the rollout copy and the folded sampler, copies
+    of this model, keep them. Call it before LoRA wraps the layers (the adapter's float32 layers need none)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and weight is not None and weight.dtype in _LOW:
+            if getattr(module, "compute_dtype", None) is None:  # a Float32Head casts its input itself
+                module.register_forward_pre_hook(_input_in_weight_dtype)
+            module.register_forward_hook(_output_in_float32)
+        elif isinstance(module, torch.nn.Embedding) and weight is not None and weight.dtype in _LOW:
+            module.register_forward_hook(_output_in_float32)
+        else:
+            for p in module.parameters(recurse=False):
+                if p.dtype in _LOW:
+                    p.data = p.data.float()
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _input_in_weight_dtype(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # the matmul in the weights' dtype: a float32 input is cast down here, once a layer
+    return (args[0].to(module.weight.dtype), *args[1:])
+
+
+def _output_in_float32(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    return output.float()
+
+
 def enable_checkpointing(model: torch.nn.Module, *, reentrant: bool) -> None:
     """Recompute each decoder layer's activations in backward instead of keeping them.
 
@@ -220,13 +254,16 @@ def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
 
 def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 0, model_roots: list[Path] = ()):
     """(model, tokenizer): the trainable policy on `device`, with a LoRA adapter when asked (`model.dtype:
-    auto` resolved on `device` where the caller has not: worker/machine/precision.py)."""
-    if spec.dtype == "auto":
-        from worker.machine.precision import choose
+    auto` and `model.activations: auto` resolved on `device` where the caller has not: worker/machine/precision.py)."""
+    if spec.dtype == "auto" or spec.activations == "auto":
+        from worker.machine.precision import resolve
 
-        spec = spec.model_copy(update={"dtype": choose("auto", torch.device(device), cache=None).dtype})
+        prec = resolve(spec.dtype, spec.activations, torch.device(device), cache=None)
+        spec = spec.model_copy(update={"dtype": prec.dtype, "activations": prec.activations})
     tokenizer = load_tokenizer(spec, models_root=models_root, model_roots=model_roots)
     model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, model_roots=model_roots, seed=seed)
+    if spec.activations == "float32" and spec.dtype in ("bfloat16", "float16"):
+        float32_activations(model)
     if spec.lora is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # LoRA A is randomly initialised: seed it for reproducibility

@@ -65,12 +65,17 @@ def test_auto_on_a_native_device_trains_float32_adapters_over_a_bfloat16_base(tm
         "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 1}})
     s = build(spec, settings_factory(), FileReporter(tmp_path))
     assert s.spec.model.dtype == "bfloat16"
-    frozen = [p for p in s.model.parameters() if not p.requires_grad]
+    frozen = {n: p for n, p in s.model.named_parameters() if not p.requires_grad}
     trained = [p for p in s.model.parameters() if p.requires_grad]
-    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    matmuls = {n: p for n, p in frozen.items() if p.dim() == 2}  # the linear layers' and the embeddings' weights
+    assert matmuls and all(p.dtype == torch.bfloat16 for p in matmuls.values())
+    assert all(p.dtype == torch.float32 for n, p in frozen.items() if n not in matmuls)  # norms' scales
     assert trained and all(p.dtype == torch.float32 for p in trained)
+    assert s.spec.model.activations == "float32"  # auto, on a CPU
     ids = torch.tensor([[3, 4, 5, 6]])
-    s.model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+    out = s.model(input_ids=ids, output_hidden_states=True)
+    assert all(h.dtype == torch.float32 for h in out.hidden_states)  # the residual stream between bfloat16 matmuls
+    out.logits.float().logsumexp(-1).sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trained)
     assert any(p.grad.abs().sum() > 0 for p in trained)  # gradients reach the adapters through the bfloat16 base
     s.optimizer.step()
@@ -78,5 +83,14 @@ def test_auto_on_a_native_device_trains_float32_adapters_over_a_bfloat16_base(tm
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     [plan] = [e for e in events if e["type"] == "memory_plan"]
     assert plan["data"]["precision"]["dtype"] == "bfloat16" and plan["message"].startswith("auto: bfloat16")
+    assert plan["data"]["precision"]["activations"] == "float32" and "float32 activations" in plan["message"]
     [fp] = [e["data"] for e in events if e["type"] == "fingerprint"]
-    assert fp["dtype"] == "bfloat16"
+    assert (fp["dtype"], fp["activations"]) == ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("dtype,requested,device,acts", [
+    ("bfloat16", "auto", "cpu", "float32"), ("bfloat16", "auto", "cuda", "weights"),
+    ("float16", "weights", "cpu", "weights"), ("bfloat16", "float32", "cuda", "float32"),
+    ("float32", "auto", "cpu", "weights"), ("float64", "auto", "cpu", "weights")])
+def test_activations_are_float32_on_a_cpu_and_the_weights_dtype_elsewhere(dtype, requested, device, acts):
+    assert precision.activations_for(requested, dtype, torch.device(device)) == acts

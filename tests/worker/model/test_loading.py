@@ -100,3 +100,37 @@ def test_a_float32_head_serves_the_sampler_and_the_trainer_alike(models_root):
     mask = batch.completion_mask.bool()
     assert_close(trainer[mask], sampler[mask], dtype=torch.float32, terms=model.config.hidden_size,
                  scale=float(logits.abs().max()))
+
+
+
+
+def test_float32_activations_run_between_bfloat16_matmuls_in_the_policy_and_the_samplers_copy(models_root):
+    """`model.activations: float32` over bfloat16 weights: hidden states are float32 in the policy and in the
+    sampler's folded copy (which keeps the layers' hooks), gradients reach the adapter in float32, and log-probs
+    stay within bfloat16's rounding of float32's. How much closer they are than with bfloat16 activations, and
+    what each costs, is bench/precision.py's to measure."""
+    from worker.engines.folded import FoldedSampler, foldable
+
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 30, 2, 198, 1, 4093, 198, 1780, 314, 216, 33,
+                         31, 28, 216, 34, 36, 47, 2, 198, 1, 520, 9531, 198, 33, 31, 1232, 216, 34, 36, 429, 216,
+                         36, 34, 30, 378, 3365, 314, 216, 36, 34, 30]])  # a chat turn's tokens
+    logps, states = {}, {}
+    for key, dtype, acts in (("reference", "float32", "auto"), ("weights", "bfloat16", "weights"),
+                             ("float32", "bfloat16", "float32")):
+        model, _ = models.load_policy(ModelSpec(name="smollm2-135m-instruct", dtype=dtype, activations=acts,
+                                                lora=LoraSpec(r=16, alpha=32)), models_root=models_root,
+                                      device="cpu", seed=0)
+        out = model(input_ids=ids, output_hidden_states=True)
+        logp = torch.log_softmax(out.logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)  # [T-1]
+        logp.sum().backward()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in trained)
+        assert any(float(p.grad.abs().sum()) > 0 for p in trained)
+        logps[key] = logp.detach()
+        folded = FoldedSampler(model, foldable(model)).model
+        with torch.no_grad():
+            copied = folded(input_ids=ids, output_hidden_states=True).hidden_states
+        states[key] = {h.dtype for h in (*out.hidden_states, *copied)}
+    assert states == {"reference": {torch.float32}, "weights": {torch.bfloat16}, "float32": {torch.float32}}
+    off = (logps["float32"] - logps["reference"]).abs()
+    assert 1e-3 < float(off.mean()) < 0.08 and float(off.max()) < 0.5, (float(off.mean()), float(off.max()))

@@ -212,6 +212,12 @@ class HFEngine:
                 for k in ("cache_implementation", "prefill_chunk_size"):
                     kwargs.pop(k, None)
                 kwargs["cache"] = cache
+        if "cache" not in kwargs and not self.sharded:
+            # the static cache made here, in the dtype of the first keys written to it: generate() makes its own
+            # in the weights' dtype, where float32 activations over bfloat16 weights (model.activations) write
+            # float32 keys
+            kwargs.pop("cache_implementation", None)
+            kwargs["cache"] = StaticCache(config=self.sampler.config, max_cache_len=ids.shape[1] + sp.max_new_tokens)
         generate: Any = self.sampler.generate  # transformers' GenerationMixin, untyped on a Module
         out = generate(input_ids=ids, attention_mask=mask, **kwargs)
         completion = out[:, ids.shape[1]:]  # [N, T]

@@ -106,7 +106,7 @@ def test_a_float32_head_serves_the_sampler_and_the_trainer_alike(models_root):
 
 def test_float32_activations_run_between_bfloat16_matmuls_in_the_policy_and_the_samplers_copy(models_root):
     """`model.activations: float32` over bfloat16 weights: hidden states are float32 in the policy and in the
-    sampler's folded copy (which keeps the layers' hooks), gradients reach the adapter in float32, and log-probs
+    sampler's folded copy (which keeps the layers' hooks), which samples with either cache, gradients reach the adapter in float32, and log-probs
     stay within bfloat16's rounding of float32's. How much closer they are than with bfloat16 activations, and
     what each costs, is bench/precision.py's to measure."""
     from worker.engines.folded import FoldedSampler, foldable
@@ -117,9 +117,9 @@ def test_float32_activations_run_between_bfloat16_matmuls_in_the_policy_and_the_
     logps, states = {}, {}
     for key, dtype, acts in (("reference", "float32", "auto"), ("weights", "bfloat16", "weights"),
                              ("float32", "bfloat16", "float32")):
-        model, _ = models.load_policy(ModelSpec(name="smollm2-135m-instruct", dtype=dtype, activations=acts,
-                                                lora=LoraSpec(r=16, alpha=32)), models_root=models_root,
-                                      device="cpu", seed=0)
+        model, tok = models.load_policy(ModelSpec(name="smollm2-135m-instruct", dtype=dtype, activations=acts,
+                                                  lora=LoraSpec(r=16, alpha=32)), models_root=models_root,
+                                        device="cpu", seed=0)
         out = model(input_ids=ids, output_hidden_states=True)
         logp = torch.log_softmax(out.logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)  # [T-1]
         logp.sum().backward()
@@ -131,6 +131,10 @@ def test_float32_activations_run_between_bfloat16_matmuls_in_the_policy_and_the_
         with torch.no_grad():
             copied = folded(input_ids=ids, output_hidden_states=True).hidden_states
         states[key] = {h.dtype for h in (*out.hidden_states, *copied)}
+        engine = HFEngine(model, tok, "cpu", SamplingParams(max_new_tokens=3), fold=True)
+        for g, greedy in ((1, True), (2, False)):  # generate()'s own cache, and a prompt's shared one
+            sampled = engine.generate(["What is 2 + 3?"], g, seeds=None if greedy else [0], greedy=greedy)
+            assert sampled.completion_ids.shape[0] == g and int(sampled.completion_mask.sum()) > 0
     assert states == {"reference": {torch.float32}, "weights": {torch.bfloat16}, "float32": {torch.float32}}
     off = (logps["float32"] - logps["reference"]).abs()
     assert 1e-3 < float(off.mean()) < 0.08 and float(off.max()) < 0.5, (float(off.mean()), float(off.max()))

@@ -204,11 +204,13 @@ def test_an_answer_past_the_cap_is_not_read(grader, tmp_path, path, words):
     reading past the cap, so the server gets to send few of its 50 MB (what the sockets buffer), not all."""
     g = HttpGrader(HttpReward(name="http", url=f"{grader}/{path}", max_retries=0),
                    settings=_settings(tmp_path, f"{grader}/", GRPO_REWARD_MAX_RESPONSE_BYTES=1_000_000), job_id=7)
-    before = httpx.get(f"{grader}/sent").json()["big_chunks"]
+    # the counter's own requests wait longer than httpx's 5 s: under a loaded machine the grader may still be
+    # writing the previous case's 50 MB when this one asks
+    before = httpx.get(f"{grader}/sent", timeout=60).json()["big_chunks"]
     out = Scorer([g]).score(ITEMS, step=1)
     assert f"{words} (GRPO_REWARD_MAX_RESPONSE_BYTES)" in out.failures[0].error
     time.sleep(0.5)  # the server notices the closed connection at its next send
-    assert httpx.get(f"{grader}/sent").json()["big_chunks"] - before < 25  # of 52, 1 MB each (9 here)
+    assert httpx.get(f"{grader}/sent", timeout=60).json()["big_chunks"] - before < 25  # of 52, 1 MB each (9 here)
 
 
 def test_a_compressed_answer_is_refused_not_decoded(grader, tmp_path):

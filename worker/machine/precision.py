@@ -9,8 +9,8 @@ steps fall below bfloat16's resolution.
 
 `model.activations` says what flows between the low-precision matmuls. On a CPU it is float32 (`auto`):
 each frozen linear layer multiplies in bfloat16 and hands float32 on (worker/model/loading.py), because
-bfloat16 activations round a LoRA adapter's early updates (about 1e-3 of a weight) away in every layer's
-sum, and because this CPU's bfloat16 attention and elementwise kernels are slower than float32's.
+bfloat16 activations round a LoRA adapter's early updates away in every layer's sum with its base output,
+at about bfloat16's speed (bench/precision.py). A GPU's attention kernels want the weights' dtype.
 """
 
 from __future__ import annotations

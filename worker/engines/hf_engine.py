@@ -217,7 +217,8 @@ class HFEngine:
             # in the weights' dtype, where float32 activations over bfloat16 weights (model.activations) write
             # float32 keys
             kwargs.pop("cache_implementation", None)
-            kwargs["cache"] = StaticCache(config=self.sampler.config, max_cache_len=ids.shape[1] + sp.max_new_tokens)
+            config: Any = self.sampler.config  # a transformers model's, untyped on a Module
+            kwargs["cache"] = StaticCache(config=config, max_cache_len=ids.shape[1] + sp.max_new_tokens)
         generate: Any = self.sampler.generate  # transformers' GenerationMixin, untyped on a Module
         out = generate(input_ids=ids, attention_mask=mask, **kwargs)
         completion = out[:, ids.shape[1]:]  # [N, T]

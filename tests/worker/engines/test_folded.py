@@ -51,7 +51,8 @@ def test_the_folded_model_is_the_adapted_model_and_follows_each_sync(tmp_path, d
     shared = {p.data_ptr() for p in engine.model.parameters()}
     own = [n for n, p in engine.sampler.named_parameters() if p.data_ptr() not in shared]
     assert own and len(own) == len(lora_layers(model)) and all(n.endswith("proj.weight") for n in own)
-    assert all(p.dtype == torch_dtype for p in engine.sampler.parameters())
+    # the matmuls' weights in the model's dtype (a bfloat16 model's norms' scales are float32: model.activations)
+    assert all(p.dtype == torch_dtype for p in engine.sampler.parameters() if p.dim() == 2)
 
 
 def test_the_folded_sampler_draws_what_the_adapter_draws(tmp_path):

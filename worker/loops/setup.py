@@ -215,6 +215,8 @@ def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: mem
                                                            "sampler_fold_gb": fold.copy_gb}
     if prec.probe is not None:  # auto: say what was chosen and why
         message = f"{prec.reason}; {message}"
+    elif prec.activations == "float32":  # a named bfloat16/float16: what flows between its matmuls
+        message = f"{prec.dtype} base weights, float32 activations; {message}"
     reporter.event("memory_plan", message, data={**data, "precision": prec.data()})
 
 

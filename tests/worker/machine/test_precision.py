@@ -94,3 +94,22 @@ def test_auto_on_a_native_device_trains_float32_adapters_over_a_bfloat16_base(tm
     ("float32", "auto", "cpu", "weights"), ("float64", "auto", "cpu", "weights")])
 def test_activations_are_float32_on_a_cpu_and_the_weights_dtype_elsewhere(dtype, requested, device, acts):
     assert precision.activations_for(requested, dtype, torch.device(device)) == acts
+
+
+@pytest.mark.parametrize("activations,said", [("auto", "bfloat16 base weights, float32 activations; "),
+                                               ("weights", "gradient checkpointing")])
+def test_a_named_bfloat16_says_what_flows_between_its_matmuls(tmp_path, settings_factory, digit_reward, activations,
+                                                            said):
+    from service.core.specs import GRPOJob
+    from worker.loops.setup import build
+    from worker.reporting import FileReporter
+
+    spec = GRPOJob.model_validate({
+        "model": {"name": "tiny-random-llama", "dtype": "bfloat16", "activations": activations, "lora": {"r": 4}},
+        "dataset": {"name": "arith", "num_train": 8, "num_val": 2}, "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 1}})
+    build(spec, settings_factory(), FileReporter(tmp_path))
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    [plan] = [e for e in events if e["type"] == "memory_plan"]
+    assert plan["message"].startswith(said)
+    assert plan["data"]["precision"]["activations"] == ("float32" if activations == "auto" else "weights")

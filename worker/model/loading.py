@@ -27,6 +27,7 @@ from transformers.utils import logging as hf_logging
 from service.core.sources import require_model_path
 from service.core.specs import HUB_NAMES, MODEL_PRESETS, LoraSpec, ModelSpec
 from worker.algos.logprobs import Float32Head
+from worker.algos.optim import LOW_PRECISION
 from worker.model import chat_templates
 
 # Workers log to the terminal of `grpo-jobs dev`: no per-tensor progress bars, and no warning about
@@ -206,19 +207,16 @@ def float32_activations(model: torch.nn.Module) -> None:
     of this model, keep them. Call it before LoRA wraps the layers (the adapter's float32 layers need none)."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, torch.nn.Linear) and weight is not None and weight.dtype in _LOW:
+        if isinstance(module, torch.nn.Linear) and weight is not None and weight.dtype in LOW_PRECISION:
             if getattr(module, "compute_dtype", None) is None:  # a Float32Head casts its input itself
                 module.register_forward_pre_hook(_input_in_weight_dtype)
             module.register_forward_hook(_output_in_float32)
-        elif isinstance(module, torch.nn.Embedding) and weight is not None and weight.dtype in _LOW:
+        elif isinstance(module, torch.nn.Embedding) and weight is not None and weight.dtype in LOW_PRECISION:
             module.register_forward_hook(_output_in_float32)
         else:
             for p in module.parameters(recurse=False):
-                if p.dtype in _LOW:
+                if p.dtype in LOW_PRECISION:
                     p.data = p.data.float()
-
-
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _input_in_weight_dtype(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -262,7 +260,7 @@ def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 
         spec = spec.model_copy(update={"dtype": prec.dtype, "activations": prec.activations})
     tokenizer = load_tokenizer(spec, models_root=models_root, model_roots=model_roots)
     model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, model_roots=model_roots, seed=seed)
-    if spec.activations == "float32" and spec.dtype in ("bfloat16", "float16"):
+    if spec.activations == "float32":  # resolved: float32 only over bfloat16/float16 weights
         float32_activations(model)
     if spec.lora is not None:
         with torch.random.fork_rng(devices=[]):

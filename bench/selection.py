@@ -22,6 +22,14 @@ Both are paired against `uniform` on the same seed, with a 95% Student-t interva
 
     python bench/selection.py                          # 12 seeds, 50 steps, every arm (about 20 min on 2 cores)
     python bench/selection.py --short                  # 2 seeds, 4 steps, an untrained base: the CI check
+    python bench/selection.py --environment            # the same study on episodes (after `make openenv`)
+
+`--environment` plays the task as an agent environment instead of a dataset: bench/sums_env.py serves the
+same rows over OpenEnv with its Task API (a unit of the draw is a training row's task), and an episode has
+a second turn after a wrong answer (told "Wrong." and asked again; 0.5 for a right second answer, 1 for a
+right first one). The jobs run `environment.url` with `environment.tasks`, as a user's agent job on their
+own server would; its base model is trained on the episode's first prompt (the question and a newline,
+as a model with no chat template reads an observation), and test accuracy is its greedy first turn.
 
 A benchmark, never a test. Ends with one line per arm and axis:
 RESULT axis=... arm=... seeds=... spent=... acc=... diff=... lo=... hi=... auc_diff=... auc_lo=... auc_hi=...
@@ -30,12 +38,19 @@ RESULT axis=... arm=... seeds=... spent=... acc=... diff=... lo=... hi=... auc_d
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
+import subprocess
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from selection_noisy import (  # bench/ is on the path
+from learning import ROOT  # bench/ is on the path
+from selection_noisy import (
+    MODEL,
     Task,
     lines,
     prepare,
@@ -65,6 +80,10 @@ AXES = {  # axis -> the per-step metric it adds up (None: one a step)
 def arm_spec(args: argparse.Namespace, arm: str) -> dict:
     kind, extra = ARMS[arm]
     spec = study_spec(args, kind, f"selection-{arm}", samples_per_step=0)
+    if args.environment:  # the rows as tasks of bench/sums_env.py's server: no dataset, the episode's reward
+        del spec["dataset"], spec["rewards"]
+        spec["environment"] = {"url": args.env_url, "tasks": {"train": "train", "eval": "val"}, "max_turns": 2,
+                               "max_episode_tokens": 64, "max_observation_tokens": 40, "eval_episodes": 8}
     if kind == "tracin":
         spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": 4, "val_regenerate_every": 1,
                           "check_prediction": False}
@@ -122,8 +141,9 @@ def fmt(i: evidence.Interval | None) -> str:
 
 def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Namespace, base_acc: float) -> None:
     same = [s for s in seeds if len({runs[a][s].start_sha256 for a in runs}) == 1 and runs["uniform"][s].start_sha256]
+    played = "tasks of bench/sums_env.py (episodes of up to 2 turns)" if args.environment else "rows"
     print(f"\n{len(seeds)} paired seeds, {args.steps} steps, {args.prompts} prompts x 8 a step, {args.train} training "
-          f"rows, {args.noise:.0%} wrong answers; base model's test accuracy {base_acc:.3f} on {args.test} rows")
+          f"{played}, {args.noise:.0%} wrong answers; base model's test accuracy {base_acc:.3f} on {args.test} rows")
     print(f"starting weights identical across arms on {len(same)} of {len(seeds)} seeds (fingerprint trainable_sha256)",
           flush=True)
     print("\nwhat each arm spent in all, mean over seeds (against uniform's), and its share of groups with a signal")
@@ -156,17 +176,62 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
               f"hi={d.high:+.3f} auc_diff={da.estimate:+.3f} auc_lo={da.low:+.3f} auc_hi={da.high:+.3f}", flush=True)
 
 
+@contextlib.contextmanager
+def sums_server(args: argparse.Namespace) -> Iterator[str]:
+    """bench/sums_env.py on a free loopback port, serving args.work's rows, for as long as the study runs; its
+    URL, on the jobs' allow-list (GRPO_ENVIRONMENT_URLS)."""
+    import httpx
+
+    from worker.engines.vllm_engine import free_port
+
+    python = ROOT / ".venv-openenv" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit("--environment needs OpenEnv's current release: run `make openenv` first")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (args.work / "sums-env.log").open("w")
+    proc = subprocess.Popen([str(python), str(ROOT / "bench" / "sums_env.py"), "--data", str(args.work / "data"),
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench/sums_env.py did not start: see {args.work / 'sums-env.log'}")
+            time.sleep(0.3)
+        os.environ["GRPO_ENVIRONMENT_URLS"] = url  # the jobs' processes inherit it
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # a small pool of training rows: 50 steps x 8 prompts draw each about 3 times
     study_arguments(ap, noise=0.0, train=128, work=Path("/tmp/selection-axes"))
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated; `uniform` is always run")
     ap.add_argument("--short", action="store_true", help="2 seeds, 4 steps, 32 rows, an untrained base model")
+    ap.add_argument("--environment", action="store_true", help="the rows as an agent environment's tasks "
+                    "(bench/sums_env.py, two turns), in /tmp/selection-episodes unless --work says otherwise")
     args = ap.parse_args()
     if args.short:
         args.seeds, args.steps, args.eval_every, args.prompts, args.val_prompts = 2, 4, 2, 4, 2
         args.train, args.val, args.test, args.base_acc = 32, 8, 50, 0.0
+    if args.environment:
+        args.model, args.prompt_suffix = f"{MODEL}-episodes", "\n"
+        if args.work == Path("/tmp/selection-axes"):
+            args.work = Path("/tmp/selection-episodes")
     task, base_acc = prepare(args)
+    with contextlib.ExitStack() as stack:
+        args.env_url = stack.enter_context(sums_server(args)) if args.environment else None
+        study(args, task, base_acc)
+
+
+def study(args: argparse.Namespace, task: Task, base_acc: float) -> None:
     arms = [a for a in ARMS if a in set(args.arms.split(",")) | {"uniform"}]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     runs: dict[str, dict[int, Run]] = {a: {} for a in arms}

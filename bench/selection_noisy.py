@@ -34,6 +34,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,23 +120,26 @@ def _tokenizer():
     return char_tokenizer()
 
 
-def prompt(q: str) -> str:
+def prompt(q: str, suffix: str = "") -> str:
+    """A jsonl task's prompt (no instruction, no template); `suffix`: what an episode's first turn adds after
+    the environment's observation (worker/environments/turns.py's PlainTurns: a newline)."""
     from worker.datasets import render_prompt
 
-    return render_prompt(_tokenizer(), q, "")  # a jsonl task's prompt: no instruction, no template
+    return render_prompt(_tokenizer(), q, "") + suffix
 
 
-def greedy_accuracy(model, tok, rows: list[tuple[str, int]], *, batch: int = 250) -> float:
+def greedy_accuracy(model, tok, rows: list[tuple[str, int]], *, batch: int = 250, suffix: str = "") -> float:
     """Greedy answers of up to 4 tokens, decoded as the service's evaluation decodes them."""
     from scripts.eval_checkpoint import greedy
     from worker.rewards.functions import numeric_match
 
-    answers = greedy(model, tok, [prompt(q) for q, _ in rows], max_new_tokens=4, batch=batch)
+    answers = greedy(model, tok, [prompt(q, suffix) for q, _ in rows], max_new_tokens=4, batch=batch)
     return sum(numeric_match(c, [str(a)]) for c, (_, a) in zip(answers, rows)) / len(rows)
 
 
-def pretrain_base(folder: Path, task: Task, *, target: float, seed: int) -> float:
-    """A small Llama trained on clean sums until its greedy accuracy on the validation rows reaches `target`."""
+def pretrain_base(folder: Path, task: Task, *, target: float, seed: int, suffix: str = "") -> float:
+    """A small Llama trained on clean sums until its greedy accuracy on the validation rows reaches `target`
+    (prompts end with `suffix`; positions for a two-turn episode where they do)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -145,14 +149,14 @@ def pretrain_base(folder: Path, task: Task, *, target: float, seed: int) -> floa
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
+        num_key_value_heads=2, max_position_embeddings=128 if suffix else 64, tie_word_embeddings=False, pad_token_id=0,
         bos_token_id=1, eos_token_id=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     rows, acc, step = task.pretrain, 0.0, 0
     while acc < target and step < 5000:
         model.train()
         batch = [rows[(step * 64 + i) % len(rows)] for i in range(64)]
-        texts = [prompt(q) for q, _ in batch]
+        texts = [prompt(q, suffix) for q, _ in batch]
         full = [t + f" {a}" + tok.eos_token for t, (_, a) in zip(texts, batch)]
         enc = tok(full, return_tensors="pt", padding=True, add_special_tokens=False)
         labels = enc["input_ids"].clone()
@@ -166,7 +170,7 @@ def pretrain_base(folder: Path, task: Task, *, target: float, seed: int) -> floa
         step += 1
         if step % 50 == 0:
             model.eval()
-            acc = greedy_accuracy(model, tok, task.val)
+            acc = greedy_accuracy(model, tok, task.val, suffix=suffix)
             print(f"  base model: step {step}, loss {loss.item():.3f}, validation accuracy {acc:.3f}", flush=True)
     model.eval()
     folder.mkdir(parents=True, exist_ok=True)
@@ -192,7 +196,7 @@ def study_spec(args: argparse.Namespace, kind: str, name: str, *, samples_per_st
     every --eval-every steps for the test curve, no evaluation inside the job."""
     return {
         "kind": kind, "name": name,
-        "model": {"name": MODEL, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
+        "model": {"name": args.model, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
         "dataset": {"name": "jsonl", "path": "train.jsonl", "val_path": "val.jsonl"},
         "rewards": [{"name": "numeric_match"}],
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "num_generations": 8, "max_new_tokens": 4,
@@ -230,6 +234,7 @@ def run_job(args: argparse.Namespace, spec: dict, name: str, seed: int) -> tuple
     spec = {**spec, "grpo": {**spec["grpo"], "seed": seed}}
     spec_file, out = args.work / f"{name}.yaml", args.work / name
     spec_file.write_text(yaml.safe_dump(spec))
+    shutil.rmtree(out, ignore_errors=True)  # a run's records are its own, not appended to an earlier attempt's
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads),
            "MKL_NUM_THREADS": str(args.threads), "GRPO_MODEL_ROOTS": str(args.work / "models"),
            "GRPO_DATASETS_ROOT": str(args.work / "data"), "GRPO_DATA_DIR": str(out / "service")}
@@ -248,12 +253,12 @@ def test_curve(args: argparse.Namespace, out: Path, task: Task, base_acc: float)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    folder = args.work / "models" / MODEL
+    folder = args.work / "models" / args.model
     tok = AutoTokenizer.from_pretrained(folder)
     curve = {0: base_acc}
     for ckpt in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])):
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), ckpt).eval()
-        curve[int(ckpt.name.split("-")[1])] = greedy_accuracy(model, tok, task.test)
+        curve[int(ckpt.name.split("-")[1])] = greedy_accuracy(model, tok, task.test, suffix=args.prompt_suffix)
     return curve
 
 
@@ -336,6 +341,7 @@ def study_arguments(ap: argparse.ArgumentParser, *, noise: float, train: int, wo
     ap.add_argument("--parallel", type=int, default=2, help="runs at once")
     ap.add_argument("--threads", type=int, default=1, help="threads per run")
     ap.add_argument("--work", type=Path, default=work, help="data, base model and runs")
+    ap.set_defaults(model=MODEL, prompt_suffix="")  # the base model's folder, and what its prompts end with
 
 
 def prepare(args: argparse.Namespace) -> tuple[Task, float]:
@@ -346,15 +352,16 @@ def prepare(args: argparse.Namespace) -> tuple[Task, float]:
     (args.work / "data").mkdir(parents=True, exist_ok=True)
     write_rows(args.work / "data" / "train.jsonl", task.train)
     write_rows(args.work / "data" / "val.jsonl", task.val)
-    folder = args.work / "models" / MODEL
+    write_rows(args.work / "data" / "test.jsonl", task.test)
+    folder = args.work / "models" / args.model
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / "config.json").exists():
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        pretrain_base(folder, task, target=args.base_acc, seed=0)
+        pretrain_base(folder, task, target=args.base_acc, seed=0, suffix=args.prompt_suffix)
     base_acc = greedy_accuracy(AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder),
-                               task.test)
+                               task.test, suffix=args.prompt_suffix)
     print(f"base model: test accuracy {base_acc:.3f}", flush=True)
     torch.set_num_threads(args.threads)
     return task, base_acc

@@ -221,13 +221,13 @@ class Spent:
     """What a step's sampling rounds cost (this rank's rows), and what its draw expected of them."""
 
     rollouts: int = 0  # completions (or episodes) sampled, every round
-    tokens: float = 0.0  # their generated tokens (an episode's: after its first prompt)
+    tokens: float = 0.0  # the tokens they generated (an episode's: the model's own, not the observations between)
     refill_rollouts: int = 0  # ... of them in refill rounds (grpo.drop_zero_std_groups)
     predicted: float | None = None  # the draw's predicted share of round 0's groups with a signal
 
     def add(self, batch: RolloutBatch, *, refill: bool) -> None:
         self.rollouts += len(batch)
-        self.tokens += float(batch.completion_mask.sum())
+        self.tokens += float(batch.loss_mask().sum())
         self.refill_rollouts += len(batch) if refill else 0
 
     def sums(self) -> dict[str, float]:

@@ -11,7 +11,7 @@ from service.core.specs import GRPOSpec
 from worker.batch import RolloutBatch
 from worker.datasets import Example
 from worker.loops.draws import Uniform, draw_share, pick
-from worker.loops.rollouts import Drawn, Tied, collect_rollouts
+from worker.loops.rollouts import Drawn, Spent, Tied, collect_rollouts
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import Reporter
 from worker.rewards import FunctionComponent, Scorer, lookup
@@ -82,6 +82,15 @@ def test_nothing_to_learn_after_the_last_refill_round():
     assert m["frac_reward_zero_std"] == 1.0 and m["selection/observed_signal"] == 0.0
     assert (m["selection/rollouts"], m["selection/refill_rollouts"]) == (3 * K * G, 2 * K * G)
     assert m["selection/generated_tokens"] > 0
+
+
+def test_an_episodes_generated_tokens_are_the_models_own_not_the_observations_between():
+    spent = Spent()
+    batch = replace(_batch(["a", "b"]), completion_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                    trained_mask=torch.tensor([[1, 0, 1], [1, 0, 0]]))  # [N=2, T=3]: turn, observation, turn
+    spent.add(batch, refill=False)
+    spent.add(_batch(["c"]), refill=True)  # a completion: every token of it
+    assert (spent.rollouts, spent.tokens, spent.refill_rollouts) == (3, 2 + 1 + 3, 1)
 
 
 def _unscorable_setup() -> SimpleNamespace:

@@ -22,7 +22,7 @@ Both are paired against `uniform` on the same seed, with a 95% Student-t interva
 
     python bench/selection.py                          # 12 seeds, 50 steps, every arm (about 20 min on 2 cores)
     python bench/selection.py --short                  # 2 seeds, 4 steps, an untrained base: the CI check
-    python bench/selection.py --environment            # the same study on episodes (after `make openenv`)
+    python bench/selection.py --environment            # the same study on episodes (after `make openenv`; ~55 min)
 
 `--environment` plays the task as an agent environment instead of a dataset: bench/sums_env.py serves the
 same rows over OpenEnv with its Task API (a unit of the draw is a training row's task), and an episode has
@@ -184,9 +184,9 @@ def sums_server(args: argparse.Namespace) -> Iterator[str]:
 
     from worker.engines.vllm_engine import free_port
 
-    python = ROOT / ".venv-openenv" / "bin" / "python"
+    python = Path(os.environ.get("GRPO_OPENENV_PYTHON") or ROOT / ".venv-openenv" / "bin" / "python")
     if not python.exists():
-        raise SystemExit("--environment needs OpenEnv's current release: run `make openenv` first")
+        raise SystemExit(f"--environment needs OpenEnv's current release ({python} is not there): run `make openenv`")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (args.work / "sums-env.log").open("w")

@@ -4,6 +4,8 @@ refill round on every step and trains on none)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -35,3 +37,28 @@ def test_the_short_mode_compares_every_arm_on_four_axes_at_the_cost_each_paid(tm
     # every group ties: each step refills once (max_refill_rounds 1), then is skipped, its rollouts still counted
     assert spent["rollouts", "refill"] == 2 * steps * prompts * G
     assert results["rollouts", "refill"]["diff"] == "+0.000"  # an untrained model: nothing to tell apart
+
+
+def test_the_environment_mode_plays_the_rows_as_an_agent_environments_tasks(tmp_path, openenv_python):
+    """--environment: the jobs play bench/sums_env.py's tasks over OpenEnv (a unit of the draw is a training
+    row), and an episode's tokens on the tokens axis are the model's turns alone, not the observations."""
+    r = subprocess.run([sys.executable, "bench/selection.py", "--short", "--environment", "--arms", "learnability",
+                        "--seeds", "1", "--work", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "GRPO_OPENENV_PYTHON": str(openenv_python)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = {(m["axis"], m["arm"]): m for m in (dict(re.findall(r"(\w+)=(\S+)", line))
+                                                  for line in r.stdout.splitlines() if line.startswith("RESULT "))}
+    assert set(results) == {(axis, arm) for axis in ("steps", "rollouts", "tokens", "seconds")
+                            for arm in ("uniform", "learnability")}
+    steps, prompts, G, turns, new_tokens = 4, 4, 8, 2, 4  # the short mode's, and the environment's turns
+    for arm in ("uniform", "learnability"):
+        episodes = float(results["rollouts", arm]["spent"])
+        assert episodes == steps * prompts * G
+        assert 0 < float(results["tokens", arm]["spent"]) <= episodes * turns * new_tokens
+    out = tmp_path / "learnability-seed-0"
+    [env] = [e for e in map(json.loads, (out / "events.jsonl").read_text().splitlines()) if e["type"] == "environment"]
+    assert env["data"]["url"].startswith("http://127.0.0.1:")  # bench/sums_env.py's server, by URL, as a user's
+    steps_m = [m["metrics"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if "selection/generated_tokens" in m["metrics"]]
+    for m in steps_m:  # the episodes held more tokens than the model wrote: the observations between its turns
+        assert m["selection/generated_tokens"] < m["env/episode_tokens_mean"] * m["selection/rollouts"]

@@ -9,7 +9,9 @@ AdamW steps at lr 3e-4; 1e-2 a long run):
   with float32's;
 - `logp_gap`: the mean |log-prob - float32's| a completion token;
 - `effect_cos`: the cosine of the adapter's change of the log-probs (with B against B = 0) with float32's:
-  how much of what the adapter learned the policy shows, rather than rounding.
+  how much of what the adapter learned the policy shows, rather than rounding;
+- `sampler_cos`: the same for the sampler's folded copy (W0 + s·B·A in the weights' dtype, as a job samples
+  and evaluates with it): a bfloat16 fold rounds the adapter's update into the weights once more.
 
 Speed, each variant's own sampler (the folded copy, as a job samples) and training forward + backward
 (worker/model/forward.py, shared prompts), the best of --repeats, interleaved so every variant sees the
@@ -19,7 +21,7 @@ same machine.
     python bench/precision.py --short          # the tiny model, one repeat: what CI runs
 
 A benchmark, never a test. Ends with one line per variant:
-RESULT variant=... b=... grad_cos=... logp_gap=... effect_cos=... decode_s=... train_s=... decode_ratio=... train_ratio=...
+RESULT variant=... b=... grad_cos=... logp_gap=... effect_cos=... sampler_cos=... decode_s=... train_s=... decode_ratio=... train_ratio=...
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from service.core.specs import DatasetSpec, LoraSpec, ModelSpec
 from worker.algos.lora import lora_layers
 from worker.batch import RolloutBatch, SamplingParams
 from worker.datasets import arith, render_example
+from worker.engines.folded import FoldedSampler, foldable
 from worker.engines.hf_engine import HFEngine
 from worker.model.forward import sequence_logprobs
 from worker.model.loading import load_policy
@@ -50,6 +53,7 @@ class Numerics:
     grad_cos: float
     logp_gap: float
     effect_cos: float
+    sampler_cos: float
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,20 +109,34 @@ def main() -> None:
     mask = batch.completion_mask.bool()
 
     numerics: dict[tuple[str, float], Numerics] = {}
+    folds = {name: FoldedSampler(m, layers) for name, m in models.items() if (layers := foldable(m)) is not None}
+
+    def logprobs(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_logprobs(model, batch, temperature, share_prompts=True)[0]
+
     for b in (float(x) for x in args.b.split(",")):
-        runs = {}
+        runs, sampled = {}, {}
         for name, model in models.items():
             set_b(model, 0.0)
-            with torch.no_grad():
-                base = sequence_logprobs(model, batch, temperature, share_prompts=True)[0]
+            base = logprobs(model)
+            fold = folds.get(name)
+            if fold is not None:
+                fold.fold()
+                base_sampler = logprobs(fold.model)
             set_b(model, b)
             logp, grad = loss_and_grad(model, batch, adv, temperature)
             runs[name] = (logp, grad, logp - base)
+            if fold is not None:
+                fold.fold()
+                sampled[name] = logprobs(fold.model) - base_sampler
         ref = runs["float32"]
         for name, (logp, grad, effect) in runs.items():
-            numerics[(name, b)] = Numerics(grad_cos=cosine(grad, ref[1]),
-                                           logp_gap=float((logp - ref[0])[mask].abs().mean()),
-                                           effect_cos=cosine(effect[mask], ref[2][mask]))
+            numerics[(name, b)] = Numerics(
+                grad_cos=cosine(grad, ref[1]), logp_gap=float((logp - ref[0])[mask].abs().mean()),
+                effect_cos=cosine(effect[mask], ref[2][mask]),
+                sampler_cos=cosine(sampled[name][mask], ref[2][mask]) if name in sampled else float("nan"))
+    del folds
 
     engines = {name: HFEngine(m, tok, "cpu", params, fold=True) for name, m in models.items()}
     decode: dict[str, list[float]] = {name: [] for name in models}
@@ -136,15 +154,17 @@ def main() -> None:
     best = {name: (min(decode[name]), min(training[name])) for name in models}
     print(f"{args.model}: {args.prompts} x {G} completions of up to {args.tokens} tokens, "
           f"{int(mask.sum())} completion tokens; {torch.get_num_threads()} threads")
-    print(f"{'variant':30} {'b':>7} {'grad_cos':>9} {'logp_gap':>9} {'effect_cos':>10} {'decode_s':>9} {'train_s':>8}")
+    print(f"{'variant':30} {'b':>7} {'grad_cos':>9} {'logp_gap':>9} {'effect_cos':>10} {'sampler_cos':>11} "
+          f"{'decode_s':>9} {'train_s':>8}")
     for (name, b), n in numerics.items():
         d, t = best[name]
-        print(f"{name:30} {b:7.0e} {n.grad_cos:9.5f} {n.logp_gap:9.4f} {n.effect_cos:10.3f} {d:9.2f} {t:8.2f}")
+        print(f"{name:30} {b:7.0e} {n.grad_cos:9.5f} {n.logp_gap:9.4f} {n.effect_cos:10.3f} {n.sampler_cos:11.3f} "
+              f"{d:9.2f} {t:8.2f}")
     d32, t32 = best["float32"]
     for (name, b), n in numerics.items():
         d, t = best[name]
         print(f"RESULT variant={name} b={b:g} grad_cos={n.grad_cos:.5f} logp_gap={n.logp_gap:.4f} "
-              f"effect_cos={n.effect_cos:.3f} decode_s={d:.2f} train_s={t:.2f} decode_ratio={d / d32:.3f} "
+              f"effect_cos={n.effect_cos:.3f} sampler_cos={n.sampler_cos:.3f} decode_s={d:.2f} train_s={t:.2f} decode_ratio={d / d32:.3f} "
               f"train_ratio={t / t32:.3f}")
 
 

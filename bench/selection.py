@@ -22,7 +22,7 @@ Both are paired against `uniform` on the same seed, with a 95% Student-t interva
 
     python bench/selection.py                          # 12 seeds, 50 steps, every arm (about 20 min on 2 cores)
     python bench/selection.py --short                  # 2 seeds, 4 steps, an untrained base: the CI check
-    python bench/selection.py --environment            # the same study on episodes (after `make openenv`; ~55 min)
+    python bench/selection.py --environment            # the same study on episodes (after `make openenv`; about 40 min)
 
 `--environment` plays the task as an agent environment instead of a dataset: bench/sums_env.py serves the
 same rows over OpenEnv with its Task API (a unit of the draw is a training row's task), and an episode has

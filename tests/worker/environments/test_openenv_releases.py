@@ -79,7 +79,9 @@ def test_the_echo_server_openenv_init_makes_trains_a_job_asking_for_four_session
 
 
 def test_a_worker_killed_mid_episode_leaves_no_session_open(tmp_path):
-    server = BundledServer("guess-number", tmp_path / "guess.log")
+    # each step first waits up to 0.5 s, so an episode's session stays open long enough for the 10 ms poll below
+    # to see it on a loaded machine (a tiny model's episode is otherwise over within milliseconds)
+    server = BundledServer("guess-number", tmp_path / "guess.log", step_delay_s=0.5)
     url = server.start()
     try:
         spec = _job(url, max_turns=4)

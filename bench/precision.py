@@ -136,7 +136,7 @@ def main() -> None:
                 grad_cos=cosine(grad, ref[1]), logp_gap=float((logp - ref[0])[mask].abs().mean()),
                 effect_cos=cosine(effect[mask], ref[2][mask]),
                 sampler_cos=cosine(sampled[name][mask], ref[2][mask]) if name in sampled else float("nan"))
-    del folds
+    del folds  # their weights, before the timed engines fold copies of their own
 
     engines = {name: HFEngine(m, tok, "cpu", params, fold=True) for name, m in models.items()}
     decode: dict[str, list[float]] = {name: [] for name in models}

@@ -41,8 +41,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import subprocess
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +59,7 @@ from selection_noisy import (
 )
 
 from service.core import evidence
+from worker.environments.servers import BundledServer
 
 ARMS = {  # arm -> (job kind, what it adds to the spec)
     "uniform": ("grpo", {}),
@@ -176,37 +175,32 @@ def report(runs: dict[str, dict[int, Run]], seeds: list[int], args: argparse.Nam
               f"hi={d.high:+.3f} auc_diff={da.estimate:+.3f} auc_lo={da.low:+.3f} auc_hi={da.high:+.3f}", flush=True)
 
 
+class SumsServer(BundledServer):
+    """bench/sums_env.py, started, awaited and stopped as the worker's own environment servers are."""
+
+    def __init__(self, data: Path, log_path: Path, *, python: Path) -> None:
+        super().__init__("sums", log_path, python=python)
+        self.data = data
+
+    def argv(self) -> list[str]:
+        return [str(self.python), str(ROOT / "bench" / "sums_env.py"), "--data", str(self.data), "--port",
+                str(self.port)]
+
+
 @contextlib.contextmanager
 def sums_server(args: argparse.Namespace) -> Iterator[str]:
     """bench/sums_env.py on a free loopback port, serving args.work's rows, for as long as the study runs; its
     URL, on the jobs' allow-list (GRPO_ENVIRONMENT_URLS)."""
-    import httpx
-
-    from worker.engines.vllm_engine import free_port
-
     python = Path(os.environ.get("GRPO_OPENENV_PYTHON") or ROOT / ".venv-openenv" / "bin" / "python")
     if not python.exists():
         raise SystemExit(f"--environment needs OpenEnv's current release ({python} is not there): run `make openenv`")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (args.work / "sums-env.log").open("w")
-    proc = subprocess.Popen([str(python), str(ROOT / "bench" / "sums_env.py"), "--data", str(args.work / "data"),
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    server = SumsServer(args.work / "data", args.work / "sums-env.log", python=python)
+    url = server.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"bench/sums_env.py did not start: see {args.work / 'sums-env.log'}")
-            time.sleep(0.3)
         os.environ["GRPO_ENVIRONMENT_URLS"] = url  # the jobs' processes inherit it
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        server.stop()
 
 
 def main() -> None:

@@ -41,10 +41,8 @@ class BundledServer:
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [str(self.python or sys.executable), "-m", "worker.environments.serve", self.name, "--port",
-                 str(self.port), "--parent", str(os.getpid()), *self.options], stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self._path()})
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **self._path()})
         _OPEN.append(self)
         deadline = time.monotonic() + START_TIMEOUT_S
         with httpx.Client(timeout=2.0) as http:
@@ -60,6 +58,11 @@ class BundledServer:
                 time.sleep(0.2)
         self.stop()
         raise EnvironmentFailed(f"the {self.name} environment server was not ready within {START_TIMEOUT_S:.0f} s")
+
+    def argv(self) -> list[str]:
+        """The server's command line, on `self.port` (a server of another module overrides it)."""
+        return [str(self.python or sys.executable), "-m", "worker.environments.serve", self.name, "--port",
+                str(self.port), "--parent", str(os.getpid()), *self.options]
 
     def _path(self) -> dict[str, str]:
         """Another environment's interpreter finds the worker's modules through PYTHONPATH."""

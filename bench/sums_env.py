@@ -11,7 +11,7 @@ among the training rows and a unit of `selection.prompts` is one of them. An epi
   sum of its turns').
 
 It needs OpenEnv's current release (the Task API is openenv 0.10's: `make openenv`), so it runs in
-.venv-openenv, with no torch:
+.venv-openenv, with no torch (so it reads answers itself: worker.rewards imports torch):
 
     .venv-openenv/bin/python bench/sums_env.py --data /tmp/selection-episodes/data --port 8013
 """
@@ -31,8 +31,10 @@ _INT = re.compile(r"-?\d+")
 
 
 def question(q: str) -> str:
-    """The study's jsonl prompt of a question (worker.datasets.render_prompt with no instruction or template)."""
-    return f"Question: {q}\nAnswer:"
+    """The study's jsonl prompt of a question: render_prompt with no instruction and no template."""
+    from worker.datasets import render_prompt  # torch-free: it imports in .venv-openenv
+
+    return render_prompt(None, q, "", chat=False)
 
 
 def answered(text: str, answer: str) -> bool:

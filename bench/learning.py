@@ -11,6 +11,7 @@ training `reward/mean`, and the mean ± standard error over seeds.
     python bench/learning.py --dtype auto --parallel 2         # each seed as the spec says and in auto, paired
     python bench/learning.py --dtype auto --fp32-head          # ... with auto's LM head multiplying in float32
     python bench/learning.py --dtype auto --eval-float32       # ... and auto's adapters evaluated in float32 too
+    python bench/learning.py --dtype auto --steps-b 15         # ... auto running 15 steps: also compared at equal time
     python bench/learning.py --cold-start bench/specs/cold-start-sft.yaml --spec bench/specs/cold-start-grpo.yaml
                                                                # SFT, then GRPO from it: base, SFT, GRPO, paired
 
@@ -151,7 +152,9 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     if args.steps:
         spec["grpo"]["steps"] = args.steps
     steps = spec["grpo"]["steps"]
-    other = {**spec, "model": {**spec["model"], "dtype": args.dtype, **({"fp32_head": True} if args.fp32_head else {})}}
+    steps_b = args.steps_b or steps  # the other side's last step: more steps where they cost it less time
+    other = {**spec, "model": {**spec["model"], "dtype": args.dtype, **({"fp32_head": True} if args.fp32_head else {})},
+             "grpo": {**spec["grpo"], "steps": steps_b}}
     mine = spec["model"].get("dtype", "float32")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     jobs = [(side, s) for s in seeds for side in (mine, args.dtype)]
@@ -175,10 +178,12 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     runs = {key: r for pairs in done for key, r in pairs}
     head = " with model.fp32_head" if args.fp32_head else ""
     print(f"\n{path.name}: model.dtype {mine} against {args.dtype}{head}, {steps} steps, {len(seeds)} paired seeds")
-    print(f"seed  {mine + ' acc':<16}{args.dtype + ' acc':<16}{mine + ' s':<12}{args.dtype + ' s':<12}")
+    late = f"{args.dtype} @{steps_b}" if steps_b != steps else ""
+    print(f"seed  {mine + ' acc':<16}{args.dtype + ' acc':<16}{late:<16}{mine + ' s':<12}{args.dtype + ' s':<12}")
     for s in seeds:
         a, b = runs[mine, s], runs[args.dtype, s]
-        print(f"{s:<5} {a.accuracy[steps]:<16.3f}{b.accuracy[steps]:<16.3f}{a.wall_s:<12.0f}{b.wall_s:<12.0f}")
+        b_late = f"{b.accuracy[steps_b]:.3f}" if late else ""
+        print(f"{s:<5} {a.accuracy[steps]:<16.3f}{b.accuracy[steps]:<16.3f}{b_late:<16}{a.wall_s:<12.0f}{b.wall_s:<12.0f}")
     diff = evidence.mean_interval([runs[args.dtype, s].accuracy[steps] - runs[mine, s].accuracy[steps] for s in seeds])
     wall = statistics.fmean(runs[args.dtype, s].wall_s / runs[mine, s].wall_s for s in seeds)
     acc = {side: mean_se([runs[side, s].accuracy[steps] for s in seeds]) for side in (mine, args.dtype)}
@@ -186,6 +191,15 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
           f"{acc[args.dtype][1]:.3f}; paired difference {diff.estimate:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]; "
           f"wall time {wall:.2f}x")
     more = ""
+    if steps_b != steps:  # the other side at its own last step against this side at the spec's: equal time, if
+        # steps_b / steps is about 1 / (the step-time ratio)
+        late = [runs[args.dtype, s].accuracy[steps_b] - runs[mine, s].accuracy[steps] for s in seeds]
+        diff_t = evidence.mean_interval(late)
+        m, se = mean_se([runs[args.dtype, s].accuracy[steps_b] for s in seeds])
+        print(f"{args.dtype} at step {steps_b} ({wall:.2f}x the wall time of {mine}'s {steps} steps): {m:.3f} ± {se:.3f}; "
+              f"paired difference against {mine} at step {steps} {diff_t.estimate:+.3f} [{diff_t.low:+.3f}, {diff_t.high:+.3f}]")
+        more += (f" steps_b={steps_b} acc_b_last={m:.3f} diff_last={diff_t.estimate:+.3f} lo_last={diff_t.low:+.3f} "
+                 f"hi_last={diff_t.high:+.3f}")
     if args.eval_float32:
         acc_e = [runs[evaluated, s].accuracy[0] for s in seeds]  # the step-0 evaluation: the trained adapter
         print("seed  " + "  ".join(f"{s}: {a:.3f}" for s, a in zip(seeds, acc_e))
@@ -194,7 +208,7 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
         m, se = mean_se(acc_e)
         print(f"{args.dtype} trained, evaluated in {mine}: {m:.3f} ± {se:.3f}; paired difference against {mine} "
               f"{diff_e.estimate:+.3f} [{diff_e.low:+.3f}, {diff_e.high:+.3f}]")
-        more = f" acc_b_eval_a={m:.3f} diff_eval_a={diff_e.estimate:+.3f} lo_eval_a={diff_e.low:+.3f} hi_eval_a={diff_e.high:+.3f}"
+        more += f" acc_b_eval_a={m:.3f} diff_eval_a={diff_e.estimate:+.3f} lo_eval_a={diff_e.low:+.3f} hi_eval_a={diff_e.high:+.3f}"
     print(f"RESULT spec={path.stem} compare={mine}:{args.dtype}{'+fp32_head' if args.fp32_head else ''} seeds={len(seeds)} acc_a={acc[mine][0]:.3f} "
           f"acc_b={acc[args.dtype][0]:.3f} diff={diff.estimate:+.3f} lo={diff.low:+.3f} hi={diff.high:+.3f} "
           f"wall_ratio={wall:.3f}{more}", flush=True)
@@ -276,6 +290,9 @@ def main() -> None:
                     "adapters on the spec's own (float32) weights, so training's share of a gap is told from evaluation's")
     ap.add_argument("--fp32-head", action="store_true", help="with --dtype: that side also sets model.fp32_head "
                     "(the LM head's matmul in float32)")
+    ap.add_argument("--steps-b", type=int, default=0, help="with --dtype: that side runs this many steps (it must "
+                    "evaluate at the spec's last step too), and is also compared at its own last step: equal time "
+                    "where the step ratio is the inverse of the steps'")
     ap.add_argument("--cold-start", type=Path, help="an sft spec run first for every seed; each --spec then starts "
                     "from its last checkpoint, and GRPO's gain over SFT alone is measured, paired")
     ap.add_argument("--keep", type=Path, help="with --cold-start: keep every seed's runs in this folder "

@@ -1,6 +1,7 @@
 """What a bfloat16 base costs and buys, by what flows between its matmuls (`model.activations`), side by side
 in one process: float32 weights; bfloat16 weights with bfloat16 activations (`weights`); bfloat16 weights
-with float32 activations (`float32`, auto's choice on a CPU).
+with float32 activations (`float32`, auto's choice on a CPU); and those with the LM head's matmul in float32
+(`model.fp32_head`), whose logits are not rounded to bfloat16.
 
 Numerics, against float32, on one batch sampled by the float32 policy (prompts x completions of the
 matched spec's task), with the LoRA adapter's B factors set alike to N(0, b²) (b = 1e-3 is about ten
@@ -42,8 +43,19 @@ from worker.engines.hf_engine import HFEngine
 from worker.model.forward import sequence_logprobs
 from worker.model.loading import load_policy
 
-VARIANTS = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "weights"),
-            "bfloat16+float32-activations": ("bfloat16", "float32")}  # variant -> (model.dtype, model.activations)
+
+@dataclass(frozen=True)
+class Variant:
+    """What one side loads as: the ModelSpec fields that set its precision."""
+
+    dtype: str
+    activations: str
+    fp32_head: bool = False
+
+
+VARIANTS = {"float32": Variant("float32", "auto"), "bfloat16": Variant("bfloat16", "weights"),
+            "bfloat16+float32-activations": Variant("bfloat16", "float32"),
+            "bfloat16+float32-activations+fp32-head": Variant("bfloat16", "float32", fp32_head=True)}
 
 
 @dataclass(frozen=True)
@@ -96,8 +108,9 @@ def main() -> None:
     temperature = 0.8
     params = SamplingParams(max_new_tokens=args.tokens, temperature=temperature)
     models, tok = {}, None
-    for name, (dtype, acts) in VARIANTS.items():
-        spec = ModelSpec(name=args.model, dtype=dtype, activations=acts, lora=LoraSpec(r=16, alpha=32))
+    for name, v in VARIANTS.items():
+        spec = ModelSpec(name=args.model, dtype=v.dtype, activations=v.activations, fp32_head=v.fp32_head,
+                         lora=LoraSpec(r=16, alpha=32))
         models[name], tok = load_policy(spec, models_root=settings.models_dir, device="cpu", seed=0)
     train, _ = arith(DatasetSpec(name="arith", difficulty=1))
     prompts = [render_example(tok, ex, "") for ex in train[:args.prompts]]

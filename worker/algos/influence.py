@@ -36,15 +36,50 @@ preconditioned score LESS (Xia et al. 2024) selects with. D_t needs gbar, known 
 batch's backward has run, so these scores are taken from the kept per-sample factors afterwards.
 On the first step (m = v = 0) D_1 ~ 0 where |gbar| >> eps: Adam's first step is a sign step, which
 no one sample's weight changes.
+
+Shared prompts (`SharedPrompt`, worker/model/prefix.py). Where a group's rows share their prompt's
+forward, the hooks see only the completions' positions, row by row; each row reads its prompt's keys,
+values and last hidden state from leaves y_i of its own. The prompt's positions add to <grad L_i, X>
+
+    <dL_i/dy_i, J_u X>        J_u X: the derivative of prompt u's outputs along X (forward-mode, U rows)
+
+and to the gradient of a weighted subset  J_u^T (sum_{i in u} w_i dL_i/dy_i)  (one backward of the
+prompts), so scores, rescoring and `fold` stay exact, and the prompts' positions run once per group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from worker.algos.lora import lora_layers
+
+
+class SharedPrompt(Protocol):
+    """A micro-batch's distinct prompts, run once, and its rows' leaves (worker/model/prefix.PromptPart)."""
+
+    @property
+    def inverse(self) -> torch.Tensor: ...  # [n] each row's prompt
+
+    @property
+    def leaves(self) -> list[torch.Tensor]: ...  # per row [n, ...]: after backward, .grad is that row's own
+
+    def outputs(self) -> list[torch.Tensor]: ...  # the prompts' outputs [U, ...], in a graph
+
+    def tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+@dataclass
+class _Prompt:
+    """A shared prompt's part in the scores: its rows among the batch's, and each leaf's per-row gradient."""
+
+    rows: torch.Tensor  # [n]
+    part: SharedPrompt
+    grads: list[torch.Tensor | None]  # per leaf [n, ...]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +133,8 @@ class GhostHooks:
         self.rows: torch.Tensor | None = None
         self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
         self.subset: dict[torch.Tensor, torch.Tensor] = {}  # folded subset gradient per LoRA weight
+        self.prompts: list[_Prompt] = []  # shared prompts, kept with the factors
+        self._paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> GhostHooks:
@@ -124,8 +161,8 @@ class GhostHooks:
 
     def _hook(self, i: int, which: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], None]:
         def forward_hook(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-            if i not in self.val_grads or not output.requires_grad:
-                return  # validation pass (or no grad): nothing to score yet
+            if i not in self.val_grads or not output.requires_grad or self._paused:
+                return  # validation pass (or no grad, or a prompts' backward for `fold`): nothing to score
             inp = _flat(inputs[0].detach())  # A: x' [N, L, d_in];  B: h [N, L, r]
             rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])
             g_a, g_b = self.val_grads[i]
@@ -157,6 +194,41 @@ class GhostHooks:
 
         return forward_hook
 
+    def _along(self, directions: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.Tensor, torch.Tensor]:
+        return {w: d for i, layer in enumerate(self.layers) for w, d in zip((layer.a.weight, layer.b.weight), directions[i])}
+
+    def add_prompt(self, part: SharedPrompt) -> None:
+        """Score what `part`'s prompts add to the rows of the micro-batch just backpropagated (`place`d
+        before it) against G_val, and keep it with the factors."""
+        if self.rows is None:
+            raise RuntimeError("place the micro-batch's rows before its shared prompts")
+        grads = [None if leaf.grad is None else leaf.grad.detach() for leaf in part.leaves]
+        part.leaves.clear()  # the values are not needed again: only their gradients
+        kept = _Prompt(self.rows, part, grads)
+        self._pending.append((kept.rows, self._prompt_scores(kept, self._along(self.val_grads))))
+        if self.keep_factors:
+            self.prompts.append(kept)
+
+    @staticmethod
+    def _prompt_scores(p: _Prompt, directions: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[n] float64: <dL_i/dy_i, J_u X> over the part's leaves."""
+        tangents = p.part.tangents(directions)
+        n = len(p.rows)
+        total = torch.zeros(n, dtype=torch.float64, device=p.part.inverse.device)
+        for g, t in zip(p.grads, tangents):
+            if g is not None:
+                total += torch.linalg.vecdot(g.reshape(n, -1).double(), t[p.part.inverse].reshape(n, -1).double())
+        return total
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No scoring in here (a backward of the prompts for `fold`)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
     @property
     def scores(self) -> torch.Tensor:
         """[N] float64 influence of every training row scored so far."""
@@ -186,6 +258,9 @@ class GhostHooks:
             x = directions[i][0 if which == "A" else 1].reshape(-1).to(per.device, torch.float64)  # [r*d_in] | [d_out*r]
             self._scores.index_add_(0, rows.to(self._scores.device), (per.reshape(per.shape[0], -1).double() @ x)
                                     .to(self._scores.device))
+        along = self._along(directions) if self.prompts else {}
+        for p in self.prompts:
+            self._scores.index_add_(0, p.rows.to(self._scores.device), self._prompt_scores(p, along).to(self._scores.device))
         return self._scores
 
     def start_scoring(self, n: int, device: torch.device | str) -> None:
@@ -202,8 +277,9 @@ class GhostHooks:
         return self.subset.get(p, torch.zeros_like(p))
 
     def release(self) -> None:
-        """Let go of the kept per-sample factors and the folded subset gradient."""
+        """Let go of the kept per-sample factors, shared prompts and the folded subset gradient."""
         self.factors.clear()
+        self.prompts.clear()
         self.subset.clear()
 
     def fold(self, weights: torch.Tensor) -> None:
@@ -225,6 +301,40 @@ class GhostHooks:
                 self.subset[p] = torch.zeros(per.shape[1:], dtype=per.dtype, device=per.device)
             self.subset[p].view(-1).addmv_(per.reshape(per.shape[0], -1).T, w)  # += sum_i w_i grad_i
         self.factors.clear()
+        for kept in self.prompts:
+            self._fold_prompt(kept, weights)
+        self.prompts.clear()
+
+    def _prompt_gradient(self, p: _Prompt, weights: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(LoRA weight, J_u^T (sum_{i in u} w_i dL_i/dy_i) over the part's prompts u): one backward of them."""
+        w = weights[p.rows.to(weights.device)]
+        if not bool(w.any()):
+            return []
+        params = [x for layer in self.layers for x in (layer.a.weight, layer.b.weight)]
+        with self.paused(), torch.enable_grad():
+            outs = p.part.outputs()  # [U, ...]
+            cotangents = []
+            for g, out in zip(p.grads, outs):
+                c = torch.zeros_like(out)
+                if g is not None:  # each row's weighted gradient, summed into its prompt's
+                    c.index_add_(0, p.part.inverse, (g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1))).to(c.dtype))
+                cotangents.append(c)
+            grads = torch.autograd.grad(outs, params, grad_outputs=cotangents, allow_unused=True)
+        return [(x, g) for x, g in zip(params, grads) if g is not None]
+
+    def _fold_prompt(self, p: _Prompt, weights: torch.Tensor) -> None:
+        for x, g in self._prompt_gradient(p, weights):
+            if x not in self.subset:
+                self.subset[x] = torch.zeros_like(g)
+            self.subset[x] += g.to(self.subset[x].dtype)
+
+    def complete_gradient(self, n: int) -> None:
+        """Add the kept shared prompts' part of the whole batch's gradient (every one of its `n` rows with
+        weight 1) to the LoRA weights' .grad, which the backward stopped at their leaves."""
+        ones = torch.ones(n, dtype=torch.float64)
+        for kept in self.prompts:
+            for x, g in self._prompt_gradient(kept, ones):
+                x.grad = g.to(x.dtype) if x.grad is None else x.grad + g.to(x.grad.dtype)
 
     def gram(self, gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """[N, N] inner products <grad_i, grad_j> of the training samples over the LoRA weights, from
@@ -232,6 +342,8 @@ class GhostHooks:
         `gather` maps this process's per-sample rows [n, d] to the whole batch's [N, d] (data parallel)."""
         if not self.keep_factors:
             raise RuntimeError("GhostHooks(keep_factors=True) is needed for the Gram matrix")
+        if self.prompts:
+            raise RuntimeError("the Gram matrix needs every row's own prompt: score without shared prompts")
         n = self.scores.numel()
         per_layer: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for i, rows, which, per in self.factors:

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from service.core.fingerprint import EVENT as FINGERPRINT
 from service.core.settings import Settings
-from service.core.specs import GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob
+from service.core.specs import PAIRWISE, GRPOJob, GRPOSpec, InitFrom, JointJob, SFTJob, TracInJob
 from worker.algos.lora import base_model, is_lora
 from worker.batch import RolloutEngine, SamplingParams
 from worker.datasets import TaskData, load_task, render_example
@@ -39,7 +39,7 @@ from worker.parallel.distributed import SINGLE, Ranks, shard
 from worker.parallel.launch import place, trainer_gpus, visible_gpus
 from worker.reporting import Records, Reporter
 from worker.rewards import RewardFailure, Scorer, build_scorer
-from worker.training import make_optimizer, make_scheduler, trainable
+from worker.training import has_dropout, make_optimizer, make_scheduler, trainable
 
 AnySpec = GRPOJob | TracInJob | JointJob | SFTJob
 RLJob = GRPOJob | TracInJob | JointJob  # the kinds that sample groups and score them: what the RL parts read
@@ -73,10 +73,13 @@ class Setup(Generic[S]):
     @property
     def share_prompts(self) -> bool:
         """Whether a group's rows share their prompt's forward (grpo.share_prompts; worker/model/prefix.py):
-        never under TracIn, whose hooks take each row's own activations, nor with a sharded policy, whose
-        processes' forwards must stay in lockstep."""
-        return isinstance(self.spec.train, GRPOSpec) and self.spec.train.share_prompts and \
-            self.spec.kind != "tracin" and not self.sharded
+        not with a sharded policy, whose processes' forwards must stay in lockstep; under TracIn, not for the
+        selections that compare samples with each other (their Gram matrix needs every row's own prompt)
+        nor with dropout (the prompts' extra passes would draw other masks)."""
+        if not (isinstance(self.spec.train, GRPOSpec) and self.spec.train.share_prompts) or self.sharded:
+            return False
+        tracin = getattr(self.spec, "tracin", None)
+        return tracin is None or (tracin.selection not in PAIRWISE and not has_dropout(self.model))
 
     def trainables(self) -> Trainables:
         """What a checkpoint holds."""

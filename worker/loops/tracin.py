@@ -27,6 +27,7 @@ Run it:  grpo-jobs run examples/tracin-minimal.yaml --out runs/tracin
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import Rollouts, Tied, collect_rollouts
 from worker.loops.setup import Setup, build, of_kind
 from worker.loops.sources import TrainRollouts, draw_validation
+from worker.model import prefix
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Records, Reporter
 from worker.training import grad_norm, seed_everything, step_seed, trainable
@@ -55,11 +57,22 @@ def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.
                         hooks: GhostHooks | None = None, *, with_entropy: bool = True,
                         after_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """Every sample's share of the batch loss, forward and backward in micro-batches: the hooks see
-    each one and place its samples by their rows."""
+    each one and place its samples by their rows. Where rows share their prompt's forward (Setup.share_prompts),
+    the hooks also take what each micro-batch's prompts add to its rows (worker/model/prefix.py)."""
     place = None if hooks is None else (lambda rows: hooks.place(torch.tensor(rows)))
-    p = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
-                             update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step, with_entropy=with_entropy,
-                             before=place, after=after_micro_batch)
+    with prefix.taped_prompts() if hooks is not None else contextlib.nullcontext() as tape:
+
+        def after() -> None:
+            if tape is not None and hooks is not None:
+                for part in tape.parts:
+                    hooks.add_prompt(part)
+                tape.parts.clear()
+            if after_micro_batch is not None:
+                after_micro_batch()
+
+        p = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
+                                 update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step,
+                                 with_entropy=with_entropy, before=place, after=after)
     return p.reduced(s.ranks).metrics()
 
 
@@ -191,6 +204,7 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
         # moments AdamW's step is sign(gbar), whose derivative in any sample's weight is ~0 (D_1 ~ eps/u^2),
         # so its scores carry no ranking (bench/influence_truth.py: there the sgd score ranks best)
         if s.spec.tracin.geometry != "sgd" and s.optimizer.state:
+            hooks.complete_gradient(len(ro))  # gbar is every row's gradient, the shared prompts' positions too
             hooks.rescore(adam_directions(s, hooks, moments_fixed=s.spec.tracin.geometry == "adam_fixed_state"))
     t1 = time.perf_counter()
     every = ro.gather(hooks.scores)

@@ -8,15 +8,24 @@ where 920 are distinct (bench/prefix.py). Gradients reach the prompt's positions
 backward sums the G rows' gradients), so the loss, the log-probs and every gradient are those of the
 per-row forward, to rounding.
 
-Not for: gradient checkpointing (transformers drops the cache of a checkpointed layer), caches that are not
-plain full attention (sliding windows), and per-sample hooks that expect one row per sample in every
-forward (TracIn's): the caller says when rows may share.
+Not for: gradient checkpointing (transformers drops the cache of a checkpointed layer) and caches that are
+not plain full attention (sliding windows): the caller says when rows may share.
+
+Per-sample gradients (TracIn's hooks, worker/algos/influence.py) need each row's own share of the prompt's
+gradient, which the shared forward's backward sums over the group. Inside `taped_prompts()` the prompt's
+forward runs without a graph instead, and each row goes on from its own leaf copy of its prompt's keys,
+values and last hidden state: after backward, a leaf's .grad is that row's gradient there alone. What the
+prompt's positions add to a row's gradient is then a product with those leaves (`PromptPart`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -41,6 +50,76 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Prompt
     first = torch.full((len(distinct),), n, dtype=torch.long, device=inverse.device)
     first = first.scatter_reduce(0, inverse, torch.arange(n, device=inverse.device), reduce="amin")  # [U]
     return PromptGroups(first=first, inverse=inverse)
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    """One shared forward's distinct prompts, run without a graph, and its rows' leaves."""
+
+    decoder: torch.nn.Module
+    inputs: dict[str, torch.Tensor]  # the prompts' forward: input_ids, attention_mask, position_ids [U, P]
+    inverse: torch.Tensor  # [N] each row's prompt
+    leaves: list[torch.Tensor]  # per row: every layer's keys and values [N, h, P, d], then the last hidden [N, 1, H]
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The prompts' keys and values and last hidden state [U, ...], in `leaves`' order, from a forward
+        with the current weights (in a graph where grad is enabled, for a backward through the prompts)."""
+        config: Any = self.decoder.config
+        cache = DynamicCache(config=config)
+        hidden = self.decoder(**self.inputs, cache=cache, use_cache=True).last_hidden_state  # [U, P, H]
+        return [*keys_values(cache), hidden[:, -1:]]
+
+    def tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        """The derivative of `outputs()` [U, ...] along `directions` (a tangent per parameter of the decoder,
+        the others held fixed), by forward-mode AD: one forward of the distinct prompts. Attention runs in
+        SDPA's math kernel, the one with forward-mode derivatives on every device."""
+        from torch.func import functional_call, jvp
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names: dict[torch.Tensor, str] = {p: n for n, p in self.decoder.named_parameters()}
+        params = list(directions)
+        config: Any = self.decoder.config
+
+        def outputs(*weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            cache = DynamicCache(config=config)
+            kw = {**self.inputs, "cache": cache, "use_cache": True}
+            hidden = functional_call(self.decoder, {names[p]: w for p, w in zip(params, weights)}, (), kw).last_hidden_state
+            return (*keys_values(cache), hidden[:, -1:])
+
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            done = jvp(outputs, tuple(p.detach() for p in params), tuple(directions[p].to(p.dtype) for p in params))
+        return list(done[1])
+
+
+def keys_values(cache: DynamicCache) -> list[torch.Tensor]:
+    """Every layer's keys and values of a cache of full-attention layers, in order."""
+    out = []
+    for layer in cache.layers:
+        kv = cast(DynamicLayer, layer)
+        assert kv.keys is not None and kv.values is not None, "a layer the forward did not fill"
+        out += [kv.keys, kv.values]
+    return out
+
+
+@dataclass
+class PromptTape:
+    """The shared forwards run inside `taped_prompts()`, in order."""
+
+    parts: list[PromptPart] = field(default_factory=list)
+
+
+_TAPE: ContextVar[PromptTape | None] = ContextVar("prompt_tape", default=None)
+
+
+@contextmanager
+def taped_prompts() -> Iterator[PromptTape]:
+    """Shared prompts run without a graph, each row from its own leaves (module docstring)."""
+    tape = PromptTape()
+    token = _TAPE.set(tape)
+    try:
+        yield tape
+    finally:
+        _TAPE.reset(token)
 
 
 def checkpointing(decoder: torch.nn.Module) -> bool:
@@ -76,12 +155,22 @@ def completion_hidden(decoder: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     attn, positions = kw["attention_mask"], kw["position_ids"]
     assert isinstance(attn, torch.Tensor) and isinstance(positions, torch.Tensor)
     f = groups.first
-    prompt: torch.Tensor = decoder(input_ids=prompt_ids[f], attention_mask=prompt_mask[f], position_ids=positions[f, :P],
-                     cache=cache, use_cache=True).last_hidden_state  # [U, P, H]
+    inputs = dict(input_ids=prompt_ids[f], attention_mask=prompt_mask[f], position_ids=positions[f, :P])
+    tape = _TAPE.get()
+    with torch.no_grad() if tape is not None else contextlib.nullcontext():
+        prompt: torch.Tensor = decoder(**inputs, cache=cache, use_cache=True).last_hidden_state  # [U, P, H]
     first_token = prompt[groups.inverse, -1:]  # [N, 1, H]: the prompt's last position predicts token 0
+    if tape is not None:  # each row from leaves of its own (the module docstring)
+        first_token.requires_grad_()
+        for layer in cache.layers:
+            kv = cast(DynamicLayer, layer)
+            assert kv.keys is not None and kv.values is not None
+            kv.keys, kv.values = kv.keys[groups.inverse].requires_grad_(), kv.values[groups.inverse].requires_grad_()
+        tape.parts.append(PromptPart(decoder, inputs, groups.inverse, [*keys_values(cache), first_token]))
+    elif t > 1:
+        cache.batch_select_indices(groups.inverse)  # each row's copy of its prompt's keys and values [N, ...]
     if t == 1:
         return first_token
-    cache.batch_select_indices(groups.inverse)  # each row's copy of its prompt's keys and values [N, ...]
     rest: torch.Tensor = decoder(input_ids=completion_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, P:-1],
                    cache=cache, use_cache=True).last_hidden_state  # [N, t-1, H]: token j predicts token j+1
     return torch.cat([first_token, rest], dim=1)

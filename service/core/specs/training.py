@@ -106,7 +106,9 @@ class GRPOSpec(TrainSpec):
         True, description="Teacher-forced forwards (training, old and reference log-probs) compute a group's prompt "
         "once and go on from it for each completion: the same gradients to rounding, for a third of the positions "
         "on the matched spec. false: one forward per row, whose rounding does not depend on how rows are grouped "
-        "in micro-batches and processes. TracIn and sharded policies always run one forward per row.")
+        "in micro-batches and processes. TracIn shares too, taking each row's own part of the prompt's gradient from "
+        "leaves of its own (exact: worker/model/prefix.py), except with dropout or a selection that compares samples "
+        "with each other (top_cosine, greedy); sharded policies always run one forward per row.")
 
     SECTION: ClassVar[str] = "grpo"
 

@@ -79,6 +79,37 @@ def test_adam_scores_start_once_adamw_holds_moments(tmp_path, settings_factory, 
     assert nonzero, "step 2 should have samples with a signal"
 
 
+@pytest.mark.parametrize("selection,epochs,score", [
+    ("positive", 1, "sgd"), ("top_fraction", 1, "adam_fixed_state"), ("positive", 2, "sgd")])
+def test_shared_prompts_score_select_and_update_as_one_forward_per_row(tmp_path, settings_factory, digit_reward,
+                                                                       selection, epochs, score):
+    """A group's prompt run once (its positions' part of each row's score and of the update taken from leaves
+    of the row's own, worker/model/prefix.py) gives every step the scores, the selection and the update of
+    one forward per row. In float64, to float32's rounding: a shared forward's gradient is off the per-row one
+    by ~4e-7 even in float64, in GRPO's own sharing as here (tests/worker/model/test_prefix.py), and AdamW's
+    geometry divides by the gradient's root mean square. Micro-batches of 3 cut groups of 4 apart; the first is
+    streamed and folded micro-batch by micro-batch, the second rescored in AdamW's geometry and folded once,
+    the third trains on its selection for two epochs."""
+    def run(share):
+        d = _spec(selection, epochs, score=score, val_regenerate_every=2)
+        d["model"] = {**d["model"], "dtype": "float64"}
+        d["grpo"] = {**d["grpo"], "share_prompts": share}
+        out = tmp_path / str(share)
+        assert tracin.run(TracInJob.model_validate(d), FileReporter(out), settings=settings_factory()).status == "succeeded"
+        metrics = {m["step"]: m["metrics"] for m in _lines(out / "metrics.jsonl") if m["step"] > 0}
+        return {s["step"]: s["scores"] for s in _lines(out / "selections.jsonl")}, metrics
+
+    (shared, shared_m), (each, each_m) = run(True), run(False)
+    assert shared.keys() == each.keys() == {1, 2, 3}
+    for step in shared:
+        assert [c for _, _, c in shared[step]] == [c for _, _, c in each[step]]  # the same samples kept
+        a, b = ([v for _, v, _ in x[step]] for x in (shared, each))
+        scale = max(abs(v) for v in b)
+        assert scale > 0 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-4 * scale
+        assert shared_m[step]["grad_norm"] == pytest.approx(each_m[step]["grad_norm"], rel=1e-5)
+        assert shared_m[step]["loss/total"] == pytest.approx(each_m[step]["loss/total"], rel=1e-5, abs=1e-12)
+
+
 @pytest.mark.parametrize("selection", ["random", "pass_rate", "all"])
 def test_baselines_train_without_influence(tmp_path, settings_factory, digit_reward, selection):
     spec = _spec(selection)

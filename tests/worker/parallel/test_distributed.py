@@ -56,13 +56,14 @@ CASES = {
     # a worker short of memory: the plan turns checkpointing on, the same on every rank (FSDP2's non-reentrant kind)
     "grpo-fsdp-low-memory": {"kind": "grpo", "model": {"name": "tiny-random-llama"}, "sharding": "fsdp",
                              "grpo": {**STEPS, "learning_rate": 1e-3, "kl_coef": 0.05, "loss_agg": "dr_grpo"}},
+    # micro-batches of whole groups, as in grpo-lora: each prompt's forward is shared by the same rows either way
     "tracin-positive": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                         "tracin": {"val_prompts": 3, "val_generations": 4},
-                        "grpo": {**STEPS, "learning_rate": 1e-2}},
+                        "grpo": {**STEPS, "micro_batch_size": 4, "learning_rate": 1e-2}},
     # scored in AdamW's geometry from step 2: D_t from the batch gradient summed over both ranks
     "tracin-adam": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                     "tracin": {"score": "adam", "val_prompts": 3, "val_generations": 4},
-                    "grpo": {**STEPS, "learning_rate": 1e-2}},
+                    "grpo": {**STEPS, "micro_batch_size": 4, "learning_rate": 1e-2}},
     "tracin-greedy": {"kind": "tracin", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
                       "tracin": {"selection": "greedy", "fraction": 0.5, "val_prompts": 3, "val_generations": 4},
                       "grpo": {**STEPS, "learning_rate": 1e-2}},

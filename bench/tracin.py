@@ -7,10 +7,12 @@
    batched pass, so what it costs over the hooks is only the lost batching, which on a CPU is small
    and on a GPU is most of the cost.
 2. A step of the real TracIn loop against a step of the real GRPO loop on the same settings and
-   seed, each loop in its own process so that each one's peak memory is its own; and against GRPO
-   with `grpo.share_prompts: false`, which takes every row's own prompt positions as TracIn must
-   (a sample's influence needs its own gradient at the prompt's positions, so TracIn never shares a
-   group's prompt): the first ratio is what TracIn costs a user, the second what its influence adds.
+   seed, each loop in its own process so that each one's peak memory is its own; each loop twice, with
+   a group's prompt run once (`grpo.share_prompts`, the default: TracIn takes each row's part of the
+   prompt's gradient from leaves of its own, worker/model/prefix.py) and with one forward per row
+   (`share_prompts: false`). `step_ratio` is what TracIn costs a user against GRPO, `*_unshared` TracIn
+   against one-forward-per-row GRPO (what the influence adds on its own), and `*_tracin_unshared` TracIn
+   without shared prompts against GRPO (what sharing them saves TracIn).
 
     python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 8] [--generations 8]
 
@@ -26,7 +28,7 @@ see the same machine state: on this VM, timings of the same pass drifted up to 2
 `--scoring-only` skips part 2.
 
 Ends with: RESULT speedup_vs_naive=... max_rel_err=... step_ratio=... mem_ratio=... step_ratio_unshared=...
-mem_ratio_unshared=...
+mem_ratio_unshared=... step_ratio_tracin_unshared=... mem_ratio_tracin_unshared=...
 """
 
 from __future__ import annotations
@@ -55,13 +57,13 @@ from worker.machine import allocator
 from worker.model.forward import sequence_logprobs
 from worker.reporting import Reporter
 
-LOOPS = ("grpo", "grpo-unshared", "tracin")  # the processes `lockstep` runs, in turns
+LOOPS = ("grpo", "grpo-unshared", "tracin", "tracin-unshared")  # the processes `lockstep` runs, in turns
 
 
 def job(args, kind: str, steps: int) -> dict:
     """The spec of one loop: `kind` is one of LOOPS."""
     spec = {
-        "kind": "grpo" if kind == "grpo-unshared" else kind,
+        "kind": kind.removesuffix("-unshared"),
         "model": {"name": args.model, "lora": {"r": args.lora_r}},
         "dataset": {"name": "arith"},
         # a graded reward beside the exact one, so advantages (and scores) are rarely all zero
@@ -69,9 +71,9 @@ def job(args, kind: str, steps: int) -> dict:
         "grpo": {"steps": steps, "prompts_per_step": args.prompts, "num_generations": args.generations,
                  "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.micro_batch,
                  "learning_rate": 1e-4, "temperature": 1.0, "eval_prompts": 1, "samples_per_step": 0,
-                 "share_prompts": kind != "grpo-unshared"},
+                 "share_prompts": not kind.endswith("-unshared")},
     }
-    if kind == "tracin":
+    if kind.startswith("tracin"):
         spec["tracin"] = {"val_prompts": args.val_prompts, "val_generations": args.val_generations,
                           "val_regenerate_every": args.val_regenerate_every, "score": args.score}
     return spec
@@ -262,7 +264,8 @@ def main() -> None:
                     help="tracin.score of the TracIn loop (sgd streams positive's factors micro-batch by micro-batch)")
     ap.add_argument("--rounds", type=int, default=4, help="Hooks passes interleaved with the per-sample ones.")
     ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")
-    ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the loops: GRPO, unshared GRPO, TracIn).")
+    ap.add_argument("--loops-only", action="store_true", help="Only part 2 (the loops: GRPO and TracIn, each with "
+                    "shared prompts and with one forward per row).")
     ap.add_argument("--child", choices=LOOPS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -296,10 +299,10 @@ def report_loops(args, runs: dict[str, dict]) -> str:
     print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
           f"in micro-batches of {args.micro_batch}, "
           f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
-    t = runs["tracin"]
-    return " ".join(f"step_ratio{tag}={t['step_s'] / runs[kind]['step_s']:.3f} "
-                    f"mem_ratio{tag}={t['peak_mb'] / runs[kind]['peak_mb']:.3f}"
-                    for kind, tag in (("grpo", ""), ("grpo-unshared", "_unshared")))
+    return " ".join(f"step_ratio{tag}={runs[a]['step_s'] / runs[b]['step_s']:.3f} "
+                    f"mem_ratio{tag}={runs[a]['peak_mb'] / runs[b]['peak_mb']:.3f}"
+                    for a, b, tag in (("tracin", "grpo", ""), ("tracin", "grpo-unshared", "_unshared"),
+                                      ("tracin-unshared", "grpo", "_tracin_unshared")))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 import torch
 
@@ -71,6 +71,9 @@ class SharedPrompt(Protocol):
     def outputs(self) -> list[torch.Tensor]: ...  # the prompts' outputs [U, ...], in a graph
 
     def tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def merged(self, parts: list[Self], grads: list[list[torch.Tensor | None]]
+               ) -> tuple[Self, list[torch.Tensor | None]]: ...  # many parts as one, and their rows' grads
 
 
 @dataclass
@@ -133,7 +136,8 @@ class GhostHooks:
         self.rows: torch.Tensor | None = None
         self.factors: list[tuple[int, torch.Tensor, str, torch.Tensor]] = []  # (layer, rows, "A"/"B", per-sample grad)
         self.subset: dict[torch.Tensor, torch.Tensor] = {}  # folded subset gradient per LoRA weight
-        self.prompts: list[_Prompt] = []  # shared prompts, kept with the factors
+        self.prompts: list[_Prompt] = []  # shared prompts, kept with the factors (or until scored)
+        self._unscored: list[_Prompt] = []  # those not yet in `scores`: scored together when they are read
         self._paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -198,16 +202,24 @@ class GhostHooks:
         return {w: d for i, layer in enumerate(self.layers) for w, d in zip((layer.a.weight, layer.b.weight), directions[i])}
 
     def add_prompt(self, part: SharedPrompt) -> None:
-        """Score what `part`'s prompts add to the rows of the micro-batch just backpropagated (`place`d
-        before it) against G_val, and keep it with the factors."""
+        """Keep what `part`'s prompts add to the rows of the micro-batch just backpropagated (`place`d
+        before it): scored against G_val when `scores` is next read (all parts in one forward-mode pass,
+        none if `rescore` comes first), kept with the factors for `rescore` and `fold`."""
         if self.rows is None:
             raise RuntimeError("place the micro-batch's rows before its shared prompts")
         grads = [None if leaf.grad is None else leaf.grad.detach() for leaf in part.leaves]
         part.leaves.clear()  # the values are not needed again: only their gradients
         kept = _Prompt(self.rows, part, grads)
-        self._pending.append((kept.rows, self._prompt_scores(kept, self._along(self.val_grads))))
-        if self.keep_factors:
-            self.prompts.append(kept)
+        self.prompts.append(kept)
+        self._unscored.append(kept)
+
+    @staticmethod
+    def _merged(prompts: list[_Prompt]) -> _Prompt:
+        """Several parts as one: their prompts in one forward (a pass's cost is mostly per layer and call)."""
+        if len(prompts) == 1:
+            return prompts[0]
+        part, grads = prompts[0].part.merged([p.part for p in prompts], [p.grads for p in prompts])
+        return _Prompt(torch.cat([p.rows for p in prompts]), part, grads)
 
     @staticmethod
     def _prompt_scores(p: _Prompt, directions: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -242,6 +254,13 @@ class GhostHooks:
                 total = torch.stack(parts).to(self._scores.device, torch.float64).sum(0)  # [n]
                 self._scores.index_add_(0, rows.to(self._scores.device), total)
             self._pending.clear()
+        if self._unscored:
+            p = self._merged(self._unscored)
+            self._scores.index_add_(0, p.rows.to(self._scores.device),
+                                    self._prompt_scores(p, self._along(self.val_grads)).to(self._scores.device))
+            self._unscored.clear()
+            if not self.keep_factors:
+                self.prompts.clear()
         return self._scores
 
     def rescore(self, directions: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -258,9 +277,11 @@ class GhostHooks:
             x = directions[i][0 if which == "A" else 1].reshape(-1).to(per.device, torch.float64)  # [r*d_in] | [d_out*r]
             self._scores.index_add_(0, rows.to(self._scores.device), (per.reshape(per.shape[0], -1).double() @ x)
                                     .to(self._scores.device))
-        along = self._along(directions) if self.prompts else {}
-        for p in self.prompts:
-            self._scores.index_add_(0, p.rows.to(self._scores.device), self._prompt_scores(p, along).to(self._scores.device))
+        self._unscored.clear()
+        if self.prompts:
+            p = self._merged(self.prompts)
+            self._scores.index_add_(0, p.rows.to(self._scores.device),
+                                    self._prompt_scores(p, self._along(directions)).to(self._scores.device))
         return self._scores
 
     def start_scoring(self, n: int, device: torch.device | str) -> None:
@@ -280,6 +301,7 @@ class GhostHooks:
         """Let go of the kept per-sample factors, shared prompts and the folded subset gradient."""
         self.factors.clear()
         self.prompts.clear()
+        self._unscored.clear()
         self.subset.clear()
 
     def fold(self, weights: torch.Tensor) -> None:
@@ -301,9 +323,10 @@ class GhostHooks:
                 self.subset[p] = torch.zeros(per.shape[1:], dtype=per.dtype, device=per.device)
             self.subset[p].view(-1).addmv_(per.reshape(per.shape[0], -1).T, w)  # += sum_i w_i grad_i
         self.factors.clear()
-        for kept in self.prompts:
-            self._fold_prompt(kept, weights)
+        if self.prompts:
+            self._fold_prompt(self._merged(self.prompts), weights)
         self.prompts.clear()
+        self._unscored.clear()
 
     def _prompt_gradient(self, p: _Prompt, weights: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(LoRA weight, J_u^T (sum_{i in u} w_i dL_i/dy_i) over the part's prompts u): one backward of them."""
@@ -331,10 +354,10 @@ class GhostHooks:
     def complete_gradient(self, n: int) -> None:
         """Add the kept shared prompts' part of the whole batch's gradient (every one of its `n` rows with
         weight 1) to the LoRA weights' .grad, which the backward stopped at their leaves."""
-        ones = torch.ones(n, dtype=torch.float64)
-        for kept in self.prompts:
-            for x, g in self._prompt_gradient(kept, ones):
-                x.grad = g.to(x.dtype) if x.grad is None else x.grad + g.to(x.grad.dtype)
+        if not self.prompts:
+            return
+        for x, g in self._prompt_gradient(self._merged(self.prompts), torch.ones(n, dtype=torch.float64)):
+            x.grad = g.to(x.dtype) if x.grad is None else x.grad + g.to(x.grad.dtype)
 
     def gram(self, gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """[N, N] inner products <grad_i, grad_j> of the training samples over the LoRA weights, from

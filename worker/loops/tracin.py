@@ -6,7 +6,9 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
   2. its loss (the same clipped surrogate, summed into one direction) is backpropagated and the
      LoRA gradient G_val is kept per layer;
   3. the training batch's forward/backward runs with ghost hooks: sample i's influence
-     <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py); with
+     <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py), a group's
+     prompt run once (its positions' part of each row's score from leaves of the row's own,
+     worker/model/prefix.py, where Setup.share_prompts allows); with
      `tracin.score` adam or adam_fixed_state (auto's choice for positive and top_fraction) it is
      <grad L_i, D_t * G_val> instead, sample i's first-order effect through this step's AdamW
      update, read from the kept factors once the batch's gradient is known;

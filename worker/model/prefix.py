@@ -91,6 +91,34 @@ class PromptPart:
         return list(done[1])
 
 
+    def merged(self, parts: list[PromptPart], grads: list[list[torch.Tensor | None]]
+               ) -> tuple[PromptPart, list[torch.Tensor | None]]:
+        """`parts` as one: their prompts left-padded to the longest and stacked (pads are masked and take
+        position 0, as in a micro-batch), their rows in order; `grads` (per part, per leaf [n, ...]) laid out
+        for it, the keys' and values' zero-padded on the left likewise."""
+        P = max(p.inputs["input_ids"].shape[1] for p in parts)
+
+        def left(x: torch.Tensor, dim: int) -> torch.Tensor:
+            pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [P - x.shape[dim], 0]
+            return torch.nn.functional.pad(x, pad)
+
+        inputs = {k: torch.cat([left(p.inputs[k], 1) for p in parts]) for k in parts[0].inputs}
+        offsets = torch.tensor([0] + [len(p.inputs["input_ids"]) for p in parts[:-1]]).cumsum(0).tolist()
+        inverse = torch.cat([p.inverse + off for p, off in zip(parts, offsets)])
+        merged: list[torch.Tensor | None] = []
+        for j in range(len(grads[0])):  # leaf j: a layer's keys or values [n, h, P, d]; the last, the hidden [n, 1, H]
+            per = [g[j] for g in grads]
+            if all(x is None for x in per):
+                merged.append(None)
+                continue
+            like = next(x for x in per if x is not None)
+            is_kv = j < len(grads[0]) - 1
+            shape = [*like.shape[1:-2], P, like.shape[-1]] if is_kv else list(like.shape[1:])
+            merged.append(torch.cat([torch.zeros(len(p.inverse), *shape, dtype=like.dtype, device=like.device)
+                                     if x is None else left(x, -2) if is_kv else x for x, p in zip(per, parts)]))
+        return PromptPart(self.decoder, inputs, inverse, []), merged
+
+
 def keys_values(cache: DynamicCache) -> list[torch.Tensor]:
     """Every layer's keys and values of a cache of full-attention layers, in order."""
     out = []

@@ -90,7 +90,6 @@ class PromptPart:
             done = jvp(outputs, tuple(p.detach() for p in params), tuple(directions[p].to(p.dtype) for p in params))
         return list(done[1])
 
-
     def merged(self, parts: list[PromptPart], grads: list[list[torch.Tensor | None]]
                ) -> tuple[PromptPart, list[torch.Tensor | None]]:
         """`parts` as one: their prompts left-padded to the longest and stacked (pads are masked and take

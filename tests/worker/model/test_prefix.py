@@ -82,3 +82,48 @@ def test_rows_of_distinct_prompts_and_checkpointed_layers_take_the_per_row_forwa
     with torch.no_grad():
         plain, _ = sequence_logprobs(model, batch, 0.9)
     assert_close(logp.detach(), plain, terms=model.config.hidden_size)
+
+
+def test_taped_prompts_give_each_row_its_own_share_of_the_prompts_gradient(tmp_path):
+    """Under taped_prompts() the rows read their prompt's keys, values and last hidden state from leaves of
+    their own: the hooks' completion scores plus <leaf grads, J_u X> (one forward-mode pass of two micro-batches'
+    prompts, merged) are each row's <grad L_i, X> of one forward per row, and the update folded from them is
+    the selected rows' gradient, in float64 to the rounding of RMSNorm's float32 cast."""
+    from worker.algos.influence import GhostHooks
+    from worker.algos.lora import lora_layers
+
+    spec = ModelSpec(name="tiny-random-llama", dtype="float64", lora=LoraSpec(r=4, dropout=0.0))
+    model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    batch = _batch(model, tok)
+    micro = [[4, 0, 7, 3], [8, 1, 2, 5, 6]]  # groups cut apart; prompts of other lengths in each
+    chosen = torch.tensor([1.0, 0, 1, 1, 0, 1, 0, 1, 1], dtype=torch.float64)
+    model.train()
+
+    def hooked(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with GhostHooks(model, keep_factors=True) as hooks:
+            sequence_logprobs(model, batch.select([0, 5]), 0.9)[0].sum().backward()
+            hooks.capture_validation_gradient()
+            hooks.start_scoring(len(batch), "cpu")
+            for rows in micro:
+                hooks.place(torch.tensor(rows))
+                with prefix.taped_prompts() as tape:
+                    logp, _ = sequence_logprobs(model, batch.select(rows), 0.9, share_prompts=share)
+                    (logp * torch.linspace(-1, 1, logp.shape[1], dtype=logp.dtype)).sum().backward()
+                assert len(tape.parts) == (1 if share else 0)
+                for part in tape.parts:
+                    hooks.add_prompt(part)
+            scores = hooks.scores.clone()
+            hooks.fold(chosen)
+            return scores, [hooks.subset_gradient(w).clone() for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
+
+    shared, each = hooked(True), hooked(False)
+    assert_close(shared[0], each[0], dtype=torch.float32, terms=batch.completion_ids.numel())
+    for a, b in zip(shared[1], each[1]):
+        assert_close(a, b, dtype=torch.float32, terms=batch.completion_ids.numel())
+    assert len(shared[1]) == 2 * len(lora_layers(model)) and any(bool(x.abs().sum() > 0) for x in shared[1])

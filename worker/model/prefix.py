@@ -61,33 +61,33 @@ class PromptPart:
     inverse: torch.Tensor  # [N] each row's prompt
     leaves: list[torch.Tensor]  # per row: every layer's keys and values [N, h, P, d], then the last hidden [N, 1, H]
 
-    def outputs(self) -> list[torch.Tensor]:
+    def outputs(self, weights: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The prompts' keys and values and last hidden state [U, ...], in `leaves`' order, from a forward
-        with the current weights (in a graph where grad is enabled, for a backward through the prompts)."""
+        with the current weights, or with `weights` (name -> tensor) in place of some (in a graph where grad is
+        enabled, for a backward through the prompts)."""
+        from torch.func import functional_call
+
         config: Any = self.decoder.config
         cache = DynamicCache(config=config)
-        hidden = self.decoder(**self.inputs, cache=cache, use_cache=True).last_hidden_state  # [U, P, H]
-        return [*keys_values(cache), hidden[:, -1:]]
+        kw = {**self.inputs, "cache": cache, "use_cache": True}
+        out = self.decoder(**kw) if weights is None else functional_call(self.decoder, weights, (), kw)
+        return [*keys_values(cache), out.last_hidden_state[:, -1:]]  # [U, P, H] -> its last position
 
     def tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
         """The derivative of `outputs()` [U, ...] along `directions` (a tangent per parameter of the decoder,
         the others held fixed), by forward-mode AD: one forward of the distinct prompts. Attention runs in
         SDPA's math kernel, the one with forward-mode derivatives on every device."""
-        from torch.func import functional_call, jvp
+        from torch.func import jvp
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         names: dict[torch.Tensor, str] = {p: n for n, p in self.decoder.named_parameters()}
         params = list(directions)
-        config: Any = self.decoder.config
 
-        def outputs(*weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            cache = DynamicCache(config=config)
-            kw = {**self.inputs, "cache": cache, "use_cache": True}
-            hidden = functional_call(self.decoder, {names[p]: w for p, w in zip(params, weights)}, (), kw).last_hidden_state
-            return (*keys_values(cache), hidden[:, -1:])
+        def along(*weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(self.outputs({names[p]: w for p, w in zip(params, weights)}))
 
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-            done = jvp(outputs, tuple(p.detach() for p in params), tuple(directions[p].to(p.dtype) for p in params))
+            done = jvp(along, tuple(p.detach() for p in params), tuple(directions[p].to(p.dtype) for p in params))
         return list(done[1])
 
     def merged(self, parts: list[PromptPart], grads: list[list[torch.Tensor | None]]

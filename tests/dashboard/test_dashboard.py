@@ -374,4 +374,5 @@ def test_a_multi_node_jobs_page_names_the_worker_of_each_node(page, service):
     page.wait_for_selector('#nodes [data-node="1"]')
     assert page.locator("#nodes").inner_text().splitlines() == ["node 0: gpu-a (gpu-a:11:x, attempt 1)",
                                                                 "node 1: gpu-b (gpu-b:12:x, attempt 1)"]
-    assert "node 1 of 2 (attempt 1) taken by a worker" in page.locator("#events").inner_text()
+    # the events load on their own request, after the nodes' panel may already show
+    page.locator("#events").get_by_text("node 1 of 2 (attempt 1) taken by a worker").wait_for(timeout=30_000)

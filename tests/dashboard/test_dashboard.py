@@ -93,6 +93,7 @@ def test_job_page_draws_every_series_with_its_points(page, service):
     page.fill("#samples-step", "1")
     page.dispatch_event("#samples-step", "change")
     page.wait_for_function("() => [...document.querySelectorAll('#samples-body tr td:first-child')].every(td => td.textContent === '1')")
+    page.wait_for_selector('#events [data-type="succeeded"]')  # the events load on their own request
     assert page.locator('#events [data-type="succeeded"]').count() == 1
     ckpts = service.client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
     page.wait_for_function(f"() => document.querySelectorAll('#checkpoints-body tr').length === {len(ckpts)}")

@@ -4,9 +4,10 @@ For each step of a real run (SmolLM2-135M with LoRA on the arithmetic task, the 
 `bench/specs/selection-arith.yaml`), with the step's training batch of N completions and its
 validation batch:
 
-1. score every sample three ways from one backward with the ghost hooks (worker/algos/influence.py):
-   `sgd` <g_i, G_val>, `adam_fixed_state` <g_i, (a_t/u) G_val> (the LESS preconditioner) and `adam`
-   <g_i, D_t G_val> (D_t with its moment term), exactly as `tracin.score` does in a job;
+1. score every sample four ways from one backward with the ghost hooks (worker/algos/influence.py):
+   `sgd` <g_i, G_val>, `adam_fixed_state` <g_i, (a_t/u) G_val> (the LESS preconditioner), `adam`
+   <g_i, D_t G_val> (D_t with its moment term) and `adam_prior_state` <g_i, (a_t/u_{t-1}) G_val> (the
+   preconditioner from the moments before the step alone), exactly as `tracin.score` does in a job;
 2. redo the step's real AdamW update (clipping included) from the same weights and optimizer state on
    the batch without sample i, for every i, and on random halves of the batch, and measure the actual
    change of the validation objective L_val against the full batch's update;
@@ -44,7 +45,7 @@ from worker.loops.sources import TrainRollouts
 from worker.reporting import FileReporter
 from worker.training import seed_everything, step_seed, trainable
 
-SCORES = ("sgd", "adam_fixed_state", "adam")
+SCORES = ("sgd", "adam_fixed_state", "adam", "adam_prior_state")
 SPEC = Path(__file__).parent / "specs" / "selection-arith.yaml"
 
 
@@ -129,9 +130,12 @@ def measure_step(s, ro, val, step: int, lr: float, halves: int, gen: torch.Gener
         tracin.backward_per_sample(s, ro, ref_logp, step, hooks)
     t["score_sgd_s"] = time.perf_counter() - t0
     scores = {"sgd": hooks.scores.clone()}
-    for name in ("adam_fixed_state", "adam"):
+    for name in SCORES[1:]:
+        if name == "adam_prior_state" and not s.optimizer.state:
+            scores[name] = scores["sgd"]  # as a job scores its first step: there are no moments before it
+            continue
         t1 = time.perf_counter()
-        scores[name] = hooks.rescore(tracin.adam_directions(s, hooks, moments_fixed=name == "adam_fixed_state")).clone()
+        scores[name] = hooks.rescore(tracin.adam_directions(s, hooks, moments=tracin.MOMENTS[name])).clone()
         t[f"rescore_{name}_s"] = time.perf_counter() - t1
     grads = per_sample_gradients(hooks)
     hooks.release()

@@ -260,7 +260,7 @@ def main() -> None:
     ap.add_argument("--val-generations", type=int, default=4)
     ap.add_argument("--val-regenerate-every", type=int, default=4)
     ap.add_argument("--loop-steps", type=int, default=6)
-    ap.add_argument("--score", default="auto", choices=["auto", "sgd", "adam", "adam_fixed_state"],
+    ap.add_argument("--score", default="auto", choices=["auto", "sgd", "adam", "adam_fixed_state", "adam_prior_state"],
                     help="tracin.score of the TracIn loop (sgd streams positive's factors micro-batch by micro-batch)")
     ap.add_argument("--rounds", type=int, default=4, help="Hooks passes interleaved with the per-sample ones.")
     ap.add_argument("--scoring-only", action="store_true", help="Only part 1 (hooks vs naive).")

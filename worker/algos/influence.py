@@ -35,7 +35,10 @@ SGD one, <g_i, G_val>: positive helps. Dropping D_t's second term (the moments h
 preconditioned score LESS (Xia et al. 2024) selects with. D_t needs gbar, known only once the whole
 batch's backward has run, so these scores are taken from the kept per-sample factors afterwards.
 On the first step (m = v = 0) D_1 ~ 0 where |gbar| >> eps: Adam's first step is a sign step, which
-no one sample's weight changes.
+no one sample's weight changes. With gbar^2 in v_hat replaced by its running estimate v / (1 - b2^(t-1)),
+v_hat is exactly that estimate (b2 v + (1 - b2) v / (1 - b2^(t-1)) = (1 - b2^t) v / (1 - b2^(t-1))), and
+the fixed-moments D_t becomes a_t / u_{t-1}: AdamW's preconditioner as the moments before the step have it,
+known before the batch's backward, so those scores stream like the SGD ones (`moments="prior"`).
 
 Shared prompts (`SharedPrompt`, worker/model/prefix.py). Where a group's rows share their prompt's
 forward, the hooks see only the completions' positions, row by row; each row reads its prompt's keys,
@@ -52,7 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Literal, Protocol, Self
 
 import torch
 
@@ -90,18 +93,31 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def adam_direction(val_grad: torch.Tensor, batch_grad: torch.Tensor, exp_avg: torch.Tensor | None,
+Moments = Literal["batch", "fixed", "prior"]
+
+
+def adam_direction(val_grad: torch.Tensor, batch_grad: torch.Tensor | None, exp_avg: torch.Tensor | None,
                    exp_avg_sq: torch.Tensor | None, *, step: int, betas: tuple[float, float], eps: float,
-                   moments_fixed: bool = False) -> torch.Tensor:
+                   moments: Moments = "batch") -> torch.Tensor:
     """D_t * G_val for one parameter (every tensor of its shape), in float64.
 
     val_grad G_val; batch_grad gbar, the gradient AdamW's step `step` (1-based) will see (after
     clipping); exp_avg m, exp_avg_sq v: AdamW's moments before that step (None: no step taken yet).
-    moments_fixed: drop D_t's second term (v_hat held fixed in w_i: the LESS preconditioner)."""
+    moments: "batch" D_t itself; "fixed" drops D_t's second term (v_hat held fixed in w_i: the LESS
+    preconditioner); "prior" is a_t / u with v_hat from the moments before the step alone,
+    v / (1 - b2^(t-1)): the v_hat AdamW would use were gbar^2 equal to its running estimate, so it needs
+    no gbar (batch_grad may be None) and is known before the batch's backward (from step 2)."""
     b1, b2 = betas
-    gbar = batch_grad.double()
     c1, c2 = 1 - b1 ** step, 1 - b2 ** step
     a_t, b_t = (1 - b1) / c1, (1 - b2) / c2
+    if moments == "prior":
+        if exp_avg_sq is None or step < 2:
+            raise ValueError("the prior-moments direction needs AdamW's moments from an earlier step")
+        u = (exp_avg_sq.double() / (1 - b2 ** (step - 1))).sqrt() + eps
+        return a_t / u * val_grad.double()
+    if batch_grad is None:
+        raise ValueError(f"the {moments!r} direction needs the batch's gradient")
+    gbar = batch_grad.double()
     m = torch.zeros_like(gbar) if exp_avg is None else exp_avg.double()
     v = torch.zeros_like(gbar) if exp_avg_sq is None else exp_avg_sq.double()
     m_hat = b1 * m / c1 + a_t * gbar  # = (b1 m + (1 - b1) gbar) / (1 - b1^t), AdamW's own
@@ -109,7 +125,7 @@ def adam_direction(val_grad: torch.Tensor, batch_grad: torch.Tensor, exp_avg: to
     root = v_hat.sqrt()
     u = root + eps
     d = a_t / u
-    if not moments_fixed:  # where v_hat = 0, gbar = 0 too: the term is 0
+    if moments == "batch":  # where v_hat = 0, gbar = 0 too: the term is 0
         d = d - torch.where(root > 0, b_t * m_hat * gbar / (root.clamp_min(torch.finfo(root.dtype).tiny) * u * u), 0.0)
     return d * val_grad.double()
 
@@ -131,6 +147,7 @@ class GhostHooks:
             raise ValueError("the model has no LoRA layers: influence is computed over LoRA weights")
         self.keep_factors = keep_factors
         self.val_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # scored against (None: val_grads)
         self._scores: torch.Tensor | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, one layer's [n] contribution)
         self.rows: torch.Tensor | None = None
@@ -169,7 +186,7 @@ class GhostHooks:
                 return  # validation pass (or no grad, or a prompts' backward for `fold`): nothing to score
             inp = _flat(inputs[0].detach())  # A: x' [N, L, d_in];  B: h [N, L, r]
             rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])
-            g_a, g_b = self.val_grads[i]
+            g_a, g_b = (self.streamed or self.val_grads)[i]
             if self.keep_factors:
                 val_grad = (g_a if which == "A" else g_b).to(inp.dtype).reshape(-1)  # A: [r*d_in];  B: [d_out*r]
                 held = [inp]
@@ -257,7 +274,8 @@ class GhostHooks:
         if self._unscored:
             p = self._merged(self._unscored)
             self._scores.index_add_(0, p.rows.to(self._scores.device),
-                                    self._prompt_scores(p, self._along(self.val_grads)).to(self._scores.device))
+                                    self._prompt_scores(p, self._along(self.streamed or self.val_grads))
+                                    .to(self._scores.device))
             self._unscored.clear()
             if not self.keep_factors:
                 self.prompts.clear()
@@ -284,8 +302,12 @@ class GhostHooks:
                                     self._prompt_scores(p, self._along(directions)).to(self._scores.device))
         return self._scores
 
-    def start_scoring(self, n: int, device: torch.device | str) -> None:
+    def start_scoring(self, n: int, device: torch.device | str,
+                      along: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Score the `n` training rows whose forward and backward come next against per-layer directions
+        `along` (A's and B's, like val_grads; None: G_val itself)."""
         self._scores = torch.zeros(n, dtype=torch.float64, device=device)
+        self.streamed = along
         self._pending.clear()
         self.release()
 

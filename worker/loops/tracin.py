@@ -43,7 +43,7 @@ from service.core.settings import Settings
 from service.core.specs import BASELINES, PAIRWISE, TracInJob
 from worker import rewards
 from worker.algos import selection as sel
-from worker.algos.influence import GhostHooks, adam_direction
+from worker.algos.influence import GhostHooks, Moments, adam_direction
 from worker.environments.runner import Stopped
 from worker.loops import evaluation, prediction, skeleton, update
 from worker.loops.rollouts import Rollouts, Tied, collect_rollouts
@@ -78,26 +78,33 @@ def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.
     return p.reduced(s.ranks).metrics()
 
 
-def adam_directions(s: Setup[TracInJob], hooks: GhostHooks, *, moments_fixed: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per LoRA layer, the A and B directions c * D_t * G_val that `tracin.score: adam` scores
+# the moments each AdamW geometry of `tracin.score` takes D_t with (worker/algos/influence.adam_direction)
+MOMENTS: dict[str, Moments] = {"adam": "batch", "adam_fixed_state": "fixed", "adam_prior_state": "prior"}
+
+
+def adam_directions(s: Setup[TracInJob], hooks: GhostHooks, *, moments: Moments) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per LoRA layer, the A and B directions c * D_t * G_val that `tracin.score: adam*` scores
     against (worker/algos/influence.py): D_t from AdamW's moments before this step and the batch
     gradient gbar it will see, which is every rank's .grad summed (so call this right after the
-    training backward), scaled by the clip factor c of max_grad_norm, held fixed in w_i."""
+    training backward), scaled by the clip factor c of max_grad_norm, held fixed in w_i. With
+    `moments="prior"` neither gbar nor c (a factor on every score alike) is needed: call it before."""
     params = trainable(s.model)
-    s.ranks.reduce_gradients(params)
-    max_norm = s.spec.train.max_grad_norm
-    norm = grad_norm(params)
-    clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))  # clip_grad_norm_'s factor
+    clip = 1.0
+    if moments != "prior":
+        s.ranks.reduce_gradients(params)
+        max_norm = s.spec.train.max_grad_norm
+        norm = grad_norm(params)
+        clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))  # clip_grad_norm_'s factor
     group = s.optimizer.param_groups[0]
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, layer in enumerate(hooks.layers):
         pair = []
         for p, g_val in zip((layer.a.weight, layer.b.weight), hooks.val_grads[i]):
             state = s.optimizer.state.get(p, {})
-            gbar = clip * (p.grad if p.grad is not None else torch.zeros_like(p))
+            gbar = None if moments == "prior" else clip * (p.grad if p.grad is not None else torch.zeros_like(p))
             d = adam_direction(g_val, gbar, state.get("exp_avg"), state.get("exp_avg_sq"),
                                step=int(state["step"]) + 1 if "step" in state else 1, betas=group["betas"],
-                               eps=group["eps"], moments_fixed=moments_fixed)
+                               eps=group["eps"], moments=moments)
             pair.append(clip * d)
         out[i] = (pair[0], pair[1])
     return out
@@ -198,16 +205,19 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
         backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False)
         s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch
         hooks.capture_validation_gradient()
+        # In AdamW's geometry only once it holds moments: on the first step its update is sign(gbar), whose
+        # derivative in any sample's weight is ~0 (D_1 ~ eps/u^2), so its scores carry no ranking
+        # (bench/influence_truth.py: there the sgd score ranks best)
+        t = s.spec.tracin
+        adam = t.geometry != "sgd" and bool(s.optimizer.state)
+        along = adam_directions(s, hooks, moments="prior") if adam and not t.needs_batch_gradient else None
         t_val = time.perf_counter() - t0
-        hooks.start_scoring(len(ro), "cpu")
+        hooks.start_scoring(len(ro), "cpu", along=along)
         fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
         stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
-        # gbar is known now: rescore every sample in AdamW's geometry. Not on the first step: with no
-        # moments AdamW's step is sign(gbar), whose derivative in any sample's weight is ~0 (D_1 ~ eps/u^2),
-        # so its scores carry no ranking (bench/influence_truth.py: there the sgd score ranks best)
-        if s.spec.tracin.geometry != "sgd" and s.optimizer.state:
+        if adam and t.needs_batch_gradient:  # gbar is known now: rescore every sample in AdamW's geometry
             hooks.complete_gradient(len(ro))  # gbar is every row's gradient, the shared prompts' positions too
-            hooks.rescore(adam_directions(s, hooks, moments_fixed=s.spec.tracin.geometry == "adam_fixed_state"))
+            hooks.rescore(adam_directions(s, hooks, moments=MOMENTS[t.geometry]))
     t1 = time.perf_counter()
     every = ro.gather(hooks.scores)
     chosen_all = select(s.spec, every, hooks, step, ro)
@@ -251,11 +261,11 @@ def influence_step(run: skeleton.Run, ro: Rollouts[Any], val: Validation, step: 
     s = of_kind(run.s, TracInJob)
     t = s.spec.tracin
     one_epoch = s.spec.grpo.epochs_per_rollout_batch == 1
-    by_sgd = t.geometry == "sgd"  # the adam scores need every sample's factors until the batch's gradient is known
-    stream_positive = one_epoch and t.selection == "positive" and by_sgd
+    streams = not t.needs_batch_gradient  # a sample's score is known as its micro-batch's backward ends
+    stream_positive = one_epoch and t.selection == "positive" and streams
     old_logp = update.old_logprobs(s, ro)
     ref_logp = update.reference_logprobs(s, ro.batch)
-    hooks = GhostHooks(s.model, keep_factors=one_epoch or not by_sgd or t.selection in PAIRWISE)
+    hooks = GhostHooks(s.model, keep_factors=one_epoch or not streams or t.selection in PAIRWISE)
     scored = score_and_select(s, ro, val, ref_logp, step, hooks, stream_positive=stream_positive)
     run.reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
     t_check = time.perf_counter()

@@ -68,25 +68,31 @@ class TracInSpec(_Section):
     )
     fraction: float = Field(0.5, gt=0.0, le=1.0, description="Share of samples kept (every selection but positive "
                             "and all).")
-    score: Literal["auto", "sgd", "adam", "adam_fixed_state"] = Field(
+    score: Literal["auto", "sgd", "adam", "adam_fixed_state", "adam_prior_state"] = Field(
         "auto", description="Influence geometry: sgd <g_i, G_val>; adam <g_i, D_t * G_val>, sample i's first-order "
         "effect on the validation objective through this step's AdamW update (moments, bias correction, the batch "
         "gradient); adam_fixed_state drops D_t's moment term (the LESS preconditioner), the best ranking measured "
-        "when many samples are dropped at once (docs/results.md); auto: adam_fixed_state with positive and "
-        "top_fraction, sgd with top_cosine and greedy (they compare samples in the sgd geometry). The adam scores "
-        "keep every sample's LoRA factors until the batch's backward ends; a step before AdamW holds moments (the "
-        "first) is scored with sgd.")
+        "when many samples are dropped at once (docs/results.md); adam_prior_state takes that preconditioner from "
+        "AdamW's moments before the step alone, so it is known before the backward and streams like sgd; auto: "
+        "adam_fixed_state with positive and top_fraction, sgd with top_cosine and greedy (they compare samples in "
+        "the sgd geometry). adam and adam_fixed_state keep every sample's LoRA factors until the batch's backward "
+        "ends; a step before AdamW holds moments (the first) is scored with sgd.")
     check_prediction: bool = Field(
         True, description="Every step with an update, re-evaluate the validation objective after it and record the "
         "predicted change (tracin/predicted_delta, and the trapezoid) beside the actual one (tracin/actual_delta): "
         "a forward of the validation batch before the update, a forward and backward after it.")
 
     @property
-    def geometry(self) -> Literal["sgd", "adam", "adam_fixed_state"]:
+    def geometry(self) -> Literal["sgd", "adam", "adam_fixed_state", "adam_prior_state"]:
         """The score's geometry, `auto` resolved."""
         if self.score != "auto":
             return self.score
         return "sgd" if self.selection in PAIRWISE else "adam_fixed_state"
+
+    @property
+    def needs_batch_gradient(self) -> bool:
+        """The score waits for the whole batch's gradient: every sample's factors are kept until it is known."""
+        return self.geometry in ("adam", "adam_fixed_state")
 
     @model_validator(mode="after")
     def _fraction(self) -> TracInSpec:
@@ -95,7 +101,7 @@ class TracInSpec(_Section):
         if self.selection in BASELINES:
             reject_unused(self, "tracin", ("val_prompts", "val_generations", "val_regenerate_every",
                                            "check_prediction", "score"), unless="to selections by influence")
-        if self.score in ("adam", "adam_fixed_state") and self.selection in PAIRWISE:
+        if self.score.startswith("adam") and self.selection in PAIRWISE:
             raise ValueError(f"tracin.score {self.score!r} works with selection positive or top_fraction: "
                              f"{self.selection!r} compares samples with each other in the sgd geometry")
         return self

@@ -21,7 +21,7 @@ def test_first_step_is_a_sign_step_no_sample_moves():
     # D_1 is the difference of two terms of order 1/|gbar| = 2 that cancel: judged on their scale
     assert_close(d, torch.tensor([1e-8 / (0.5 + 1e-8) ** 2, 1e-8 / (2.0 + 1e-8) ** 2], dtype=torch.float64), scale=2.0)
     # the LESS preconditioner keeps only a_1 / u = 1 / |gbar|
-    fixed = adam_direction(torch.ones(2), gbar, None, None, step=1, betas=BETAS, eps=1e-8, moments_fixed=True)
+    fixed = adam_direction(torch.ones(2), gbar, None, None, step=1, betas=BETAS, eps=1e-8, moments="fixed")
     assert_close(fixed, torch.tensor([1 / (0.5 + 1e-8), 1 / (2.0 + 1e-8)], dtype=torch.float64))
 
 
@@ -39,6 +39,22 @@ def test_second_step_by_hand():
     out = adam_direction(g_val, gbar, m, v, step=2, betas=BETAS, eps=0.01)
     # m, v, gbar enter as float32 inputs (0.1 is not exact in float32): a float32 input's rounding
     assert_close(out, torch.tensor([2.0 * d0, -3.0 * d1], dtype=torch.float64), dtype=torch.float32, terms=8)
+
+
+def test_prior_moments_are_the_fixed_ones_with_gbar_squared_at_its_running_estimate():
+    # t = 3 after two steps: v = 0.004, V = v / (1 - b2^2) = 0.004 / 0.001999; with eps = 0.01,
+    #   D = a_3 / (sqrt(V) + eps), a_3 = 0.1 / (1 - 0.9^3) = 0.1 / 0.271, whatever the batch's gradient
+    m, v, g_val = torch.tensor([0.1, -0.2], dtype=torch.float64), torch.tensor([0.004, 0.0], dtype=torch.float64), \
+        torch.tensor([2.0, -3.0], dtype=torch.float64)
+    prior = adam_direction(g_val, None, m, v, step=3, betas=BETAS, eps=0.01, moments="prior")
+    a3 = 0.1 / 0.271
+    assert_close(prior, torch.tensor([2.0 * a3 / (math.sqrt(0.004 / 0.001999) + 0.01), -3.0 * a3 / 0.01],
+                                     dtype=torch.float64), terms=8)
+    # gbar^2 equal to V leaves v_hat at V: the fixed-moments direction is then the prior one
+    gbar = (v / (1 - BETAS[1] ** 2)).sqrt() * torch.tensor([1.0, -1.0], dtype=torch.float64)
+    assert_close(adam_direction(g_val, gbar, m, v, step=3, betas=BETAS, eps=0.01, moments="fixed"), prior, terms=8)
+    with pytest.raises(ValueError, match="earlier step"):  # no moments yet: a job scores that step with sgd
+        adam_direction(g_val, None, None, None, step=1, betas=BETAS, eps=0.01, moments="prior")
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -110,6 +126,17 @@ def test_rescore_equals_explicit_per_sample_gradients(tmp_path):
     assert not torch.equal(sgd, got)
     # G_val is what the prediction check uses: rescoring leaves it alone
     assert all(hooks.val_grads[i][0].shape == layers[i].a.weight.shape for i in range(len(layers)))
+    g_val = hooks.val_grads
+    for keep in (False, True):  # X known before the backward (tracin.score adam_prior_state): streamed, the same
+        for p in params:
+            p.grad = None
+        with GhostHooks(model, keep_factors=keep) as hooks:
+            _per_sample_losses(model, *val, w_val).sum().backward()
+            hooks.capture_validation_gradient()
+            hooks.start_scoring(3, "cpu", along=directions)  # before the forward: the hooks project in it
+            _per_sample_losses(model, *train, w_train).sum().backward()
+            assert_close(hooks.scores, expected, dtype=torch.float32, terms=max(p.numel() for p in params))
+            assert all(torch.equal(hooks.val_grads[i][0], g_val[i][0]) for i in g_val)
 
 
 def test_rescore_needs_the_factors(tmp_path):

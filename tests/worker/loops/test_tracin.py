@@ -64,15 +64,17 @@ def test_auto_scores_in_adamw_geometry_where_the_selection_can(digit_reward):
     assert geometry(score="adam") == "adam" and geometry(score="sgd") == "sgd"
 
 
-def test_adam_scores_start_once_adamw_holds_moments(tmp_path, settings_factory, digit_reward):
+@pytest.mark.parametrize("score", ["adam", "adam_prior_state"])
+def test_adam_scores_start_once_adamw_holds_moments(tmp_path, settings_factory, digit_reward, score):
     """Step 1 (no moments: AdamW's sign step) is scored with sgd, so both runs select and train alike;
-    from step 2 the adam run scores in AdamW's geometry, on the same rollouts."""
+    from step 2 the adam run scores in AdamW's geometry, on the same rollouts (adam_prior_state streamed,
+    `positive` folding each micro-batch as it ends, as sgd does)."""
     def scores(score):
         spec = TracInJob.model_validate(_spec("positive", score=score) | {"grpo": {**_spec()["grpo"], "steps": 2}})
         assert tracin.run(spec, FileReporter(tmp_path / score), settings=settings_factory()).status == "succeeded"
         return {s["step"]: [v for _, v, _ in s["scores"]] for s in _lines(tmp_path / score / "selections.jsonl")}
 
-    sgd, adam = scores("sgd"), scores("adam")
+    sgd, adam = scores("sgd"), scores(score)
     assert sgd[1] == adam[1]
     assert len(sgd[2]) == len(adam[2]) and sgd[2] != adam[2]
     nonzero = [(a, b) for a, b in zip(sgd[2], adam[2]) if a != 0.0]
@@ -80,7 +82,8 @@ def test_adam_scores_start_once_adamw_holds_moments(tmp_path, settings_factory, 
 
 
 @pytest.mark.parametrize("selection,epochs,score", [
-    ("positive", 1, "sgd"), ("top_fraction", 1, "adam_fixed_state"), ("positive", 2, "sgd")])
+    ("positive", 1, "sgd"), ("top_fraction", 1, "adam_fixed_state"), ("positive", 2, "sgd"),
+    ("positive", 1, "adam_prior_state")])
 def test_shared_prompts_score_select_and_update_as_one_forward_per_row(tmp_path, settings_factory, digit_reward,
                                                                        selection, epochs, score):
     """A group's prompt run once (its positions' part of each row's score and of the update taken from leaves

@@ -48,6 +48,8 @@ values and last hidden state from leaves y_i of its own. The prompt's positions 
 
 and to the gradient of a weighted subset  J_u^T (sum_{i in u} w_i dL_i/dy_i)  (one backward of the
 prompts), so scores, rescoring and `fold` stay exact, and the prompts' positions run once per group.
+Where scores are read and folded micro-batch by micro-batch along a direction known before the backward,
+both passes run once for the step's prompts (`_Ahead`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ class SharedPrompt(Protocol):
     def merged(self, parts: list[Self], grads: list[list[torch.Tensor | None]]
                ) -> tuple[Self, list[torch.Tensor | None]]: ...  # many parts as one, and their rows' grads
 
+    @property
+    def width(self) -> int: ...  # P: the prompts' positions, left-padded (the keys' and values' dim -2)
+
+    def keys(self) -> list[tuple[int, ...]]: ...  # each distinct prompt's real tokens
+
+    def of(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Self: ...  # rows' [n, P] distinct prompts, no leaves
+
 
 @dataclass
 class _Prompt:
@@ -86,6 +95,51 @@ class _Prompt:
     rows: torch.Tensor  # [n]
     part: SharedPrompt
     grads: list[torch.Tensor | None]  # per leaf [n, ...]
+
+
+def _window(leaves: list[torch.Tensor], width: int) -> list[torch.Tensor]:
+    """Views of every keys' and values' leaf [U, h, P, d] at its last `width` positions (left padding puts a
+    prompt's tokens last); the last leaf, the hidden state, whole."""
+    return [x[..., x.shape[-2] - width:, :] for x in leaves[:-1]] + leaves[-1:]
+
+
+@dataclass
+class _Ahead:
+    """A step's distinct prompts as one part. Where micro-batches are scored and folded as each ends, what they
+    need of their prompts is taken in one pass of all: the derivative along the streamed direction before the
+    first is scored, one backward with every folded row's weighted gradient after the last (a pass costs
+    mostly per layer and call, so one of U prompts costs about what one of a micro-batch's does)."""
+
+    part: SharedPrompt
+    index: dict[tuple[int, ...], int]  # a prompt's real tokens -> its row in `part`
+    tangents: list[torch.Tensor] | None = None  # per leaf [U, ...] along the streamed direction
+    cotangents: list[torch.Tensor | None] | None = None  # per leaf [U, ...] sum over folded rows of w_i dL_i/dy_i
+
+    def rows(self, p: _Prompt) -> torch.Tensor:
+        """[u] where `p`'s distinct prompts are among the step's."""
+        return torch.tensor([self.index[k] for k in p.part.keys()], device=p.part.inverse.device)
+
+    def tangents_of(self, p: _Prompt) -> list[torch.Tensor]:
+        """The tangents of `p`'s prompts [u, ...], laid out as its part's."""
+        assert self.tangents is not None
+        return _window([t[self.rows(p)] for t in self.tangents], p.part.width)
+
+    def add_cotangents(self, p: _Prompt, w: torch.Tensor) -> None:
+        """Sum `p`'s rows' gradients, weighted by w [n], into their prompts' cotangents."""
+        at, last = self.rows(p), len(p.grads) - 1
+        width, wide = p.part.width, self.part.width
+        if self.cotangents is None:
+            self.cotangents = [None] * len(p.grads)
+        for j, g in enumerate(p.grads):
+            if g is None:
+                continue
+            c = self.cotangents[j]
+            if c is None:  # keys and values [U, h, P, d] at the step's width; the hidden state [U, 1, H]
+                shape = [*g.shape[1:-2], wide, g.shape[-1]] if j < last else list(g.shape[1:])
+                c = self.cotangents[j] = torch.zeros(len(self.index), *shape, dtype=g.dtype, device=g.device)
+            per = torch.zeros(len(at), *g.shape[1:], dtype=g.dtype, device=g.device)
+            per.index_add_(0, p.part.inverse, g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1)))
+            (c[..., wide - width:, :] if j < last else c).index_add_(0, at, per)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +209,8 @@ class GhostHooks:
         self.subset: dict[torch.Tensor, torch.Tensor] = {}  # folded subset gradient per LoRA weight
         self.prompts: list[_Prompt] = []  # shared prompts, kept with the factors (or until scored)
         self._unscored: list[_Prompt] = []  # those not yet in `scores`: scored together when they are read
+        self._step_prompts: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's prompt [N, P] and mask
+        self._ahead: _Ahead | None = None  # the step's prompts as one part, once a micro-batch's are met
         self._paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -239,9 +295,8 @@ class GhostHooks:
         return _Prompt(torch.cat([p.rows for p in prompts]), part, grads)
 
     @staticmethod
-    def _prompt_scores(p: _Prompt, directions: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[n] float64: <dL_i/dy_i, J_u X> over the part's leaves."""
-        tangents = p.part.tangents(directions)
+    def _prompt_scores(p: _Prompt, tangents: list[torch.Tensor]) -> torch.Tensor:
+        """[n] float64: <dL_i/dy_i, J_u X> over the part's leaves, from its prompts' tangents J_u X [u, ...]."""
         n = len(p.rows)
         total = torch.zeros(n, dtype=torch.float64, device=p.part.inverse.device)
         for g, t in zip(p.grads, tangents):
@@ -272,10 +327,14 @@ class GhostHooks:
                 self._scores.index_add_(0, rows.to(self._scores.device), total)
             self._pending.clear()
         if self._unscored:
-            p = self._merged(self._unscored)
-            self._scores.index_add_(0, p.rows.to(self._scores.device),
-                                    self._prompt_scores(p, self._along(self.streamed or self.val_grads))
-                                    .to(self._scores.device))
+            directions = self._along(self.streamed or self.val_grads)
+            ahead = self._ahead_of(self._unscored[0])
+            if ahead is not None and ahead.tangents is None:
+                ahead.tangents = ahead.part.tangents(directions)
+            for p, tangents in ([(p, ahead.tangents_of(p)) for p in self._unscored] if ahead is not None else
+                                [(m := self._merged(self._unscored), m.part.tangents(directions))]):
+                self._scores.index_add_(0, p.rows.to(self._scores.device),
+                                        self._prompt_scores(p, tangents).to(self._scores.device))
             self._unscored.clear()
             if not self.keep_factors:
                 self.prompts.clear()
@@ -299,15 +358,20 @@ class GhostHooks:
         if self.prompts:
             p = self._merged(self.prompts)
             self._scores.index_add_(0, p.rows.to(self._scores.device),
-                                    self._prompt_scores(p, self._along(directions)).to(self._scores.device))
+                                    self._prompt_scores(p, p.part.tangents(self._along(directions)))
+                                    .to(self._scores.device))
         return self._scores
 
     def start_scoring(self, n: int, device: torch.device | str,
-                      along: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                      along: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Score the `n` training rows whose forward and backward come next against per-layer directions
-        `along` (A's and B's, like val_grads; None: G_val itself)."""
+        `along` (A's and B's, like val_grads; None: G_val itself). `prompts`, their prompt ids and mask
+        [n, P], where scores are read and folded micro-batch by micro-batch: their shared prompts are
+        then differentiated all at once (`_Ahead`)."""
         self._scores = torch.zeros(n, dtype=torch.float64, device=device)
         self.streamed = along
+        self._step_prompts = prompts
         self._pending.clear()
         self.release()
 
@@ -317,7 +381,19 @@ class GhostHooks:
 
     def subset_gradient(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The folded gradient of LoRA weight `p` (zeros where nothing selected touched it)."""
+        ahead = self._ahead
+        if ahead is not None and ahead.cotangents is not None:  # the folded rows' part of their shared prompts
+            cotangents = ahead.cotangents
+            ahead.cotangents = None
+            self._add_to_subset(self._prompt_backward(ahead.part, cotangents))
         return self.subset.get(p, torch.zeros_like(p))
+
+    def _ahead_of(self, p: _Prompt) -> _Ahead | None:
+        """The step's prompts as one part (built with `p`'s decoder when first asked), or None: not asked for."""
+        if self._ahead is None and self._step_prompts is not None:
+            part = p.part.of(*self._step_prompts)
+            self._ahead = _Ahead(part, {k: i for i, k in enumerate(part.keys())})
+        return self._ahead
 
     def release(self) -> None:
         """Let go of the kept per-sample factors, shared prompts and the folded subset gradient."""
@@ -325,6 +401,7 @@ class GhostHooks:
         self.prompts.clear()
         self._unscored.clear()
         self.subset.clear()
+        self._ahead = None
 
     def fold(self, weights: torch.Tensor) -> None:
         """Add sum_i weights[i] * grad_i over the samples whose factors are kept to `subset` (one
@@ -345,8 +422,13 @@ class GhostHooks:
                 self.subset[p] = torch.zeros(per.shape[1:], dtype=per.dtype, device=per.device)
             self.subset[p].view(-1).addmv_(per.reshape(per.shape[0], -1).T, w)  # += sum_i w_i grad_i
         self.factors.clear()
-        if self.prompts:
-            self._fold_prompt(self._merged(self.prompts), weights)
+        ahead = self._ahead_of(self.prompts[0]) if self.prompts else None
+        if ahead is not None:  # one backward of the step's prompts, when the subset gradient is read
+            for q in self.prompts:
+                if bool(weights[q.rows.to(weights.device)].any()):
+                    ahead.add_cotangents(q, weights[q.rows.to(weights.device)])
+        elif self.prompts:
+            self._add_to_subset(self._prompt_gradient(self._merged(self.prompts), weights))
         self.prompts.clear()
         self._unscored.clear()
 
@@ -355,20 +437,24 @@ class GhostHooks:
         w = weights[p.rows.to(weights.device)]
         if not bool(w.any()):
             return []
+        cotangents: list[torch.Tensor | None] = []
+        for g in p.grads:  # each row's weighted gradient, summed into its prompt's
+            cotangents.append(None if g is None else torch.zeros(len(p.part.keys()), *g.shape[1:], dtype=g.dtype,
+                              device=g.device).index_add_(0, p.part.inverse, g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1))))
+        return self._prompt_backward(p.part, cotangents)
+
+    def _prompt_backward(self, part: SharedPrompt, cotangents: list[torch.Tensor | None]
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(LoRA weight, J_u^T c) for per-leaf cotangents c [U, ...] of `part`'s prompts (None: 0)."""
         params = [x for layer in self.layers for x in (layer.a.weight, layer.b.weight)]
         with self.paused(), torch.enable_grad():
-            outs = p.part.outputs()  # [U, ...]
-            cotangents = []
-            for g, out in zip(p.grads, outs):
-                c = torch.zeros_like(out)
-                if g is not None:  # each row's weighted gradient, summed into its prompt's
-                    c.index_add_(0, p.part.inverse, (g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1))).to(c.dtype))
-                cotangents.append(c)
-            grads = torch.autograd.grad(outs, params, grad_outputs=cotangents, allow_unused=True)
+            outs = part.outputs()  # [U, ...]
+            grads = torch.autograd.grad(outs, params, allow_unused=True, grad_outputs=[
+                torch.zeros_like(out) if c is None else c.to(out.dtype) for c, out in zip(cotangents, outs)])
         return [(x, g) for x, g in zip(params, grads) if g is not None]
 
-    def _fold_prompt(self, p: _Prompt, weights: torch.Tensor) -> None:
-        for x, g in self._prompt_gradient(p, weights):
+    def _add_to_subset(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, g in grads:
             if x not in self.subset:
                 self.subset[x] = torch.zeros_like(g)
             self.subset[x] += g.to(self.subset[x].dtype)

@@ -212,7 +212,8 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
         adam = t.geometry != "sgd" and bool(s.optimizer.state)
         along = adam_directions(s, hooks, moments="prior") if adam and not t.needs_batch_gradient else None
         t_val = time.perf_counter() - t0
-        hooks.start_scoring(len(ro), "cpu", along=along)
+        hooks.start_scoring(len(ro), "cpu", along=along,  # scored and folded as each micro-batch ends: prompts ahead
+                            prompts=(ro.batch.prompt_ids, ro.batch.prompt_mask) if stream_positive else None)
         fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
         stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
         if adam and t.needs_batch_gradient:  # gbar is known now: rescore every sample in AdamW's geometry

@@ -73,6 +73,27 @@ class PromptPart:
         out = self.decoder(**kw) if weights is None else functional_call(self.decoder, weights, (), kw)
         return [*keys_values(cache), out.last_hidden_state[:, -1:]]  # [U, P, H] -> its last position
 
+    @property
+    def width(self) -> int:
+        """P, the prompts' positions (left-padded)."""
+        return int(self.inputs["input_ids"].shape[1])
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Each distinct prompt's real tokens."""
+        ids, mask = self.inputs["input_ids"], self.inputs["attention_mask"].bool()
+        return [tuple(row[m].tolist()) for row, m in zip(ids, mask)]
+
+    def of(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptPart:
+        """The distinct prompts of left-padded rows [n, P], as a shared forward of this decoder runs them
+        (no leaves; columns that are padding in every row dropped)."""
+        real = prompt_mask.bool().any(0)
+        ids, mask = prompt_ids[:, real], prompt_mask[:, real]
+        groups = prompt_groups(ids, mask)
+        first = torch.arange(len(ids), device=ids.device) if groups is None else groups.first
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)  # as teacher_forced's, over the prompt
+        inputs = dict(input_ids=ids[first], attention_mask=mask[first], position_ids=positions[first])
+        return PromptPart(self.decoder, inputs, torch.arange(len(first), device=ids.device), [])
+
     def tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
         """The derivative of `outputs()` [U, ...] along `directions` (a tangent per parameter of the decoder,
         the others held fixed), by forward-mode AD: one forward of the distinct prompts. Attention runs in

@@ -84,11 +84,14 @@ def test_rows_of_distinct_prompts_and_checkpointed_layers_take_the_per_row_forwa
     assert_close(logp.detach(), plain, terms=model.config.hidden_size)
 
 
-def test_taped_prompts_give_each_row_its_own_share_of_the_prompts_gradient(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_taped_prompts_give_each_row_its_own_share_of_the_prompts_gradient(tmp_path, streamed, monkeypatch):
     """Under taped_prompts() the rows read their prompt's keys, values and last hidden state from leaves of
     their own: the hooks' completion scores plus <leaf grads, J_u X> (one forward-mode pass of two micro-batches'
     prompts, merged) are each row's <grad L_i, X> of one forward per row, and the update folded from them is
-    the selected rows' gradient, in float64 to the rounding of RMSNorm's float32 cast."""
+    the selected rows' gradient, in float64 to the rounding of RMSNorm's float32 cast. `streamed`: scored and
+    folded as each micro-batch ends, as `positive` does, with the step's prompts given ahead (one forward-mode
+    pass and one backward of all of them, each micro-batch's prompts at their place among the step's)."""
     from worker.algos.influence import GhostHooks
     from worker.algos.lora import lora_layers
 
@@ -109,7 +112,7 @@ def test_taped_prompts_give_each_row_its_own_share_of_the_prompts_gradient(tmp_p
         with GhostHooks(model, keep_factors=True) as hooks:
             sequence_logprobs(model, batch.select([0, 5]), 0.9)[0].sum().backward()
             hooks.capture_validation_gradient()
-            hooks.start_scoring(len(batch), "cpu")
+            hooks.start_scoring(len(batch), "cpu", prompts=(batch.prompt_ids, batch.prompt_mask) if streamed else None)
             for rows in micro:
                 hooks.place(torch.tensor(rows))
                 with prefix.taped_prompts() as tape:
@@ -118,11 +121,30 @@ def test_taped_prompts_give_each_row_its_own_share_of_the_prompts_gradient(tmp_p
                 assert len(tape.parts) == (1 if share else 0)
                 for part in tape.parts:
                     hooks.add_prompt(part)
+                if streamed:
+                    assert hooks.scores.shape == (len(batch),)
+                    hooks.fold(chosen)
             scores = hooks.scores.clone()
-            hooks.fold(chosen)
+            if not streamed:
+                hooks.fold(chosen)
             return scores, [hooks.subset_gradient(w).clone() for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
 
-    shared, each = hooked(True), hooked(False)
+    passes = {"tangents": 0, "outputs": 0}
+
+    def counted(name):
+        real = getattr(prefix.PromptPart, name)
+
+        def call(self, *a, **kw):
+            passes[name] += 1
+            return real(self, *a, **kw)
+        return call
+    for name in passes:
+        monkeypatch.setattr(prefix.PromptPart, name, counted(name))
+    shared = hooked(True)
+    # one forward-mode pass of the prompts for the scores and one backward of them for the update (`outputs`,
+    # run by `tangents` too), whether the micro-batches' prompts are merged at the end or taken ahead
+    assert passes == {"tangents": 1, "outputs": 2}
+    each = hooked(False)
     assert_close(shared[0], each[0], dtype=torch.float32, terms=batch.completion_ids.numel())
     for a, b in zip(shared[1], each[1]):
         assert_close(a, b, dtype=torch.float32, terms=batch.completion_ids.numel())

@@ -194,6 +194,9 @@ def main() -> None:
     raw["grpo"].update({"steps": args.steps, "learning_rate": args.lr, "seed": args.seed, "eval_every": 0})
     raw["model"]["dtype"] = args.dtype
     raw["tracin"]["val_regenerate_every"] = 1
+    # one forward per row: the replayed update is built from each sample's own LoRA factors, which hold no part
+    # of a shared prompt's positions (the scores' sharing is exact, tests/worker/loops/test_tracin.py)
+    raw["grpo"]["share_prompts"] = False
     if args.model:
         raw["model"]["name"] = args.model
     spec = TracInJob.model_validate(raw)

@@ -13,7 +13,8 @@ training where the space allows) is evaluated outside the jobs, greedily, on the
 
 Arms (`tracin.selection` and `tracin.score`): all (uniform GRPO), random (at the share positive-adam
 kept on that seed), pass_rate (whole groups whose pass rate is nearest 0.5, at that share),
-positive-sgd and positive-adam (`adam_fixed_state`; the first step `sgd`, as `auto` does). Reports per
+positive-sgd and positive-adam (`auto`'s AdamW geometry, `adam_fixed_state` when the results in docs/results.md were
+measured and `adam_prior_state` since; the first step `sgd`). Reports per
 arm: test accuracy at the last step and the area under the test curve (mean accuracy over the
 checkpoints, trapezoid, the base model's at step 0 included), each as mean ± se and as a paired
 difference against `all` with a 95% Student-t interval over seeds; for the influence arms, how well

@@ -9,9 +9,11 @@ Per step, on top of the GRPO step of worker/loops/grpo.py:
      <grad L_i, G_val> is accumulated from rank-r projections (worker/algos/influence.py), a group's
      prompt run once (its positions' part of each row's score from leaves of the row's own,
      worker/model/prefix.py, where Setup.share_prompts allows); with
-     `tracin.score` adam or adam_fixed_state (auto's choice for positive and top_fraction) it is
-     <grad L_i, D_t * G_val> instead, sample i's first-order effect through this step's AdamW
-     update, read from the kept factors once the batch's gradient is known;
+     `tracin.score` adam it is <grad L_i, D_t * G_val> instead, sample i's first-order effect
+     through this step's AdamW update, read from the kept factors once the batch's gradient is
+     known (adam_fixed_state likewise, without D_t's moment term); with adam_prior_state (auto's
+     choice for positive and top_fraction) AdamW's preconditioner from its moments before the step,
+     known before the backward and streamed like G_val itself;
   4. a selection policy (positive / top_fraction / top_cosine / greedy) keeps samples;
   5. the update uses only the selected samples, each with the weight it has in the whole batch's
      loss. With one epoch per rollout batch their gradient is recovered from the same hooks (no

@@ -71,10 +71,10 @@ class TracInSpec(_Section):
     score: Literal["auto", "sgd", "adam", "adam_fixed_state", "adam_prior_state"] = Field(
         "auto", description="Influence geometry: sgd <g_i, G_val>; adam <g_i, D_t * G_val>, sample i's first-order "
         "effect on the validation objective through this step's AdamW update (moments, bias correction, the batch "
-        "gradient); adam_fixed_state drops D_t's moment term (the LESS preconditioner), the best ranking measured "
-        "when many samples are dropped at once (docs/results.md); adam_prior_state takes that preconditioner from "
-        "AdamW's moments before the step alone, so it is known before the backward and streams like sgd; auto: "
-        "adam_fixed_state with positive and top_fraction, sgd with top_cosine and greedy (they compare samples in "
+        "gradient); adam_fixed_state drops D_t's moment term (the LESS preconditioner); adam_prior_state takes that "
+        "preconditioner from AdamW's moments before the step alone, so it is known before the backward and streams "
+        "like sgd, and ranks as well as adam_fixed_state, the best measured (docs/results.md); auto: "
+        "adam_prior_state with positive and top_fraction, sgd with top_cosine and greedy (they compare samples in "
         "the sgd geometry). adam and adam_fixed_state keep every sample's LoRA factors until the batch's backward "
         "ends; a step before AdamW holds moments (the first) is scored with sgd.")
     check_prediction: bool = Field(
@@ -87,7 +87,7 @@ class TracInSpec(_Section):
         """The score's geometry, `auto` resolved."""
         if self.score != "auto":
             return self.score
-        return "sgd" if self.selection in PAIRWISE else "adam_fixed_state"
+        return "sgd" if self.selection in PAIRWISE else "adam_prior_state"
 
     @property
     def needs_batch_gradient(self) -> bool:

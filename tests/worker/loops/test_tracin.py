@@ -59,7 +59,7 @@ def test_auto_scores_in_adamw_geometry_where_the_selection_can(digit_reward):
     def geometry(**tr):
         return TracInJob.model_validate({**_spec(), "tracin": tr}).tracin.geometry
 
-    assert geometry() == geometry(selection="top_fraction") == "adam_fixed_state"
+    assert geometry() == geometry(selection="top_fraction") == "adam_prior_state"
     assert geometry(selection="greedy") == geometry(selection="top_cosine") == "sgd"
     assert geometry(score="adam") == "adam" and geometry(score="sgd") == "sgd"
 

@@ -14,7 +14,7 @@
    against one-forward-per-row GRPO (what the influence adds on its own), and `*_tracin_unshared` TracIn
    without shared prompts against GRPO (what sharing them saves TracIn).
 
-    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 8] [--generations 8]
+    python bench/tracin.py [--model smollm2-135m-instruct] [--prompts 8] [--generations 8] [--dtype auto]
 
 The default batch is N = 8 x 8 = 64 completions (the demo's is 4 x 8); the loops run it in
 micro-batches of 8 (the spec's default). One naive per-sample backward through the batched graph
@@ -64,7 +64,7 @@ def job(args, kind: str, steps: int) -> dict:
     """The spec of one loop: `kind` is one of LOOPS."""
     spec = {
         "kind": kind.removesuffix("-unshared"),
-        "model": {"name": args.model, "lora": {"r": args.lora_r}},
+        "model": {"name": args.model, "dtype": args.dtype, "lora": {"r": args.lora_r}},
         "dataset": {"name": "arith"},
         # a graded reward beside the exact one, so advantages (and scores) are rarely all zero
         "rewards": [{"name": "numeric_match"}, {"name": "rouge_l", "weight": 0.2}],
@@ -252,6 +252,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "auto", "bfloat16"],
+                    help="model.dtype of every loop (auto: bfloat16 base weights where the CPU multiplies them natively)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
@@ -296,7 +298,7 @@ def report_loops(args, runs: dict[str, dict]) -> str:
         print(f"{kind} loop: {r['step_s']:.2f} s/step ({parts}; steps {', '.join(f'{t:.1f}' for t in r['per_step'])}); "
               f"peak RSS during steps {r['peak_mb']:.0f} MB (whole process, model loading included: "
               f"{r['process_peak_mb']:.0f} MB)")
-    print(f"settings: {args.model} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
+    print(f"settings: {args.model} {args.dtype} LoRA r={args.lora_r}, P={args.prompts} G={args.generations} "
           f"in micro-batches of {args.micro_batch}, "
           f"val {args.val_prompts}x{args.val_generations} regenerated every {args.val_regenerate_every} steps")
     return " ".join(f"step_ratio{tag}={runs[a]['step_s'] / runs[b]['step_s']:.3f} "

@@ -8,8 +8,9 @@ from worker.algos.lora import lora_layers
 from worker.model.loading import load_policy
 
 
-def _model(tmp_path, dropout=0.0, targets="all-linear"):
-    spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, alpha=12, dropout=dropout, target_modules=targets))
+def _model(tmp_path, dropout=0.0, targets="all-linear", dtype="float32"):
+    spec = ModelSpec(name="tiny-random-llama", dtype=dtype,
+                     lora=LoraSpec(r=4, alpha=12, dropout=dropout, target_modules=targets))
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
     gen = torch.Generator().manual_seed(SEED)  # the same numbers on every run: a failure reproduces
     with torch.no_grad():  # LoRA B starts at zero; give it values so both A and B gradients are non-trivial
@@ -43,9 +44,14 @@ def _naive(model, train_fn, val_fn):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("dropout,targets", [(0.0, "all-linear"), (0.1, ["q_proj", "v_proj", "down_proj"])])
-def test_scores_equal_naive_per_sample_autograd(tmp_path, dropout, targets):
-    model, tok = _model(tmp_path, dropout, targets)
+@pytest.mark.parametrize("dropout,targets,dtype", [(0.0, "all-linear", "float32"),
+                                                   (0.1, ["q_proj", "v_proj", "down_proj"], "float32"),
+                                                   (0.0, "all-linear", "bfloat16")])
+def test_scores_equal_naive_per_sample_autograd(tmp_path, dropout, targets, dtype):
+    """The hooks' scores are each sample's <grad L_i, G_val>; with bfloat16 base weights (what `model.dtype:
+    auto` loads where the device multiplies bfloat16 natively) too, the adapters float32 as their gradients."""
+    model, tok = _model(tmp_path, dropout, targets, dtype)
+    assert all(p.dtype == torch.float32 for layer in lora_layers(model) for p in (layer.a.weight, layer.b.weight))
     model.train()
     train = _batch(tok, ["Question: 1+1?", "Hi", "A much longer sample with padding", "7 8 9"])
     val = _batch(tok, ["Question: 2+2?", "ok then"])

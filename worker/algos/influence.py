@@ -97,6 +97,12 @@ class _Prompt:
     grads: list[torch.Tensor | None]  # per leaf [n, ...]
 
 
+def _prompt_sums(p: _Prompt, w: torch.Tensor, u: int) -> list[torch.Tensor | None]:
+    """Per leaf, p's rows' gradients weighted by w [n], each summed into its prompt's: [u, ...] (None: no grad)."""
+    return [None if g is None else torch.zeros(u, *g.shape[1:], dtype=g.dtype, device=g.device).index_add_(
+        0, p.part.inverse, g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1))) for g in p.grads]
+
+
 def _window(leaves: list[torch.Tensor], width: int) -> list[torch.Tensor]:
     """Views of every keys' and values' leaf [U, h, P, d] at its last `width` positions (left padding puts a
     prompt's tokens last); the last leaf, the hidden state, whole."""
@@ -122,7 +128,8 @@ class _Ahead:
     def tangents_of(self, p: _Prompt) -> list[torch.Tensor]:
         """The tangents of `p`'s prompts [u, ...], laid out as its part's."""
         assert self.tangents is not None
-        return _window([t[self.rows(p)] for t in self.tangents], p.part.width)
+        at = self.rows(p)
+        return _window([t[at] for t in self.tangents], p.part.width)
 
     def add_cotangents(self, p: _Prompt, w: torch.Tensor) -> None:
         """Sum `p`'s rows' gradients, weighted by w [n], into their prompts' cotangents."""
@@ -130,15 +137,13 @@ class _Ahead:
         width, wide = p.part.width, self.part.width
         if self.cotangents is None:
             self.cotangents = [None] * len(p.grads)
-        for j, g in enumerate(p.grads):
-            if g is None:
+        for j, per in enumerate(_prompt_sums(p, w, len(at))):  # [u, ...]
+            if per is None:
                 continue
             c = self.cotangents[j]
             if c is None:  # keys and values [U, h, P, d] at the step's width; the hidden state [U, 1, H]
-                shape = [*g.shape[1:-2], wide, g.shape[-1]] if j < last else list(g.shape[1:])
-                c = self.cotangents[j] = torch.zeros(len(self.index), *shape, dtype=g.dtype, device=g.device)
-            per = torch.zeros(len(at), *g.shape[1:], dtype=g.dtype, device=g.device)
-            per.index_add_(0, p.part.inverse, g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1)))
+                shape = [*per.shape[1:-2], wide, per.shape[-1]] if j < last else list(per.shape[1:])
+                c = self.cotangents[j] = torch.zeros(len(self.index), *shape, dtype=per.dtype, device=per.device)
             (c[..., wide - width:, :] if j < last else c).index_add_(0, at, per)
 
 
@@ -329,10 +334,14 @@ class GhostHooks:
         if self._unscored:
             directions = self._along(self.streamed or self.val_grads)
             ahead = self._ahead_of(self._unscored[0])
-            if ahead is not None and ahead.tangents is None:
-                ahead.tangents = ahead.part.tangents(directions)
-            for p, tangents in ([(p, ahead.tangents_of(p)) for p in self._unscored] if ahead is not None else
-                                [(m := self._merged(self._unscored), m.part.tangents(directions))]):
+            if ahead is not None:  # each part's prompts from the step's, differentiated once
+                if ahead.tangents is None:
+                    ahead.tangents = ahead.part.tangents(directions)
+                with_tangents = [(p, ahead.tangents_of(p)) for p in self._unscored]
+            else:  # all parts merged into one pass
+                m = self._merged(self._unscored)
+                with_tangents = [(m, m.part.tangents(directions))]
+            for p, tangents in with_tangents:
                 self._scores.index_add_(0, p.rows.to(self._scores.device),
                                         self._prompt_scores(p, tangents).to(self._scores.device))
             self._unscored.clear()
@@ -425,8 +434,9 @@ class GhostHooks:
         ahead = self._ahead_of(self.prompts[0]) if self.prompts else None
         if ahead is not None:  # one backward of the step's prompts, when the subset gradient is read
             for q in self.prompts:
-                if bool(weights[q.rows.to(weights.device)].any()):
-                    ahead.add_cotangents(q, weights[q.rows.to(weights.device)])
+                mine = weights[q.rows.to(weights.device)]
+                if bool(mine.any()):
+                    ahead.add_cotangents(q, mine)
         elif self.prompts:
             self._add_to_subset(self._prompt_gradient(self._merged(self.prompts), weights))
         self.prompts.clear()
@@ -437,11 +447,7 @@ class GhostHooks:
         w = weights[p.rows.to(weights.device)]
         if not bool(w.any()):
             return []
-        cotangents: list[torch.Tensor | None] = []
-        for g in p.grads:  # each row's weighted gradient, summed into its prompt's
-            cotangents.append(None if g is None else torch.zeros(len(p.part.keys()), *g.shape[1:], dtype=g.dtype,
-                              device=g.device).index_add_(0, p.part.inverse, g * w.to(g.device, g.dtype).view(-1, *[1] * (g.dim() - 1))))
-        return self._prompt_backward(p.part, cotangents)
+        return self._prompt_backward(p.part, _prompt_sums(p, w, len(p.part.keys())))
 
     def _prompt_backward(self, part: SharedPrompt, cotangents: list[torch.Tensor | None]
                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -142,13 +142,14 @@ def measure_step(s, ro, val, step: int, lr: float, halves: int, gen: torch.Gener
     s.optimizer.zero_grad(set_to_none=True)
     del old_logp
 
-    before, before_logp = prediction.objective(s, val.ro, None, val.ref_logp)
+    at = prediction.objective(s, val.ro, None, val.ref_logp)
+    before, before_logp = at.value, at.logp
     replay = Replay(s, grads)
     n = len(ro)
 
     def actual(weights: torch.Tensor) -> float:
         replay.step(weights)
-        return prediction.objective(s, val.ro, before_logp, val.ref_logp)[0]
+        return prediction.objective(s, val.ro, before_logp, val.ref_logp).value
 
     t2 = time.perf_counter()
     ones = torch.ones(n, dtype=torch.float64)

@@ -58,11 +58,12 @@ def noise_floor(raw: dict) -> float:
             break
     if val.ro is None:
         return float("nan")
-    whole, logp = prediction.objective(s, val.ro, None, val.ref_logp)
+    at = prediction.objective(s, val.ro, None, val.ref_logp)
+    whole, logp = at.value, at.logp
     one_by_one = dataclasses.replace(s, spec=spec.model_copy(update={
         "grpo": spec.grpo.model_copy(update={"micro_batch_size": 1})}))
     # the ratios' denominators are the same in both: the whole-batch pass's log-probs
-    single, _ = prediction.objective(one_by_one, val.ro, logp, val.ref_logp)
+    single = prediction.objective(one_by_one, val.ro, logp, val.ref_logp).value
     return abs(single - whole)
 
 

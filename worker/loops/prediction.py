@@ -32,12 +32,19 @@ from worker.model.forward import batch_logprobs
 from worker.training import eval_mode, trainable
 
 
+@dataclass(frozen=True)
+class Objective:
+    """L_val at some weights, and the log-probs it was taken from."""
+
+    value: float  # over every rank's rows
+    logp: torch.Tensor  # [N_val, T] this rank's rows
+
+
 def objective(s: Setup[RLJob], ro: Rollouts[Any], old_logp: torch.Tensor | None,
-              ref_logp: torch.Tensor | None) -> tuple[float, torch.Tensor]:
-    """(L_val over every rank's rows, this rank's log-probs [N, T]) at the current weights; old_logp
-    None: the ratios are taken against these log-probs, so L_val is its value at theta_t. Summed micro-batch
-    by micro-batch in update.backward_pass's order, so `gradient`'s value at theta_{t+1} is comparable with
-    it to the last bit: their difference is the step's actual change."""
+              ref_logp: torch.Tensor | None) -> Objective:
+    """L_val at the current weights; old_logp None: the ratios are taken against these log-probs, so L_val is
+    its value at theta_t. Summed micro-batch by micro-batch in update.backward_pass's order, so `gradient`'s
+    value at theta_{t+1} is comparable with it to the last bit: their difference is the step's actual change."""
     g = s.spec.grpo
     micro = update.micro(s, ro.batch, list(range(len(ro))))
     with eval_mode(s.model):
@@ -47,7 +54,8 @@ def objective(s: Setup[RLJob], ro: Rollouts[Any], old_logp: torch.Tensor | None,
     parts = update.losses(s, logp, old, ro.advantages.to(s.device), mask, update.batch_normaliser(s, ro.loss_mask),
                           None if ref_logp is None else ref_logp.to(s.device),
                           update.correction(s, ro.batch, old, mask))
-    return s.ranks.sum({"loss": sum(float(parts.loss[rows].sum()) for rows in micro)})["loss"], logp
+    return Objective(value=s.ranks.sum({"loss": sum(float(parts.loss[rows].sum()) for rows in micro)})["loss"],
+                     logp=logp)
 
 
 @dataclass(frozen=True)
@@ -59,10 +67,13 @@ class Before:
     weights: list[torch.Tensor]  # every LoRA A and B at theta_t, in GhostHooks.val_grads order
 
 
-def before_update(s: Setup[RLJob], val_ro: Rollouts[Any], val_ref: torch.Tensor | None, hooks: GhostHooks) -> Before:
-    value, logp = objective(s, val_ro, None, val_ref)
+def before_update(s: Setup[RLJob], val_ro: Rollouts[Any], val_ref: torch.Tensor | None, hooks: GhostHooks,
+                  *, known: Objective | None = None) -> Before:
+    """theta_t's weights, and L_val there: `known` where the validation backward that took G_val gave it (a
+    model without dropout, whose training forward is the evaluation's), else from a forward of its own."""
+    at = known if known is not None else objective(s, val_ro, None, val_ref)
     weights = [w.detach().clone() for layer in hooks.layers for w in (layer.a.weight, layer.b.weight)]
-    return Before(logp=logp, value=value, weights=weights)
+    return Before(logp=at.logp, value=at.value, weights=weights)
 
 
 def gradient(s: Setup[RLJob], ro: Rollouts[Any], old_logp: torch.Tensor, ref_logp: torch.Tensor | None, step: int,

@@ -54,15 +54,17 @@ from worker.loops.sources import TrainRollouts, draw_validation
 from worker.model import prefix
 from worker.parallel.distributed import SINGLE, Ranks
 from worker.reporting import LoopResult, Records, Reporter
-from worker.training import grad_norm, seed_everything, step_seed, trainable
+from worker.training import grad_norm, has_dropout, seed_everything, step_seed, trainable
 
 
 def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.Tensor | None, step: int,
                         hooks: GhostHooks | None = None, *, with_entropy: bool = True,
-                        after_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
+                        after_micro_batch: Callable[[], None] | None = None,
+                        record: torch.Tensor | None = None) -> dict[str, float]:
     """Every sample's share of the batch loss, forward and backward in micro-batches: the hooks see
     each one and place its samples by their rows. Where rows share their prompt's forward (Setup.share_prompts),
-    the hooks also take what each micro-batch's prompts add to its rows (worker/model/prefix.py)."""
+    the hooks also take what each micro-batch's prompts add to its rows (worker/model/prefix.py). `record`
+    [N, T] receives the log-probs."""
     place = None if hooks is None else (lambda rows: hooks.place(torch.tensor(rows)))
     with prefix.taped_prompts() if hooks is not None else contextlib.nullcontext() as tape:
 
@@ -76,7 +78,7 @@ def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.
 
         p = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
                                  update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step,
-                                 with_entropy=with_entropy, before=place, after=after)
+                                 with_entropy=with_entropy, before=place, after=after, record=record)
     return p.reduced(s.ranks).metrics()
 
 
@@ -187,6 +189,7 @@ class Scored:
     mine: torch.Tensor  # float32 [this rank's rows]: their influence
     train_stats: dict[str, float]  # the training backward's metrics
     time_s: float  # validation gradient + selection
+    val_at_theta_t: prediction.Objective | None  # L_val where G_val was taken; None: the model has dropout
 
     @property
     def n_selected(self) -> int:
@@ -203,8 +206,10 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
     t0 = time.perf_counter()
     s.model.train()
     s.optimizer.zero_grad(set_to_none=True)
+    # without dropout the validation backward's forward is the prediction check's evaluation at theta_t: kept
+    val_logp = None if has_dropout(s.model) else torch.zeros(val.ro.batch.completion_ids.shape, dtype=update.logprob_dtype(s.model))
     with hooks:
-        backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False)
+        val_stats = backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False, record=val_logp)
         s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch
         hooks.capture_validation_gradient()
         # In AdamW's geometry only once it holds moments: on the first step its update is sign(gbar), whose
@@ -225,7 +230,9 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
     every = ro.gather(hooks.scores)
     chosen_all = select(s.spec, every, hooks, step, ro)
     return Scored(every=every, chosen_all=chosen_all, chosen=chosen_all[ro.positions], mine=hooks.scores.float(),
-                  train_stats=stats, time_s=t_val + time.perf_counter() - t1)
+                  train_stats=stats, time_s=t_val + time.perf_counter() - t1,
+                  val_at_theta_t=None if val_logp is None else prediction.Objective(value=val_stats["loss/total"],
+                                                                                      logp=val_logp.to(s.device)))
 
 
 def update_selected(run: skeleton.Run, ro: Rollouts[Any], scored: Scored, hooks: GhostHooks, old_logp: torch.Tensor | None,
@@ -273,7 +280,8 @@ def influence_step(run: skeleton.Run, ro: Rollouts[Any], val: Validation, step: 
     run.reporter.selection(selection_record(step, t.selection, scored.every.float(), scored.chosen_all))
     t_check = time.perf_counter()
     check = t.check_prediction and scored.n_selected > 0
-    theta_t = prediction.before_update(s, val.ro, val.ref_logp, hooks) if check and val.ro is not None else None
+    theta_t = (prediction.before_update(s, val.ro, val.ref_logp, hooks, known=scored.val_at_theta_t)
+               if check and val.ro is not None else None)
     lr, t_check = float(s.scheduler.get_last_lr()[0]), time.perf_counter() - t_check
     metrics = {**scored.train_stats,
                **update_selected(run, ro, scored, hooks, old_logp, ref_logp, step, streamed=stream_positive)}

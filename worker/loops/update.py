@@ -72,6 +72,11 @@ def old_logprobs(s: Setup[RLJob], ro: Rollouts[Any]) -> torch.Tensor | None:
     return s.engine.logprobs(ro.batch, g.micro_batch_size, g.micro_batch_tokens)
 
 
+def logprob_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype sequence_logprobs gives the model's log-probs in: at least float32."""
+    return torch.promote_types(next(model.parameters()).dtype, torch.float32)
+
+
 def correction(s: Setup[AnySpec], batch: RolloutBatch, old: torch.Tensor, mask: torch.Tensor) -> Correction | None:
     """The engine mismatch of `batch`'s rows [n, T] (sampled by the engine; trained with old log-probs
     `old`) and its importance weights per rollout.correction; None when the engine's log-probs are
@@ -237,8 +242,7 @@ def train_epochs(run: Run, ro: Rollouts[Any], old_logp: torch.Tensor | None, ref
     epochs = PassTotals()  # summed over epochs; losses reported as their mean
     norms = []
     # old_logp None: the first epoch's own log-probs are the later epochs' old_logp
-    dtype = torch.promote_types(next(s.model.parameters()).dtype, torch.float32)  # as sequence_logprobs gives them
-    first = torch.zeros(ro.batch.completion_ids.shape, dtype=dtype) if old_logp is None else None
+    first = torch.zeros(ro.batch.completion_ids.shape, dtype=logprob_dtype(s.model)) if old_logp is None else None
     for epoch in range(g.epochs_per_rollout_batch):
         s.optimizer.zero_grad(set_to_none=True)
         seed = None if epoch == 0 else hash((g.seed, step, epoch)) % 2**31

@@ -5,7 +5,7 @@ import pytest
 
 from service.core import evidence
 from service.core.specs import TracInJob
-from worker.loops import tracin
+from worker.loops import prediction, tracin
 from worker.reporting import FileReporter
 
 
@@ -213,6 +213,41 @@ def test_predicted_change_matches_the_actual_change_to_first_order(tmp_path, set
     for m in small:
         assert m["tracin/predicted_delta_trapezoid"] == pytest.approx(m["tracin/actual_delta"], rel=5e-3)
     assert err(large, "tracin/predicted_delta_trapezoid") < err(large) / 3
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_check_takes_theta_t_from_the_validation_backward_where_there_is_no_dropout(
+        tmp_path, settings_factory, digit_reward, monkeypatch, dropout):
+    """Without dropout the validation backward's forward is the check's evaluation at theta_t: its L_val and
+    log-probs are kept, equal to a pass of their own, and no pass of their own runs. With dropout the
+    training forward is noisy, so the check evaluates theta_t itself."""
+    passes, kept = [], []
+    objective, before_update = prediction.objective, prediction.before_update
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return objective(*args, **kwargs)
+
+    def compared(s, val_ro, val_ref, hooks, *, known=None):
+        if known is not None:
+            own = objective(s, val_ro, None, val_ref)
+            kept.append((known.value, own.value, float((known.logp - own.logp).abs().max())))
+        return before_update(s, val_ro, val_ref, hooks, known=known)
+
+    monkeypatch.setattr(prediction, "objective", counted)
+    monkeypatch.setattr(prediction, "before_update", compared)
+    spec = _spec("positive")
+    spec["model"]["dtype"] = "float64"
+    spec["model"]["lora"]["dropout"] = dropout
+    assert tracin.run(TracInJob.model_validate(spec), FileReporter(tmp_path), settings=settings_factory()).status == "succeeded"
+    checked = [m for m in _lines(tmp_path / "metrics.jsonl") if "tracin/actual_delta" in m["metrics"]]
+    assert checked, "no step checked its prediction"
+    if dropout:
+        assert len(passes) == len(checked) and not kept
+    else:
+        assert not passes and len(kept) == len(checked)
+        for known, own, logp_gap in kept:
+            assert known == pytest.approx(own, rel=1e-12, abs=1e-15) and logp_gap < 1e-12
 
 
 def test_tracin_selects_among_episodes_with_a_validation_batch_of_episodes(tmp_path, settings_factory):

@@ -14,7 +14,8 @@ Lower is better. Per step with an update:
     actual_delta        = L_val(theta_{t+1}) - L_val(theta_t)   re-evaluated on the same validation rollouts
 
 The evaluations and G_val(theta_{t+1}) run without dropout (eval mode), so the actual change is the
-weights' doing alone.
+weights' doing alone. In a model without dropout the training forward is the evaluation's, so L_val(theta_t)
+and its log-probs are the validation backward's that took G_val (TracIn's step 2), not a pass of their own.
 """
 
 from __future__ import annotations

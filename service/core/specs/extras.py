@@ -80,7 +80,8 @@ class TracInSpec(_Section):
     check_prediction: bool = Field(
         True, description="Every step with an update, re-evaluate the validation objective after it and record the "
         "predicted change (tracin/predicted_delta, and the trapezoid) beside the actual one (tracin/actual_delta): "
-        "a forward of the validation batch before the update, a forward and backward after it.")
+        "a forward and backward of the validation batch after the update (and, in a model with dropout, a forward "
+        "before it).")
 
     @property
     def geometry(self) -> Literal["sgd", "adam", "adam_fixed_state", "adam_prior_state"]:

@@ -207,7 +207,8 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
     s.model.train()
     s.optimizer.zero_grad(set_to_none=True)
     # without dropout the validation backward's forward is the prediction check's evaluation at theta_t: kept
-    val_logp = None if has_dropout(s.model) else torch.zeros(val.ro.batch.completion_ids.shape, dtype=update.logprob_dtype(s.model))
+    val_logp = (None if has_dropout(s.model)
+                else torch.zeros(val.ro.batch.completion_ids.shape, dtype=update.logprob_dtype(s.model)))
     with hooks:
         val_stats = backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False, record=val_logp)
         s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch

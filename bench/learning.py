@@ -8,7 +8,7 @@ training `reward/mean`, and the mean ± standard error over seeds.
     python bench/learning.py --spec examples/demo-smollm2.yaml --seeds 3 --steps 6
     python bench/learning.py --code ../other-checkout          # the same specs run by another checkout's code
     python bench/learning.py --parallel 2                      # two seeds at once, one thread each
-    python bench/learning.py --dtype auto --parallel 2         # each seed as the spec says and in auto, paired
+    python bench/learning.py --dtype auto --parallel 2         # each seed in float32 (or the spec's dtype) and in auto, paired
     python bench/learning.py --dtype auto --fp32-head          # ... with auto's LM head multiplying in float32
     python bench/learning.py --dtype auto --eval-float32       # ... and auto's adapters evaluated in float32 too
     python bench/learning.py --dtype auto --steps-b 15         # ... auto running 15 steps: also compared at equal time
@@ -143,7 +143,7 @@ def bench_spec(path: Path, args: argparse.Namespace) -> None:
 
 
 def compare_dtype(path: Path, args: argparse.Namespace) -> None:
-    """The spec as it is and with model.dtype = args.dtype, paired by seed (each pair run side by side, so both
+    """The spec as it is (float32 where it names no dtype) and with model.dtype = args.dtype, paired by seed (each pair run side by side, so both
     see the same machine): each side's accuracy at the last step, the paired difference with its 95% interval,
     and the wall-time ratio."""
     from service.core import evidence
@@ -155,7 +155,8 @@ def compare_dtype(path: Path, args: argparse.Namespace) -> None:
     steps_b = args.steps_b or steps  # the other side's last step: more steps where they cost it less time
     other = {**spec, "model": {**spec["model"], "dtype": args.dtype, **({"fp32_head": True} if args.fp32_head else {})},
              "grpo": {**spec["grpo"], "steps": steps_b}}
-    mine = spec["model"].get("dtype", "float32")
+    mine = spec["model"].get("dtype", "float32")  # the baseline: float32 where the spec names no dtype
+    spec = {**spec, "model": {**spec["model"], "dtype": mine}}  # named, since `auto` is the default
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     jobs = [(side, s) for s in seeds for side in (mine, args.dtype)]
     # --eval-float32: the other side's last adapter, loaded onto the spec's own weights and evaluated there

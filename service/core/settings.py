@@ -270,6 +270,13 @@ class Settings(BaseSettings):
         "`model.gradient_checkpointing` unset recomputes activations only when a micro-batch's would take more "
         "than half of it. Unset: what the job's device has free when it starts (MemAvailable on a CPU).",
     )
+    auto_dtype: Literal["probe", "float32", "bfloat16"] = Field(
+        default="probe", validation_alias="GRPO_AUTO_DTYPE",
+        description="What a spec's `model.dtype: auto` loads the base weights in on this deployment's workers: "
+        "`probe`, bfloat16 where a short matmul probe (cached per machine) finds the device multiplies it at "
+        "least 1.5x faster than float32, else float32; `float32` or `bfloat16`, that dtype on every device, "
+        "without a probe (a fleet whose jobs must run alike). A dtype the spec names wins; FSDP trains float32.",
+    )
     keep_freed_memory: bool = Field(
         default=True, validation_alias="GRPO_KEEP_FREED_MEMORY",
         description="Training on a CPU: keep freed memory in the worker for the next step instead of "

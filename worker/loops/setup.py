@@ -216,7 +216,7 @@ def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: mem
     if fold is not None:
         message, data = f"{message}; {fold.describe()}", {**data, "sampler_fold": fold.fold,
                                                            "sampler_fold_gb": fold.copy_gb}
-    if prec.probe is not None:  # auto: say what was chosen and why
+    if prec.auto:  # say what was chosen and why
         message = f"{prec.reason}; {message}"
     elif prec.activations == "float32":  # a named bfloat16/float16: what flows between its matmuls
         message = f"{prec.dtype} base weights, float32 activations; {message}"
@@ -226,7 +226,8 @@ def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: mem
 def with_precision(spec: J, settings: Settings, device: torch.device) -> tuple[J, precision.Precision]:
     """The spec with `model.dtype` and `model.activations` as this device loads them (`auto` resolved), and why."""
     prec = precision.resolve(spec.model.dtype, spec.model.activations, device,
-                             cache=settings.cache_dir / "precision.json", bfloat16_ok=bfloat16_refused(spec))
+                             cache=settings.cache_dir / "precision.json", bfloat16_ok=bfloat16_refused(spec),
+                             auto=settings.auto_dtype)
     model = spec.model.model_copy(update={"dtype": prec.dtype, "activations": prec.activations})
     resolved = spec.model_copy(update={"model": model})
     return cast(J, resolved), prec

@@ -51,11 +51,12 @@ class Precision:
     probe: Probe | None = None  # with `auto`
     cached: bool = False  # the probe came from the machine's cache
     activations: str = "weights"  # float32 or weights: the dtype between a low-precision model's matmuls
+    auto: bool = False  # `model.dtype: auto` chose it
 
     def data(self) -> dict[str, object]:
         """For the `memory_plan` event."""
-        return {"dtype": self.dtype, "activations": self.activations, "reason": self.reason, "cached": self.cached,
-                "probe": None if self.probe is None else asdict(self.probe)}
+        return {"dtype": self.dtype, "activations": self.activations, "reason": self.reason, "auto": self.auto,
+                "cached": self.cached, "probe": None if self.probe is None else asdict(self.probe)}
 
 
 def device_key(device: torch.device) -> str:
@@ -93,19 +94,22 @@ def probe(device: torch.device, cache: Path | None, *, timer=None) -> tuple[Prob
 
 
 def choose(requested: str, device: torch.device, *, cache: Path | None, bfloat16_ok: str | None = None,
-           timer=None) -> Precision:
+           timer=None, auto: str = "probe") -> Precision:
     """What `model.dtype` loads as on `device`. `auto` is bfloat16 where the probe finds it native
-    (at least NATIVE x float32's rate) and `bfloat16_ok` names no reason against it, else float32."""
+    (at least NATIVE x float32's rate) and `bfloat16_ok` names no reason against it, else float32;
+    `auto` (GRPO_AUTO_DTYPE) other than `probe` names the dtype instead of the probe."""
     if requested != "auto":
         return Precision(requested, "model.dtype names it")
     if bfloat16_ok is not None:
-        return Precision("float32", f"auto: float32, as {bfloat16_ok}")
+        return Precision("float32", f"auto: float32, as {bfloat16_ok}", auto=True)
+    if auto != "probe":
+        return Precision(auto, f"auto: {auto}, as GRPO_AUTO_DTYPE names it", auto=True)
     rates, cached = probe(device, cache, timer=timer)
     words = (f"bfloat16 multiplies at {rates.bfloat16_flops / 1e9:,.0f} GFLOP/s against float32's "
              f"{rates.float32_flops / 1e9:,.0f} on {device.type} ({rates.speedup:.1f}x)")
     if rates.speedup >= NATIVE:
-        return Precision("bfloat16", f"auto: bfloat16 base weights, as {words}", rates, cached)
-    return Precision("float32", f"auto: float32, as {words}: not native", rates, cached)
+        return Precision("bfloat16", f"auto: bfloat16 base weights, as {words}", rates, cached, auto=True)
+    return Precision("float32", f"auto: float32, as {words}: not native", rates, cached, auto=True)
 
 
 LOW_PRECISION = ("bfloat16", "float16")
@@ -122,9 +126,9 @@ def activations_for(requested: str, dtype: str, device: torch.device) -> str:
 
 
 def resolve(requested_dtype: str, requested_activations: str, device: torch.device, *, cache: Path | None,
-            bfloat16_ok: str | None = None, timer=None) -> Precision:
+            bfloat16_ok: str | None = None, timer=None, auto: str = "probe") -> Precision:
     """`choose`, with the activations' dtype resolved for what it chose."""
-    prec = choose(requested_dtype, device, cache=cache, bfloat16_ok=bfloat16_ok, timer=timer)
+    prec = choose(requested_dtype, device, cache=cache, bfloat16_ok=bfloat16_ok, timer=timer, auto=auto)
     acts = activations_for(requested_activations, prec.dtype, device)
     reason = f"{prec.reason}, float32 activations" if acts == "float32" else prec.reason
     return replace(prec, activations=acts, reason=reason)

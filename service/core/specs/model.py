@@ -58,7 +58,7 @@ class ModelSpec(_Section):
         "already in the workers' local cache.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
-        "float32", description="Parameter dtype of the trained policy (float64: for numerical checks on the CPU; "
+        "auto", description="Parameter dtype of the trained policy (float64: for numerical checks on the CPU; "
         "log-probs and losses are computed in at least float32). With bfloat16/float16, a LoRA adapter stays "
         "float32 and full fine-tuning steps float32 master weights, rounded into the model after each step. "
         "`auto`: bfloat16 where the job's device multiplies it natively (at least 1.5x float32's matmul rate, "

@@ -79,8 +79,8 @@ def _err(spec: dict) -> str:
     ({"kind": "grpo", "devices": {"policy": "tpu:0"}}, "unknown device"),
     ({"kind": "grpo", "devices": {"rollout": "auto"}}, "devices.rollout"),  # 'auto' is the policy's: the worker places it
     ({"kind": "grpo", "rollout": {"gpu_memory_utilization": 0.5}}, "rollout.gpu_memory_utilization would have no effect"),
-    ({"kind": "grpo", "model": {"fp32_head": True}}, "model.fp32_head would have no effect: it applies only to a bfloat16"),
-    ({"kind": "grpo", "model": {"activations": "float32"}}, "model.activations would have no effect: it applies only to a bfloat16"),
+    ({"kind": "grpo", "model": {"dtype": "float32", "fp32_head": True}}, "model.fp32_head would have no effect: it applies only to a bfloat16"),
+    ({"kind": "grpo", "model": {"dtype": "float32", "activations": "float32"}}, "model.activations would have no effect: it applies only to a bfloat16"),
     ({"kind": "grpo", "model": {"dtype": "bfloat16", "activations": "float64"}}, "model.activations"),
     ({"kind": "grpo", "rollout": {"engine": "vllm", "gpu_memory_utilization": 1.0}}, "rollout.gpu_memory_utilization"),
     ({"kind": "grpo", "rollout": {"engine": "vllm", "gpu_memory_utilization": 0}}, "rollout.gpu_memory_utilization"),

@@ -1,6 +1,7 @@
 """The memory-saving paths learn exactly what the plain ones do: log-probs through the chunked
 head against the full logits, token-budget micro-batches against row ones, gradient checkpointing
-against none. Same spec, same seed: the same metrics to float rounding."""
+against none. Same spec, same seed: the same metrics to float32's rounding (the spec names float32: under
+bfloat16 base weights each path rounds differently)."""
 
 import json
 
@@ -15,7 +16,7 @@ from worker.model.forward import micro_batches
 from worker.reporting import FileReporter
 
 BASE = {
-    "model": {"name": "tiny-random-llama", "lora": {"r": 4, "dropout": 0.0}},
+    "model": {"name": "tiny-random-llama", "dtype": "float32", "lora": {"r": 4, "dropout": 0.0}},
     "dataset": {"name": "arith", "num_train": 40, "num_val": 4},
     "rewards": [{"name": "digit_share"}],
     "grpo": {"steps": 3, "prompts_per_step": 3, "num_generations": 4, "max_new_tokens": 12,

@@ -40,6 +40,30 @@ def test_a_named_dtype_or_a_reason_against_bfloat16_is_never_probed(tmp_path):
     assert fsdp.dtype == "float32" and "fsdp" in fsdp.reason and calls == []
 
 
+@pytest.mark.parametrize("setting", ["float32", "bfloat16"])
+def test_the_admins_auto_dtype_decides_a_spec_that_names_none_without_a_probe(tmp_path, settings_factory, monkeypatch,
+                                                                              digit_reward, setting):
+    """GRPO_AUTO_DTYPE: every worker of a fleet loads a spec with no dtype alike, whatever its CPU measures."""
+    from service.core.specs import GRPOJob
+    from worker.loops.setup import build
+    from worker.reporting import FileReporter
+
+    calls: list = []
+    monkeypatch.setattr(precision, "matmul_flops", _timer(1e11, 6e11 if setting == "float32" else 0.5e11, calls))
+    spec = GRPOJob.model_validate({
+        "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+        "dataset": {"name": "arith", "num_train": 8, "num_val": 2}, "rewards": [{"name": "digit_share"}],
+        "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 1}})
+    assert spec.model.dtype == "auto"  # the default
+    s = build(spec, settings_factory(GRPO_AUTO_DTYPE=setting), FileReporter(tmp_path))
+    assert s.spec.model.dtype == setting and calls == []  # the setting, against what the probe would have said
+    assert next(p for p in s.model.parameters() if not p.requires_grad).dtype == getattr(torch, setting)
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    [plan] = [e for e in events if e["type"] == "memory_plan"]
+    assert plan["message"].startswith(f"auto: {setting}, as GRPO_AUTO_DTYPE names it")
+    assert plan["data"]["precision"].items() >= {"dtype": setting, "auto": True, "probe": None}.items()
+
+
 def test_a_torn_cache_is_measured_again_and_rewritten(tmp_path):
     cache, calls = tmp_path / "precision.json", []
     cache.write_text('{"half')
@@ -63,7 +87,7 @@ def test_auto_on_a_native_device_trains_float32_adapters_over_a_bfloat16_base(tm
         "model": {"name": "tiny-random-llama", "dtype": "auto", "lora": {"r": 4}},
         "dataset": {"name": "arith", "num_train": 8, "num_val": 2}, "rewards": [{"name": "digit_share"}],
         "grpo": {"steps": 1, "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4, "eval_prompts": 1}})
-    s = build(spec, settings_factory(), FileReporter(tmp_path))
+    s = build(spec, settings_factory(GRPO_AUTO_DTYPE="probe"), FileReporter(tmp_path))  # whatever the suite runs under
     assert s.spec.model.dtype == "bfloat16"
     frozen = {n: p for n, p in s.model.named_parameters() if not p.requires_grad}
     trained = [p for p in s.model.parameters() if p.requires_grad]

@@ -54,7 +54,7 @@ def test_a_folder_converted_before_is_renamed_in_place(tmp_path, models_root):
 
 
 def test_a_full_fine_tuning_checkpoint_stores_tied_embeddings_under_the_input_name(tmp_path, models_root):
-    model, tok = models.load_policy(ModelSpec(name="smollm2-135m-instruct", lora=None), models_root=models_root,
+    model, tok = models.load_policy(ModelSpec(name="smollm2-135m-instruct", dtype="float32", lora=None), models_root=models_root,
                                     device="cpu", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     t = Trainables(model=model, tokenizer=tok, optimizers={"policy": opt},

@@ -16,7 +16,7 @@ PROMPTS = ["Question: what is 12 + 30?\nAnswer:", "Hi", "Question: 7 * 6?\nAnswe
 
 
 def _policy(tmp_path, lora: bool):
-    spec = ModelSpec(name="tiny-random-llama", lora=LoraSpec(r=4, dropout=0.0) if lora else None)
+    spec = ModelSpec(name="tiny-random-llama", dtype="float32", lora=LoraSpec(r=4, dropout=0.0) if lora else None)
     model, tok = load_policy(spec, models_root=tmp_path, device="cpu", seed=0)
     with torch.no_grad():  # a trained adapter: B away from its zero start, so the prompt's gradient reaches A
         g = torch.Generator().manual_seed(0)

@@ -27,11 +27,27 @@ REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 
 
+def _machine_auto_dtype() -> str:
+    """float32 or bfloat16: `auto`'s choice on this machine, probed once and kept beside the converted models."""
+    import torch
+
+    from worker.machine import precision
+
+    root = Path(os.environ.get("GRPO_TEST_MODELS_ROOT") or ARTIFACTS.parent / ".test-models")
+    rates, _ = precision.probe(torch.device("cpu"), root / "precision.json")
+    return "bfloat16" if rates.speedup >= precision.NATIVE else "float32"
+
+
 def pytest_configure(config):
     """GRPO_TEST_DETERMINISTIC=1 runs the suite with torch's deterministic algorithms (and warns
     where an op has none): a tolerance that only holds for one kernel choice shows up as a failure."""
     # one API process per `serve` a test starts, as on a one-core machine; the tests of several name theirs
     os.environ.setdefault("GRPO_API_WORKERS", "1")
+    # `model.dtype: auto` decided once for the run, as the machine's probe says: a job in a test's own data folder
+    # would probe again, and under the suite's load two probes of a CPU near the line can disagree. Set
+    # GRPO_AUTO_DTYPE to run the suite under the other choice.
+    if "GRPO_AUTO_DTYPE" not in os.environ:
+        os.environ["GRPO_AUTO_DTYPE"] = _machine_auto_dtype()
     if os.environ.get("GRPO_TEST_DETERMINISTIC") == "1":
         import torch
 

@@ -31,7 +31,7 @@ SFT_JOB = {"kind": "sft", "name": "e2e-sft", "model": {"name": "tiny-random-llam
 # rollouts from a vLLM server of the job's own (GRPO_VLLM_PYTHON): the bundled model, whose head size
 # vLLM's CPU attention supports (the tiny models' 16 it does not)
 # sampled by its own vLLM server a step ahead; the same spec with `rollout.engine: hf` is its reference
-VLLM_JOB = {"kind": "grpo", "name": "e2e-vllm", "model": {"name": "smollm2-135m-instruct", "lora": {"r": 8}},
+VLLM_JOB = {"kind": "grpo", "name": "e2e-vllm", "model": {"name": "smollm2-135m-instruct", "dtype": "float32", "lora": {"r": 8}},
             "dataset": {"name": "arith", "difficulty": 0}, "rollout": {"engine": "vllm", "max_staleness": 1},
             "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 12, "temperature": 0.8,
                      "learning_rate": 3e-4, "eval_prompts": 8, "epochs_per_rollout_batch": 2, "loss": "cispo",

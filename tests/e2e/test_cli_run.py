@@ -86,9 +86,12 @@ def test_every_example_runs_and_shows_its_kind(tmp_path, models_root, name):
     if kind == "tracin":
         sels = _lines(out / "selections.jsonl")
         assert [s["step"] for s in sels] == list(range(1, total + 1))
-        assert any(0 < s["selected"] < s["total"] for s in sels), [(s["selected"], s["total"]) for s in sels]
-    elif not agent:  # an agent example's one step may have no rewards that differ
-        assert all(m["grad_norm"] > 0 for m in steps)
+        # a step whose groups all tie scores nothing above zero; one with a signal selects (that a strict subset is
+        # chosen is tests/worker/loops/test_tracin.py's, on batches made to have one)
+        assert any(s["selected"] > 0 for s in sels), [(s["selected"], s["total"]) for s in sels]
+    elif not agent:  # an agent example's one step may have no rewards that differ; a step whose groups all tie
+        # (at step 1, with the policy still its reference) has nothing to follow
+        assert all(m["grad_norm"] > 0 for m in steps if m.get("frac_reward_zero_std", 0) < 1)
     if kind == "joint":
         assert (last / "retriever.safetensors").exists()
         assert any(m["retriever/advantage_abs_mean"] > 0 for m in steps), "the retriever never had a signal"

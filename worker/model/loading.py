@@ -175,6 +175,9 @@ def load_tokenizer(spec: ModelSpec, *, models_root: Path, model_roots: list[Path
 
 def load_base_model(spec: ModelSpec, *, tokenizer, models_root: Path, model_roots: list[Path] = (),
                     seed: int = 0) -> torch.nn.Module:
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"model.dtype {spec.dtype!r} is resolved where the device is known: load_policy, or "
+                         "worker/machine/precision.py")
     dtype = DTYPES[spec.dtype]
     if spec.name in TINY_PRESETS:
         model = tiny_model(spec.name, len(tokenizer), seed=seed).to(dtype)

@@ -98,7 +98,7 @@ class Judge:
     def load(cls, spec: JudgeReward, *, settings, device: str) -> Judge:
         from worker.model.loading import load_base_model, load_tokenizer
 
-        mspec = ModelSpec(name=spec.model)
+        mspec = ModelSpec(name=spec.model, dtype="float32")  # a judge scores in float32: its rewards do not move with the CPU
         kw = dict(models_root=settings.models_dir, model_roots=settings.model_roots)
         tok = load_tokenizer(mspec, **kw)
         model = load_base_model(mspec, tokenizer=tok, **kw).to(device).eval().requires_grad_(False)

@@ -35,7 +35,8 @@ def jsonl(rows) -> bytes:
 
 
 def spec(train, val, **grpo):
-    return {"kind": "grpo", "model": {"name": "tiny-random-llama", "lora": {"r": 4}},
+    # float32: a downloaded checkpoint evaluated by plain transformers gives the job's own evaluation exactly
+    return {"kind": "grpo", "model": {"name": "tiny-random-llama", "dtype": "float32", "lora": {"r": 4}},
             "dataset": {"name": "file", "train_file": train, "val_file": val},
             "rewards": [{"name": "digit_share"}],  # dense even for a random model
             "grpo": {"steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8,

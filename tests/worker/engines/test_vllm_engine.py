@@ -64,7 +64,7 @@ def _server(vllm_python, folder: Path, log: Path, lora_rank: int | None) -> VLLM
 def test_a_full_fine_tuning_checkpoint_and_its_sync_serve_the_trainers_logprobs(vllm_python, models_root, tmp_path):
     """A full-fine-tuning checkpoint folder (what the service archives), served from a fresh start, and
     the engine's folder reloaded in place; the LoRA folders are the sync test's."""
-    model, tok = load_policy(ModelSpec(name="smollm2-135m-instruct"), models_root=models_root, device="cpu")
+    model, tok = load_policy(ModelSpec(name="smollm2-135m-instruct", dtype="float32"), models_root=models_root, device="cpu")
     prompt, completion = tok(PROMPT)["input_ids"], tok(COMPLETION)["input_ids"] + [tok.eos_token_id]
     base = _trainer_logprobs(model.eval(), prompt, completion)
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_a_full_fine_tuning_checkpoint_and_its_sync_serve_the_trainers_logprobs(
 
 
 def test_a_sync_serves_the_updated_policy_and_a_dead_server_comes_back_once(vllm_python, models_root, tmp_path):
-    policy, tok = load_policy(ModelSpec(name="smollm2-135m-instruct", lora=LoraSpec(r=8)), models_root=models_root,
+    policy, tok = load_policy(ModelSpec(name="smollm2-135m-instruct", dtype="float32", lora=LoraSpec(r=8)), models_root=models_root,
                               device="cpu")
     events = []
     engine = VLLMEngine(policy, tok, "cpu", SamplingParams(max_new_tokens=16, temperature=0.8), python=vllm_python,

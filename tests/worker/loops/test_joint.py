@@ -96,6 +96,8 @@ def test_retriever_learns_from_the_generators_rewards(tmp_path, settings_factory
 
     spec = yaml.safe_load((Path(__file__).parents[3] / "examples" / "joint-smollm2.yaml").read_text())
     spec["grpo"].update(steps=5, eval_every=5, samples_per_step=0)
+    # the generator in float32, as this bound was set on: with bfloat16 base weights one run rose 0.375 -> 0.5
+    spec["model"]["dtype"] = "float32"
     joint.run(JointJob.model_validate(spec), FileReporter(tmp_path), settings=settings_factory())
     metrics = {m["step"]: m["metrics"] for m in _lines(tmp_path / "metrics.jsonl")}
     start, end = metrics[0]["eval/retriever_recall_at_1"], metrics[5]["eval/retriever_recall_at_1"]

@@ -77,6 +77,8 @@ class SharedPrompt(Protocol):
 
     def tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]: ...
 
+    def chunks(self, size: int) -> list[tuple[slice, Self]]: ...
+
     def merged(self, parts: list[Self], grads: list[list[torch.Tensor | None]]
                ) -> tuple[Self, list[torch.Tensor | None]]: ...  # many parts as one, and their rows' grads
 
@@ -217,6 +219,7 @@ class GhostHooks:
         self._step_prompts: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's prompt [N, P] and mask
         self._ahead: _Ahead | None = None  # the step's prompts as one part, once a micro-batch's are met
         self._paused = False
+        self._widest = 0  # the most positions a hooked micro-batch ran (rows x length): what a backward may hold
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> GhostHooks:
@@ -246,6 +249,7 @@ class GhostHooks:
             if i not in self.val_grads or not output.requires_grad or self._paused:
                 return  # validation pass (or no grad, or a prompts' backward for `fold`): nothing to score
             inp = _flat(inputs[0].detach())  # A: x' [N, L, d_in];  B: h [N, L, r]
+            self._widest = max(self._widest, inp.shape[0] * inp.shape[1])
             rows = self.rows if self.rows is not None else torch.arange(inp.shape[0])
             g_a, g_b = (self.streamed or self.val_grads)[i]
             if self.keep_factors:
@@ -453,11 +457,19 @@ class GhostHooks:
                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(LoRA weight, J_u^T c) for per-leaf cotangents c [U, ...] of `part`'s prompts (None: 0)."""
         params = [x for layer in self.layers for x in (layer.a.weight, layer.b.weight)]
-        with self.paused(), torch.enable_grad():
-            outs = part.outputs()  # [U, ...]
-            grads = torch.autograd.grad(outs, params, allow_unused=True, grad_outputs=[
-                torch.zeros_like(out) if c is None else c.to(out.dtype) for c, out in zip(cotangents, outs)])
-        return [(x, g) for x, g in zip(params, grads) if g is not None]
+        # prompts a few at a time, no more positions than a micro-batch's backward held: all of a step's at once
+        # raised TracIn's peak memory by a quarter of a GB (SmolLM2-135M, 8 prompts)
+        size = max(1, self._widest // max(1, part.width)) if self._widest else len(part.keys())
+        total: dict[int, torch.Tensor] = {}
+        for rows, chunk in part.chunks(size):
+            with self.paused(), torch.enable_grad():
+                outs = chunk.outputs()  # [u, ...]
+                grads = torch.autograd.grad(outs, params, allow_unused=True, grad_outputs=[
+                    torch.zeros_like(out) if c is None else c[rows].to(out.dtype) for c, out in zip(cotangents, outs)])
+            for j, g in enumerate(grads):
+                if g is not None:
+                    total[j] = g if j not in total else total[j] + g
+        return [(params[j], g) for j, g in sorted(total.items())]
 
     def _add_to_subset(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for x, g in grads:

@@ -78,6 +78,14 @@ class PromptPart:
         """P, the prompts' positions (left-padded)."""
         return int(self.inputs["input_ids"].shape[1])
 
+    def chunks(self, size: int) -> list[tuple[slice, PromptPart]]:
+        """The prompts `size` at a time, each chunk at the whole part's width and without leaves: a backward
+        through all of them at once would hold every prompt's activations together."""
+        u = len(self.inputs["input_ids"])
+        return [(slice(i, i + size), PromptPart(self.decoder, {k: v[i:i + size] for k, v in self.inputs.items()},
+                                                torch.arange(min(size, u - i), device=self.inverse.device), []))
+                for i in range(0, u, size)]
+
     def keys(self) -> list[tuple[int, ...]]:
         """Each distinct prompt's real tokens."""
         ids, mask = self.inputs["input_ids"], self.inputs["attention_mask"].bool()

@@ -141,9 +141,10 @@ def test_taped_prompts_give_each_row_its_own_share_of_the_prompts_gradient(tmp_p
     for name in passes:
         monkeypatch.setattr(prefix.PromptPart, name, counted(name))
     shared = hooked(True)
-    # one forward-mode pass of the prompts for the scores and one backward of them for the update (`outputs`,
-    # run by `tangents` too), whether the micro-batches' prompts are merged at the end or taken ahead
-    assert passes == {"tangents": 1, "outputs": 2}
+    # one forward-mode pass of the prompts for the scores (`outputs`, run by `tangents` too), and backwards of them
+    # for the update, a few prompts at a time (no more positions than a micro-batch held), whether the
+    # micro-batches' prompts are merged at the end or taken ahead
+    assert passes["tangents"] == 1 and passes["outputs"] >= 2
     each = hooked(False)
     assert_close(shared[0], each[0], dtype=torch.float32, terms=batch.completion_ids.numel())
     for a, b in zip(shared[1], each[1]):

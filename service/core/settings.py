@@ -381,6 +381,11 @@ class Settings(BaseSettings):
     def cache_dir(self) -> Path:
         return self.cache_root or self.data_dir / "cache"
 
+    @property
+    def precision_cache(self) -> Path:
+        """The machine's bfloat16/float32 probe, shared by every job so they all choose alike."""
+        return self.cache_dir / "precision.json"
+
 
 @lru_cache
 def get_settings() -> Settings:

@@ -460,16 +460,14 @@ class GhostHooks:
         # prompts a few at a time, no more positions than a micro-batch's backward held: all of a step's at once
         # raised TracIn's peak memory by a quarter of a GB (SmolLM2-135M, 8 prompts)
         size = max(1, self._widest // max(1, part.width)) if self._widest else len(part.keys())
-        total: dict[int, torch.Tensor] = {}
+        total: list[torch.Tensor | None] = [None] * len(params)  # the chunks' sum, per weight (None: no gradient)
         for rows, chunk in part.chunks(size):
             with self.paused(), torch.enable_grad():
                 outs = chunk.outputs()  # [u, ...]
                 grads = torch.autograd.grad(outs, params, allow_unused=True, grad_outputs=[
                     torch.zeros_like(out) if c is None else c[rows].to(out.dtype) for c, out in zip(cotangents, outs)])
-            for j, g in enumerate(grads):
-                if g is not None:
-                    total[j] = g if j not in total else total[j] + g
-        return [(params[j], g) for j, g in sorted(total.items())]
+            total = [t if g is None else g if t is None else t + g for t, g in zip(total, grads)]
+        return [(x, g) for x, g in zip(params, total) if g is not None]
 
     def _add_to_subset(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for x, g in grads:

@@ -225,9 +225,8 @@ def report_memory_plan(reporter: Records, plan: memory.CheckpointPlan, fold: mem
 
 def with_precision(spec: J, settings: Settings, device: torch.device) -> tuple[J, precision.Precision]:
     """The spec with `model.dtype` and `model.activations` as this device loads them (`auto` resolved), and why."""
-    prec = precision.resolve(spec.model.dtype, spec.model.activations, device,
-                             cache=settings.cache_dir / "precision.json", bfloat16_ok=bfloat16_refused(spec),
-                             auto=settings.auto_dtype)
+    prec = precision.resolve_as_set(spec.model.dtype, spec.model.activations, device, settings,
+                                    bfloat16_ok=bfloat16_refused(spec))
     model = spec.model.model_copy(update={"dtype": prec.dtype, "activations": prec.activations})
     resolved = spec.model_copy(update={"model": model})
     return cast(J, resolved), prec

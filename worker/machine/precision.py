@@ -20,10 +20,14 @@ import os
 import socket
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.machine.hardware import cpu_name, matmul_flops
+
+if TYPE_CHECKING:
+    from service.core.settings import Settings
 
 PROBE_SIZE = {"cpu": 1024, "cuda": 4096}  # square sides: long enough to reach the rate, short to time (< 0.2 s)
 NATIVE = 1.5  # bfloat16 counts as native when it multiplies at least this much faster than float32
@@ -132,3 +136,10 @@ def resolve(requested_dtype: str, requested_activations: str, device: torch.devi
     acts = activations_for(requested_activations, prec.dtype, device)
     reason = f"{prec.reason}, float32 activations" if acts == "float32" else prec.reason
     return replace(prec, activations=acts, reason=reason)
+
+
+def resolve_as_set(requested_dtype: str, requested_activations: str, device: torch.device, settings: Settings, *,
+                   bfloat16_ok: str | None = None) -> Precision:
+    """`resolve` as the admin set it up: GRPO_AUTO_DTYPE, and the probe every job on the machine shares."""
+    return resolve(requested_dtype, requested_activations, device, cache=settings.precision_cache,
+                   bfloat16_ok=bfloat16_ok, auto=settings.auto_dtype)

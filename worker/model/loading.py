@@ -258,11 +258,9 @@ def load_policy(spec: ModelSpec, *, models_root: Path, device: str, seed: int = 
     auto` and `model.activations: auto` resolved on `device` where the caller has not: worker/machine/precision.py)."""
     if spec.dtype == "auto" or spec.activations == "auto":
         from service.core.settings import get_settings
-        from worker.machine.precision import resolve
+        from worker.machine.precision import resolve_as_set
 
-        settings = get_settings()  # GRPO_AUTO_DTYPE, and the machine's probe where the loops keep it
-        prec = resolve(spec.dtype, spec.activations, torch.device(device), cache=settings.cache_dir / "precision.json",
-                       auto=settings.auto_dtype)
+        prec = resolve_as_set(spec.dtype, spec.activations, torch.device(device), get_settings())
         spec = spec.model_copy(update={"dtype": prec.dtype, "activations": prec.activations})
     tokenizer = load_tokenizer(spec, models_root=models_root, model_roots=model_roots)
     model = load_base_model(spec, tokenizer=tokenizer, models_root=models_root, model_roots=model_roots, seed=seed)

@@ -15,21 +15,29 @@ needs_jemalloc = pytest.mark.skipif(malloc.jemalloc_library() is None, reason="n
 
 
 CUDA = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+ALWAYS = {**CUDA, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "64"}
 
 
 def test_glibc_leaves_the_environment_as_it_is(monkeypatch):
     monkeypatch.setattr(malloc, "jemalloc_library", lambda: "libjemalloc.so.2")
     env = {"LD_PRELOAD": "libother.so", "X": "1"}
-    assert malloc.training_env(Settings(GRPO_MALLOC="glibc"), env) == {**env, **CUDA}
+    assert malloc.training_env(Settings(GRPO_MALLOC="glibc"), env) == {**env, **ALWAYS}
 
 
 def test_the_cuda_allocator_gets_one_setting_under_both_names():
     """Expandable segments unless the admin set either name: then theirs, under both (torch >= 2.9 reads
     PYTORCH_ALLOC_CONF first, a vLLM venv's own torch may read only the other)."""
-    assert malloc.training_env(Settings(GRPO_MALLOC="glibc"), {}) == CUDA
+    assert malloc.training_env(Settings(GRPO_MALLOC="glibc"), {}) == ALWAYS
     for name in CUDA:
         env = malloc.training_env(Settings(GRPO_MALLOC="glibc"), {name: "max_split_size_mb:512"})
-        assert env == dict.fromkeys(CUDA, "max_split_size_mb:512")
+        assert env == {**ALWAYS, **dict.fromkeys(CUDA, "max_split_size_mb:512")}
+
+
+def test_the_cpu_kernel_caches_are_bounded_unless_the_admin_sized_them():
+    """oneDNN's and ideep's caches of compiled matmul kernels, one per shape, grow a job's memory step after step
+    at their default sizes (1,024 each): a training process starts with smaller ones, or the admin's."""
+    env = malloc.training_env(Settings(GRPO_MALLOC="glibc"), {"LRU_CACHE_CAPACITY": "512"})
+    assert env["LRU_CACHE_CAPACITY"] == "512" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
 
 
 def test_jemalloc_is_preloaded_once_beside_what_was_there(monkeypatch):
@@ -48,7 +56,7 @@ def test_jemalloc_keeps_freed_pages_unless_told_otherwise(monkeypatch):
 
 def test_a_machine_without_jemalloc_trains_on_glibc(monkeypatch, caplog):
     monkeypatch.setattr(malloc, "jemalloc_library", lambda: None)
-    assert malloc.training_env(Settings(), {"X": "1"}) == {"X": "1", **CUDA}
+    assert malloc.training_env(Settings(), {"X": "1"}) == {"X": "1", **ALWAYS}
     assert "no libjemalloc" in caplog.text
 
 

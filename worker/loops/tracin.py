@@ -60,11 +60,11 @@ from worker.training import grad_norm, has_dropout, seed_everything, step_seed, 
 def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.Tensor | None, step: int,
                         hooks: GhostHooks | None = None, *, with_entropy: bool = True,
                         after_micro_batch: Callable[[], None] | None = None,
-                        record: torch.Tensor | None = None) -> dict[str, float]:
-    """Every sample's share of the batch loss, forward and backward in micro-batches: the hooks see
-    each one and place its samples by their rows. Where rows share their prompt's forward (Setup.share_prompts),
-    the hooks also take what each micro-batch's prompts add to its rows (worker/model/prefix.py). `record`
-    [N, T] receives the log-probs."""
+                        record: torch.Tensor | None = None) -> update.PassTotals:
+    """Every sample's share of the batch loss, forward and backward in micro-batches, and the pass's totals over
+    every rank: the hooks see each one and place its samples by their rows. Where rows share their prompt's forward
+    (Setup.share_prompts), the hooks also take what each micro-batch's prompts add to its rows
+    (worker/model/prefix.py). `record` [N, T] receives the log-probs."""
     place = None if hooks is None else (lambda rows: hooks.place(torch.tensor(rows)))
     with prefix.taped_prompts() if hooks is not None else contextlib.nullcontext() as tape:
 
@@ -79,7 +79,7 @@ def backward_per_sample(s: Setup[TracInJob], ro: Rollouts[Any], ref_logp: torch.
         p = update.backward_pass(s, ro, update.micro(s, ro.batch, list(range(len(ro)))),
                                  update.batch_normaliser(s, ro.loss_mask), None, ref_logp, step,
                                  with_entropy=with_entropy, before=place, after=after, record=record)
-    return p.reduced(s.ranks).metrics()
+    return p.reduced(s.ranks)
 
 
 # the moments each AdamW geometry of `tracin.score` takes D_t with (worker/algos/influence.adam_direction)
@@ -210,7 +210,7 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
     val_logp = (None if has_dropout(s.model)
                 else torch.zeros(val.ro.batch.completion_ids.shape, dtype=update.logprob_dtype(s.model)))
     with hooks:
-        val_stats = backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False, record=val_logp)
+        val_pass = backward_per_sample(s, val.ro, val.ref_logp, step, with_entropy=False, record=val_logp)
         s.ranks.reduce_gradients(trainable(s.model))  # G_val of the whole validation batch
         hooks.capture_validation_gradient()
         # In AdamW's geometry only once it holds moments: on the first step its update is sign(gbar), whose
@@ -223,7 +223,7 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
         hooks.start_scoring(len(ro), "cpu", along=along,  # scored and folded as each micro-batch ends: prompts ahead
                             prompts=(ro.batch.prompt_ids, ro.batch.prompt_mask) if stream_positive else None)
         fold_positive = (lambda: hooks.fold(sel.positive(hooks.scores).double())) if stream_positive else None
-        stats = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
+        train_pass = backward_per_sample(s, ro, ref_logp, step, hooks, after_micro_batch=fold_positive)
         if adam and t.needs_batch_gradient:  # gbar is known now: rescore every sample in AdamW's geometry
             hooks.complete_gradient(len(ro))  # gbar is every row's gradient, the shared prompts' positions too
             hooks.rescore(adam_directions(s, hooks, moments=MOMENTS[t.geometry]))
@@ -231,8 +231,8 @@ def score_and_select(s: Setup[TracInJob], ro: Rollouts[Any], val: Validation, re
     every = ro.gather(hooks.scores)
     chosen_all = select(s.spec, every, hooks, step, ro)
     return Scored(every=every, chosen_all=chosen_all, chosen=chosen_all[ro.positions], mine=hooks.scores.float(),
-                  train_stats=stats, time_s=t_val + time.perf_counter() - t1,
-                  val_at_theta_t=None if val_logp is None else prediction.Objective(value=val_stats["loss/total"],
+                  train_stats=train_pass.metrics(), time_s=t_val + time.perf_counter() - t1,
+                  val_at_theta_t=None if val_logp is None else prediction.Objective(value=val_pass.loss,
                                                                                       logp=val_logp.to(s.device)))
 
 

@@ -31,7 +31,7 @@ KEEP_FREED = "dirty_decay_ms:-1,muzzy_decay_ms:-1,lg_extent_max_active_fit:16"
 CUDA_ALLOC_CONF = "expandable_segments:True"
 CUDA_ALLOC_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 # A CPU multiplies bfloat16 with oneDNN, which compiles kernels for each new matmul shape and keeps the last
-# 1,024 shapes' (about 1 MB of code buffers each), and torch's ideep keeps 1,024 more. A step's rows
+# 1,024 shapes', and torch's ideep keeps 1,024 more (together about 1 MB a shape, measured). A step's rows
 # (micro-batch x length) take new counts every step, so a job's resident memory crept for hundreds of steps
 # (tiny model, bfloat16, jemalloc: +189 MiB over steps 2-400). These bounds hold it flat from step 20 at the
 # same step time (docs/training/grpo.md); an admin's own values win.
